@@ -1,0 +1,110 @@
+// Package driver is the CSI gRPC surface of the Harvester CSI driver: it
+// validates requests, delegates to the hotplug queue, the host cluster and the
+// node-side code, and maps their errors to gRPC codes.
+package driver
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"k8s.io/klog/v2"
+)
+
+// Name is the CSI driver name, identical to upstream so existing PVs,
+// VolumeAttachments and CSINode entries keep working.
+const Name = "driver.harvesterhci.io"
+
+// Driver serves the CSI services enabled by its options.
+type Driver struct {
+	version    string
+	identity   csi.IdentityServer
+	controller csi.ControllerServer // nil when node-only
+	node       csi.NodeServer       // nil when controller-only
+}
+
+// New assembles a driver from the services it should serve; a nil controller
+// or node service leaves that service unregistered.
+func New(version string, controller csi.ControllerServer, node csi.NodeServer) *Driver {
+	d := &Driver{version: version, controller: controller, node: node}
+	d.identity = &identityService{version: version, controller: controller != nil}
+	return d
+}
+
+// Serve listens on endpoint (unix:///path or tcp://host:port) until ctx ends.
+func (d *Driver) Serve(ctx context.Context, endpoint string) error {
+	l, err := Listen(endpoint)
+	if err != nil {
+		return err
+	}
+	srv := grpc.NewServer(grpc.UnaryInterceptor(logCalls))
+	d.Register(srv)
+	go func() {
+		<-ctx.Done()
+		srv.GracefulStop()
+	}()
+	klog.FromContext(ctx).Info("serving CSI", "endpoint", endpoint, "controller", d.controller != nil, "node", d.node != nil)
+	return srv.Serve(l)
+}
+
+// Register adds the enabled services to srv.
+func (d *Driver) Register(srv *grpc.Server) {
+	csi.RegisterIdentityServer(srv, d.identity)
+	if d.controller != nil {
+		csi.RegisterControllerServer(srv, d.controller)
+	}
+	if d.node != nil {
+		csi.RegisterNodeServer(srv, d.node)
+	}
+}
+
+// Listen opens a CSI endpoint, replacing a stale unix socket left by a
+// previous run.
+func Listen(endpoint string) (net.Listener, error) {
+	u, err := url.Parse(endpoint)
+	if err != nil {
+		return nil, fmt.Errorf("invalid endpoint %q: %w", endpoint, err)
+	}
+	switch u.Scheme {
+	case "unix":
+		path := u.Path
+		if path == "" {
+			path = u.Host
+		}
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			return nil, err
+		}
+		if err := os.Remove(path); err != nil && !os.IsNotExist(err) {
+			return nil, fmt.Errorf("remove stale socket %s: %w", path, err)
+		}
+		return net.Listen("unix", path)
+	case "tcp":
+		return net.Listen("tcp", u.Host)
+	default:
+		return nil, fmt.Errorf("invalid endpoint %q: scheme must be unix or tcp", endpoint)
+	}
+}
+
+func logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	logger := klog.FromContext(ctx).WithValues("method", info.FullMethod)
+	if v, ok := req.(interface{ GetVolumeId() string }); ok && v.GetVolumeId() != "" {
+		logger = logger.WithValues("volume", v.GetVolumeId())
+	}
+	if v, ok := req.(interface{ GetNodeId() string }); ok && v.GetNodeId() != "" {
+		logger = logger.WithValues("vm", v.GetNodeId())
+	}
+	ctx = klog.NewContext(ctx, logger)
+	logger.V(4).Info("call")
+	resp, err := handler(ctx, req)
+	if err != nil {
+		logger.Error(err, "call failed")
+	} else {
+		logger.V(4).Info("call done")
+	}
+	return resp, err
+}
