@@ -1,0 +1,302 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/klog/v2"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+)
+
+// StorageClass parameters understood by CreateVolume (upstream names).
+const (
+	paramHostStorageClass = "hostStorageClass"
+	paramHostVolumeMode   = "hostVolumeMode"
+)
+
+const (
+	minVolumeBytes   = 10 << 20 // Longhorn's smallest volume
+	volumeBytesAlign = 2 << 20  // Longhorn sizes volumes in 2 MiB steps
+	defaultMargin    = 2 * time.Second
+)
+
+// Hotplug is what the controller needs from the per-VM hotplug queue.
+type Hotplug interface {
+	Attach(ctx context.Context, vm, volume string, exclusive bool) error
+	Detach(ctx context.Context, vm, volume string) error
+	Holders(volume string) []string
+}
+
+// HostVolumes is what the controller needs from the host cluster's PVCs.
+type HostVolumes interface {
+	CreateVolume(ctx context.Context, spec host.VolumeSpec) (*corev1.PersistentVolumeClaim, error)
+	GetVolume(ctx context.Context, name string) (*corev1.PersistentVolumeClaim, error)
+	DeleteVolume(ctx context.Context, name string) error
+	StorageClassUsable(ctx context.Context, name string) (bool, error)
+}
+
+// ControllerOptions configure the controller service.
+type ControllerOptions struct {
+	// HostStorageClass is --host-storage-class: the host class used when the
+	// guest StorageClass does not name one.
+	HostStorageClass string
+	// PublishMargin is kept free before the caller's deadline so a publish or
+	// unpublish that is still in flight answers DeadlineExceeded in time.
+	PublishMargin time.Duration
+}
+
+type controllerService struct {
+	csi.UnimplementedControllerServer
+	opts    ControllerOptions
+	hotplug Hotplug
+	volumes HostVolumes
+}
+
+// NewControllerService returns the CSI controller service.
+func NewControllerService(opts ControllerOptions, hp Hotplug, volumes HostVolumes) csi.ControllerServer {
+	if opts.PublishMargin <= 0 {
+		opts.PublishMargin = defaultMargin
+	}
+	return &controllerService{opts: opts, hotplug: hp, volumes: volumes}
+}
+
+func (s *controllerService) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	var caps []*csi.ControllerServiceCapability
+	for _, c := range []csi.ControllerServiceCapability_RPC_Type{
+		csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
+		csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
+	} {
+		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
+			Rpc: &csi.ControllerServiceCapability_RPC{Type: c},
+		}})
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	if req.GetName() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume name is required")
+	}
+	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
+		return nil, err
+	}
+	if req.GetVolumeContentSource() != nil {
+		return nil, status.Error(codes.InvalidArgument, "creating a volume from a snapshot or another volume is not supported yet")
+	}
+	bytes, err := volumeSize(req.GetCapacityRange())
+	if err != nil {
+		return nil, err
+	}
+	params := req.GetParameters()
+	spec := host.VolumeSpec{Name: req.GetName(), Bytes: bytes, Mode: corev1.PersistentVolumeBlock}
+	// The guest formats the disk itself, so a single-node volume is a raw
+	// block device on the host unless the class asks for a filesystem.
+	if params[paramHostVolumeMode] == "filesystem" {
+		spec.Mode = corev1.PersistentVolumeFilesystem
+	}
+	spec.StorageClass = params[paramHostStorageClass]
+	if spec.StorageClass == "" {
+		spec.StorageClass = s.opts.HostStorageClass
+	}
+	if spec.StorageClass != "" {
+		ok, err := s.volumes.StorageClassUsable(ctx, spec.StorageClass)
+		if err != nil {
+			return nil, status.Errorf(codes.Unavailable, "check host storage class %s: %v", spec.StorageClass, err)
+		}
+		if !ok {
+			return nil, status.Errorf(codes.InvalidArgument, "host storage class %s does not exist", spec.StorageClass)
+		}
+	}
+	pvc, err := s.volumes.CreateVolume(ctx, spec)
+	var mismatch *host.ErrVolumeMismatch
+	switch {
+	case errors.As(err, &mismatch):
+		return nil, status.Error(codes.AlreadyExists, err.Error())
+	case err != nil:
+		return nil, apiStatus(err, "create host PVC %s", spec.Name)
+	}
+	capacity := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+	return &csi.CreateVolumeResponse{Volume: &csi.Volume{
+		VolumeId:      pvc.Name,
+		CapacityBytes: capacity.Value(),
+		VolumeContext: params,
+	}}, nil
+}
+
+func (s *controllerService) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	}
+	if holders := s.hotplug.Holders(req.GetVolumeId()); len(holders) > 0 {
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still attached to VM %s", req.GetVolumeId(), holders[0])
+	}
+	if err := s.volumes.DeleteVolume(ctx, req.GetVolumeId()); err != nil {
+		return nil, apiStatus(err, "delete host PVC %s", req.GetVolumeId())
+	}
+	return &csi.DeleteVolumeResponse{}, nil
+}
+
+func (s *controllerService) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	}
+	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
+		return nil, err
+	}
+	if _, err := s.volumes.GetVolume(ctx, req.GetVolumeId()); err != nil {
+		return nil, apiStatus(err, "get host PVC %s", req.GetVolumeId())
+	}
+	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
+		VolumeContext:      req.GetVolumeContext(),
+		VolumeCapabilities: req.GetVolumeCapabilities(),
+		Parameters:         req.GetParameters(),
+	}}, nil
+}
+
+func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
+	vol, vm := req.GetVolumeId(), req.GetNodeId()
+	switch {
+	case vol == "":
+		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	case vm == "":
+		return nil, status.Error(codes.InvalidArgument, "node ID is required")
+	case req.GetVolumeCapability() == nil:
+		return nil, status.Error(codes.InvalidArgument, "volume capability is required")
+	}
+	if err := checkCapabilities([]*csi.VolumeCapability{req.GetVolumeCapability()}); err != nil {
+		return nil, err
+	}
+	pvc, err := s.volumes.GetVolume(ctx, vol)
+	if err != nil {
+		return nil, apiStatus(err, "get host PVC %s", vol)
+	}
+	if pvc.Status.Phase != corev1.ClaimBound {
+		return nil, status.Errorf(codes.Aborted, "host PVC %s is %s, not Bound yet", vol, pvc.Status.Phase)
+	}
+	ctx, cancel := s.withMargin(ctx)
+	defer cancel()
+	if err := s.hotplug.Attach(ctx, vm, vol, true); err != nil {
+		return nil, hotplugStatus(err)
+	}
+	klog.FromContext(ctx).Info("volume attached", "volume", vol, "vm", vm)
+	return &csi.ControllerPublishVolumeResponse{}, nil
+}
+
+func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
+	vol := req.GetVolumeId()
+	if vol == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	}
+	vms := []string{req.GetNodeId()}
+	if req.GetNodeId() == "" {
+		// CSI: no node means "from every node".
+		vms = s.hotplug.Holders(vol)
+	}
+	ctx, cancel := s.withMargin(ctx)
+	defer cancel()
+	for _, vm := range vms {
+		if err := s.hotplug.Detach(ctx, vm, vol); err != nil {
+			return nil, hotplugStatus(err)
+		}
+		klog.FromContext(ctx).Info("volume detached", "volume", vol, "vm", vm)
+	}
+	return &csi.ControllerUnpublishVolumeResponse{}, nil
+}
+
+// withMargin ends ctx a little before the caller's deadline, so a call still
+// in flight answers DeadlineExceeded itself instead of being cut off.
+func (s *controllerService) withMargin(ctx context.Context) (context.Context, context.CancelFunc) {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return context.WithCancel(ctx)
+	}
+	margin := s.opts.PublishMargin
+	if left := time.Until(deadline); margin > left/2 {
+		margin = left / 2
+	}
+	return context.WithDeadline(ctx, deadline.Add(-margin))
+}
+
+// checkCapabilities accepts single-node access; multi-node (RWX) volumes are
+// not served by this version.
+func checkCapabilities(caps []*csi.VolumeCapability) error {
+	if len(caps) == 0 {
+		return status.Error(codes.InvalidArgument, "volume capabilities are required")
+	}
+	for _, c := range caps {
+		if c.GetBlock() == nil && c.GetMount() == nil {
+			return status.Error(codes.InvalidArgument, "volume capability must be block or mount")
+		}
+		switch mode := c.GetAccessMode().GetMode(); mode {
+		case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
+			csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
+			csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
+			csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:
+		case csi.VolumeCapability_AccessMode_UNKNOWN:
+			return status.Error(codes.InvalidArgument, "volume capability access mode is required")
+		default:
+			return status.Errorf(codes.InvalidArgument, "access mode %s is not supported: this driver serves single-node (ReadWriteOnce) volumes only", mode)
+		}
+	}
+	return nil
+}
+
+// volumeSize applies Longhorn's minimum and 2 MiB granularity to a range.
+func volumeSize(r *csi.CapacityRange) (int64, error) {
+	want := max(r.GetRequiredBytes(), minVolumeBytes)
+	size := (want + volumeBytesAlign - 1) / volumeBytesAlign * volumeBytesAlign
+	if limit := r.GetLimitBytes(); limit > 0 && size > limit {
+		return 0, status.Errorf(codes.OutOfRange, "volume of at least %d bytes (rounded to %d) exceeds the limit of %d bytes", r.GetRequiredBytes(), size, limit)
+	}
+	return size, nil
+}
+
+func apiStatus(err error, format string, args ...any) error {
+	msg := fmt.Sprintf(format, args...) + ": " + err.Error()
+	switch {
+	case apierrors.IsNotFound(err):
+		return status.Error(codes.NotFound, msg)
+	case apierrors.IsAlreadyExists(err):
+		return status.Error(codes.AlreadyExists, msg)
+	case apierrors.IsForbidden(err), apierrors.IsUnauthorized(err):
+		return status.Error(codes.PermissionDenied, msg)
+	case apierrors.IsInvalid(err), apierrors.IsBadRequest(err):
+		return status.Error(codes.InvalidArgument, msg)
+	case apierrors.IsTimeout(err), apierrors.IsServerTimeout(err), apierrors.IsTooManyRequests(err), apierrors.IsServiceUnavailable(err):
+		return status.Error(codes.Unavailable, msg)
+	}
+	return status.Error(codes.Internal, msg)
+}
+
+// hotplugStatus maps the queue's answers to CSI codes. Only NotFound,
+// FailedPrecondition and a host rejection are final; everything in flight is
+// reported with a code the external-attacher treats as "may still happen".
+func hotplugStatus(err error) error {
+	var held *hotplug.HeldError
+	var superseded *hotplug.SupersededError
+	var rejected *hotplug.RejectedError
+	switch {
+	case errors.Is(err, hotplug.ErrVMNotFound):
+		return status.Error(codes.NotFound, err.Error())
+	case errors.As(err, &held):
+		return status.Error(codes.FailedPrecondition, err.Error())
+	case errors.As(err, &superseded):
+		return status.Error(codes.Aborted, err.Error())
+	case errors.As(err, &rejected):
+		return status.Error(codes.FailedPrecondition, err.Error())
+	case errors.Is(err, context.DeadlineExceeded):
+		return status.Error(codes.DeadlineExceeded, err.Error())
+	case errors.Is(err, context.Canceled):
+		return status.Error(codes.Canceled, err.Error())
+	}
+	return status.Error(codes.Internal, err.Error())
+}

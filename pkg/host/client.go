@@ -1,0 +1,105 @@
+// Package host is the driver's access to the host (Harvester) cluster: the
+// kubeconfig and namespace, VM and VMI informers, host PVCs, and the two
+// hotplug backends (declarative VM patches and the addvolume/removevolume
+// subresources) with the classification of KubeVirt's answers.
+package host
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+	"kubevirt.io/client-go/kubevirt"
+)
+
+// DefaultKubeconfig is where upstream looks when --kubeconfig is not given.
+const DefaultKubeconfig = "/etc/kubernetes/cloud-config"
+
+// Client reaches the host namespace that holds the guest cluster's VMs.
+type Client struct {
+	Namespace string
+	Config    *rest.Config
+	Kube      kubernetes.Interface
+	KubeVirt  kubevirt.Interface
+	Dynamic   dynamic.Interface
+}
+
+// Load reads a host kubeconfig (DefaultKubeconfig when path is empty); the
+// current context's namespace is the host namespace.
+func Load(path string, qps float32, burst int) (*Client, error) {
+	if path == "" {
+		path = DefaultKubeconfig
+	}
+	if _, err := os.Stat(path); err != nil {
+		return nil, fmt.Errorf("host kubeconfig: %w", err)
+	}
+	loader := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
+		&clientcmd.ClientConfigLoadingRules{ExplicitPath: path}, &clientcmd.ConfigOverrides{})
+	cfg, err := loader.ClientConfig()
+	if err != nil {
+		return nil, fmt.Errorf("host kubeconfig %s: %w", path, err)
+	}
+	ns, _, err := loader.Namespace()
+	if err != nil {
+		return nil, fmt.Errorf("host kubeconfig %s: namespace: %w", path, err)
+	}
+	cfg.QPS, cfg.Burst = qps, burst
+	return NewForConfig(cfg, ns)
+}
+
+// NewForConfig builds a Client for a namespace.
+func NewForConfig(cfg *rest.Config, namespace string) (*Client, error) {
+	if namespace == "" {
+		return nil, errors.New("host namespace is empty")
+	}
+	kube, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, err
+	}
+	kv, err := kubevirt.NewForConfig(cfg)
+	if err != nil {
+		return nil, err
+	}
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &Client{Namespace: namespace, Config: cfg, Kube: kube, KubeVirt: kv, Dynamic: dyn}, nil
+}
+
+// VMInformer watches the VMs of the host namespace.
+func (c *Client) VMInformer(resync time.Duration) cache.SharedIndexInformer {
+	vms := c.KubeVirt.KubevirtV1().VirtualMachines(c.Namespace)
+	return cache.NewSharedIndexInformer(&cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return vms.List(ctx, o)
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return vms.Watch(ctx, o)
+		},
+	}, &kubevirtv1.VirtualMachine{}, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+}
+
+// VMIInformer watches the VMIs of the host namespace.
+func (c *Client) VMIInformer(resync time.Duration) cache.SharedIndexInformer {
+	vmis := c.KubeVirt.KubevirtV1().VirtualMachineInstances(c.Namespace)
+	return cache.NewSharedIndexInformer(&cache.ListWatch{
+		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
+			return vmis.List(ctx, o)
+		},
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			return vmis.Watch(ctx, o)
+		},
+	}, &kubevirtv1.VirtualMachineInstance{}, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+}

@@ -1,0 +1,105 @@
+package host
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/klog/v2"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+)
+
+// Backend names accepted by --hotplug-backend.
+const (
+	BackendAuto        = "auto"
+	BackendDeclarative = "declarative"
+	BackendSubresource = "subresource"
+)
+
+var settingResource = schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"}
+
+// NewBackend returns the backend named by choice, detecting it for "auto".
+func NewBackend(ctx context.Context, c *Client, choice string) (hotplug.Backend, error) {
+	switch choice {
+	case BackendDeclarative:
+		return NewDeclarative(c), nil
+	case BackendSubresource:
+		return NewSubresource(c), nil
+	case BackendAuto, "":
+		name, why := DetectBackend(ctx, c)
+		klog.FromContext(ctx).Info("hotplug backend detected", "backend", name, "reason", why)
+		if name == BackendDeclarative {
+			return NewDeclarative(c), nil
+		}
+		return NewSubresource(c), nil
+	default:
+		return nil, fmt.Errorf("unknown hotplug backend %q (want auto, declarative or subresource)", choice)
+	}
+}
+
+// DetectBackend picks the backend the host's KubeVirt expects: declarative
+// when the KubeVirt CR enables DeclarativeHotplugVolumes without the legacy
+// HotplugVolumes gate (the legacy gate wins when both are on), or, when the
+// CR cannot be read, when Harvester's server-version is v1.8 or later.
+// Anything unknown falls back to the subresource path, which every KubeVirt
+// with hotplug serves.
+func DetectBackend(ctx context.Context, c *Client) (name, reason string) {
+	kvs, err := c.KubeVirt.KubevirtV1().KubeVirts("").List(ctx, metav1.ListOptions{})
+	if err == nil && len(kvs.Items) > 0 {
+		kv := kvs.Items[0]
+		var declarative, legacy bool
+		if dc := kv.Spec.Configuration.DeveloperConfiguration; dc != nil {
+			for _, g := range dc.FeatureGates {
+				switch g {
+				case "DeclarativeHotplugVolumes":
+					declarative = true
+				case "HotplugVolumes":
+					legacy = true
+				}
+			}
+		}
+		switch {
+		case legacy:
+			return BackendSubresource, "KubeVirt CR enables HotplugVolumes"
+		case declarative:
+			return BackendDeclarative, "KubeVirt CR enables DeclarativeHotplugVolumes only"
+		}
+	}
+	setting, serr := c.Dynamic.Resource(settingResource).Get(ctx, "server-version", metav1.GetOptions{})
+	if serr != nil {
+		return BackendSubresource, fmt.Sprintf("no KubeVirt CR readable (%v) and no server-version setting (%v)", err, serr)
+	}
+	value, _, _ := unstructured.NestedString(setting.Object, "value")
+	if value == "" {
+		value, _, _ = unstructured.NestedString(setting.Object, "default")
+	}
+	if atLeast(value, 1, 8) {
+		return BackendDeclarative, "Harvester server-version " + value + " >= v1.8"
+	}
+	return BackendSubresource, "Harvester server-version " + strconv.Quote(value) + " < v1.8"
+}
+
+// atLeast compares a "v1.8.0"-style version (pre-release suffixes allowed)
+// with major.minor.
+func atLeast(v string, major, minor int) bool {
+	v = strings.TrimPrefix(strings.TrimSpace(v), "v")
+	parts := strings.SplitN(v, ".", 3)
+	if len(parts) < 2 {
+		return false
+	}
+	minorDigits := strings.FieldsFunc(parts[1], func(r rune) bool { return r < '0' || r > '9' })
+	if len(minorDigits) == 0 {
+		return false
+	}
+	ma, err1 := strconv.Atoi(parts[0])
+	mi, err2 := strconv.Atoi(minorDigits[0])
+	if err1 != nil || err2 != nil {
+		return false
+	}
+	return ma > major || (ma == major && mi >= minor)
+}

@@ -1,0 +1,118 @@
+package host
+
+import (
+	"context"
+	"fmt"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// VolumeSpec is the shape of a host PVC backing one guest volume.
+type VolumeSpec struct {
+	Name         string
+	Bytes        int64
+	Mode         corev1.PersistentVolumeMode
+	StorageClass string // empty: the host's default class
+	Annotations  map[string]string
+}
+
+// ErrVolumeMismatch reports an existing host PVC whose spec differs from the
+// request, which CSI calls ALREADY_EXISTS.
+type ErrVolumeMismatch struct {
+	Name, Why string
+}
+
+func (e *ErrVolumeMismatch) Error() string {
+	return fmt.Sprintf("host PVC %s already exists with a different spec: %s", e.Name, e.Why)
+}
+
+// CreateVolume creates the host PVC, or returns the existing one when its spec
+// matches: the provisioner retries CreateVolume after timeouts.
+func (c *Client) CreateVolume(ctx context.Context, spec VolumeSpec) (*corev1.PersistentVolumeClaim, error) {
+	pvc := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: spec.Name, Namespace: c.Namespace, Annotations: spec.Annotations},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			// ReadWriteMany on the host lets the guest's VM live-migrate.
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteMany},
+			VolumeMode:  &spec.Mode,
+			Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{
+				corev1.ResourceStorage: *resource.NewQuantity(spec.Bytes, resource.BinarySI),
+			}},
+		},
+	}
+	if spec.StorageClass != "" {
+		pvc.Spec.StorageClassName = &spec.StorageClass
+	}
+	pvcs := c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace)
+	created, err := pvcs.Create(ctx, pvc, metav1.CreateOptions{})
+	if err == nil {
+		return created, nil
+	}
+	if !apierrors.IsAlreadyExists(err) {
+		return nil, err
+	}
+	existing, err := pvcs.Get(ctx, spec.Name, metav1.GetOptions{})
+	if err != nil {
+		return nil, err
+	}
+	if why := mismatch(existing, spec); why != "" {
+		return nil, &ErrVolumeMismatch{Name: spec.Name, Why: why}
+	}
+	return existing, nil
+}
+
+func mismatch(pvc *corev1.PersistentVolumeClaim, spec VolumeSpec) string {
+	if got := pvc.Spec.Resources.Requests[corev1.ResourceStorage]; got.Value() != spec.Bytes {
+		return fmt.Sprintf("size %d, requested %d", got.Value(), spec.Bytes)
+	}
+	mode := corev1.PersistentVolumeFilesystem
+	if pvc.Spec.VolumeMode != nil {
+		mode = *pvc.Spec.VolumeMode
+	}
+	if mode != spec.Mode {
+		return fmt.Sprintf("volume mode %s, requested %s", mode, spec.Mode)
+	}
+	if spec.StorageClass != "" && (pvc.Spec.StorageClassName == nil || *pvc.Spec.StorageClassName != spec.StorageClass) {
+		return fmt.Sprintf("storage class %v, requested %s", deref(pvc.Spec.StorageClassName), spec.StorageClass)
+	}
+	return ""
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return "<default>"
+	}
+	return *s
+}
+
+// GetVolume returns the host PVC of a volume.
+func (c *Client) GetVolume(ctx context.Context, name string) (*corev1.PersistentVolumeClaim, error) {
+	return c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace).Get(ctx, name, metav1.GetOptions{})
+}
+
+// DeleteVolume deletes the host PVC; a missing one is not an error.
+func (c *Client) DeleteVolume(ctx context.Context, name string) error {
+	err := c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace).Delete(ctx, name, metav1.DeleteOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	return err
+}
+
+// StorageClassUsable reports whether a host storage class exists. A guest
+// without permission to read classes gets the benefit of the doubt, as
+// upstream: the PVC creation will tell.
+func (c *Client) StorageClassUsable(ctx context.Context, name string) (bool, error) {
+	_, err := c.Kube.StorageV1().StorageClasses().Get(ctx, name, metav1.GetOptions{})
+	switch {
+	case err == nil, apierrors.IsForbidden(err):
+		return true, nil
+	case apierrors.IsNotFound(err):
+		return false, nil
+	default:
+		return false, err
+	}
+}

@@ -1,0 +1,193 @@
+package hotplug
+
+import (
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// observed is one VM's state as the informers last saw it. Either pointer may
+// be nil: the VMI can outlive its VM and a stopped VM has no VMI.
+type observed struct {
+	vm  *kubevirtv1.VirtualMachine
+	vmi *kubevirtv1.VirtualMachineInstance
+}
+
+func (o observed) gone() bool { return o.vm == nil && o.vmi == nil }
+
+// inVMSpec reports whether the VM template has a volume of that name.
+func (o observed) inVMSpec(volume string) bool {
+	if o.vm == nil || o.vm.Spec.Template == nil {
+		return false
+	}
+	for _, v := range o.vm.Spec.Template.Spec.Volumes {
+		if v.Name == volume {
+			return true
+		}
+	}
+	return false
+}
+
+// diskInVMSpec reports whether the VM template has a disk of that name.
+func (o observed) diskInVMSpec(volume string) bool {
+	if o.vm == nil || o.vm.Spec.Template == nil {
+		return false
+	}
+	for _, d := range o.vm.Spec.Template.Spec.Domain.Devices.Disks {
+		if d.Name == volume {
+			return true
+		}
+	}
+	return false
+}
+
+func (o observed) inVMISpec(volume string) bool {
+	if o.vmi == nil {
+		return false
+	}
+	for _, v := range o.vmi.Spec.Volumes {
+		if v.Name == volume {
+			return true
+		}
+	}
+	return false
+}
+
+func (o observed) status(volume string) *kubevirtv1.VolumeStatus {
+	if o.vmi == nil {
+		return nil
+	}
+	for i := range o.vmi.Status.VolumeStatus {
+		if o.vmi.Status.VolumeStatus[i].Name == volume {
+			return &o.vmi.Status.VolumeStatus[i]
+		}
+	}
+	return nil
+}
+
+// requested reports whether status.volumeRequests (legacy hotplug) holds an
+// add or a remove for the volume that virt-controller has not processed yet.
+func (o observed) requested(volume string) (add, remove bool) {
+	if o.vm == nil {
+		return false, false
+	}
+	for _, r := range o.vm.Status.VolumeRequests {
+		if r.AddVolumeOptions != nil && r.AddVolumeOptions.Name == volume {
+			add = true
+		}
+		if r.RemoveVolumeOptions != nil && r.RemoveVolumeOptions.Name == volume {
+			remove = true
+		}
+	}
+	return add, remove
+}
+
+// attached is the only test for a finished attach: volume and disk in the VM
+// spec, and the VMI reports the hotplug volume Ready with a target device.
+func (o observed) attached(volume string) bool {
+	if !o.inVMSpec(volume) || !o.diskInVMSpec(volume) {
+		return false
+	}
+	s := o.status(volume)
+	return s != nil && s.HotplugVolume != nil && s.Phase == kubevirtv1.VolumeReady && s.Target != ""
+}
+
+// detached is the only test for a finished detach: no trace of the volume in
+// the VM spec, the VMI spec, the VMI volume status or a pending add request.
+func (o observed) detached(volume string) bool {
+	add, _ := o.requested(volume)
+	return !add && !o.inVMSpec(volume) && !o.inVMISpec(volume) && o.status(volume) == nil
+}
+
+// settling reports whether KubeVirt is still working on the VM's hotplug set:
+// a legacy request is queued, or a hotplug volume is between phases. Changing
+// the set while it settles makes KubeVirt replace its single attachment pod
+// again, and changes faster than a pod start livelock it (kubevirt 16937).
+func (o observed) settling() bool {
+	if o.vm != nil && len(o.vm.Status.VolumeRequests) > 0 {
+		return true
+	}
+	if o.vmi == nil || o.vmi.Status.Phase != kubevirtv1.Running {
+		return false
+	}
+	for _, s := range o.vmi.Status.VolumeStatus {
+		if s.HotplugVolume == nil {
+			continue
+		}
+		switch s.Phase {
+		case kubevirtv1.VolumeReady:
+			if s.Target == "" {
+				return true
+			}
+		case kubevirtv1.VolumePending:
+			// A claim that is missing or not bound does not move by itself;
+			// holding every other volume for it would starve the VM.
+		default:
+			return true
+		}
+	}
+	return false
+}
+
+// claims lists the volumes (by claim name) a VM holds or is about to hold:
+// hotplug and regular PVC volumes of the template and queued add requests.
+func vmClaims(vm *kubevirtv1.VirtualMachine) []string {
+	var out []string
+	if vm.Spec.Template != nil {
+		out = appendClaims(out, vm.Spec.Template.Spec.Volumes)
+	}
+	for _, r := range vm.Status.VolumeRequests {
+		if a := r.AddVolumeOptions; a != nil && a.VolumeSource != nil && a.VolumeSource.PersistentVolumeClaim != nil {
+			out = append(out, a.VolumeSource.PersistentVolumeClaim.ClaimName)
+		}
+	}
+	return out
+}
+
+// vmiClaims lists the claims a VMI uses or is still releasing.
+func vmiClaims(vmi *kubevirtv1.VirtualMachineInstance) []string {
+	out := appendClaims(nil, vmi.Spec.Volumes)
+	for _, s := range vmi.Status.VolumeStatus {
+		if s.PersistentVolumeClaimInfo != nil && s.PersistentVolumeClaimInfo.ClaimName != "" {
+			out = append(out, s.PersistentVolumeClaimInfo.ClaimName)
+		} else {
+			out = append(out, s.Name)
+		}
+	}
+	return out
+}
+
+func appendClaims(out []string, vols []kubevirtv1.Volume) []string {
+	for _, v := range vols {
+		switch {
+		case v.PersistentVolumeClaim != nil:
+			out = append(out, v.PersistentVolumeClaim.ClaimName)
+		case v.DataVolume != nil:
+			out = append(out, v.DataVolume.Name)
+		}
+	}
+	return out
+}
+
+// holdState describes how a VM holds a claim, for FailedPrecondition messages.
+func (o observed) holdState(claim string) string {
+	switch {
+	case o.vm != nil && contains(vmClaims(o.vm), claim) && o.vmi != nil && contains(vmiClaims(o.vmi), claim):
+		if s := o.status(claim); s != nil && s.Phase != kubevirtv1.VolumeReady {
+			return "attaching"
+		}
+		return "attached"
+	case o.vm != nil && contains(vmClaims(o.vm), claim):
+		return "attaching"
+	case o.vmi != nil && contains(vmiClaims(o.vmi), claim):
+		return "still detaching"
+	}
+	return ""
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}

@@ -1,0 +1,126 @@
+// Package hotplug serializes volume hotplug per KubeVirt VM.
+//
+// Every ControllerPublish/ControllerUnpublish becomes an intent for one
+// (VM, volume) pair; the latest intent for a pair wins and every caller waiting
+// on a superseded intent is answered. Intents are grouped per VM in a
+// rate-limited workqueue keyed by VM name, so one worker at a time changes a
+// VM, gathering every pending addition and removal into as few writes as the
+// Backend allows. An intent completes only when the VM and VMI informers show
+// it done, never because a write was accepted.
+package hotplug
+
+import (
+	"context"
+	"errors"
+	"fmt"
+)
+
+// Op is what an intent wants for its volume.
+type Op int
+
+const (
+	// Attach wants the volume hot-plugged and Ready on the VM.
+	Attach Op = iota
+	// Detach wants the volume gone from the VM and its VMI.
+	Detach
+)
+
+func (o Op) String() string {
+	if o == Attach {
+		return "attach"
+	}
+	return "detach"
+}
+
+// Change is one volume addition or removal handed to a Backend. The volume
+// name, the claim name and the disk name are all the volume ID, as upstream.
+type Change struct {
+	Volume string
+	Op     Op
+}
+
+// Result classifies what a Backend saw for one Change.
+type Result int
+
+const (
+	// Applied: the host cluster accepted the change.
+	Applied Result = iota
+	// AlreadyDone: the host says the change is already in place (KubeVirt's
+	// "already exists" on add, "does not exist" on remove).
+	AlreadyDone
+	// InFlight: an identical or opposite request is queued on the VM and still
+	// being processed; wait for it to settle.
+	InFlight
+	// Conflict: an optimistic-concurrency check failed (409/422); retry after
+	// a fresh read.
+	Conflict
+	// Rejected: the host refused this one volume (webhook denial, not
+	// hotpluggable, bad claim); Err says why. Final for the intent.
+	Rejected
+	// VMGone: the VM does not exist.
+	VMGone
+	// Failed: any other error; the VM is retried with backoff.
+	Failed
+)
+
+var resultNames = [...]string{"applied", "already_done", "in_flight", "conflict", "rejected", "vm_gone", "failed"}
+
+func (r Result) String() string { return resultNames[r] }
+
+// Outcome is a Backend's answer for one Change.
+type Outcome struct {
+	Result Result
+	Err    error
+}
+
+// Backend writes hotplug changes to one VM. Implementations make one attempt
+// per call, starting from a fresh (uncached) read, so that a Conflict can be
+// retried simply by calling Apply again.
+type Backend interface {
+	// Name identifies the backend in logs and metrics.
+	Name() string
+	// Apply returns one Outcome per change, in order. Removals come first in
+	// changes; a backend that issues one call per change keeps that order.
+	Apply(ctx context.Context, vm string, changes []Change) []Outcome
+	// Exists reports whether the VM exists, read live rather than from a cache.
+	Exists(ctx context.Context, vm string) (bool, error)
+}
+
+// ErrVMNotFound is returned to attach callers when the VM does not exist.
+var ErrVMNotFound = errors.New("virtual machine not found")
+
+// HeldError says an exclusive volume is attached, attaching or still
+// detaching on another VM.
+type HeldError struct {
+	Volume, VM, State string
+}
+
+func (e *HeldError) Error() string {
+	return fmt.Sprintf("volume %s is %s on VM %s", e.Volume, e.State, e.VM)
+}
+
+// SupersededError answers the callers of an intent that a newer, opposite
+// intent for the same volume and VM replaced.
+type SupersededError struct {
+	Volume, VM string
+	By         Op
+}
+
+func (e *SupersededError) Error() string {
+	return fmt.Sprintf("%s of volume %s on VM %s was superseded by a %s request", e.By.opposite(), e.Volume, e.VM, e.By)
+}
+
+func (o Op) opposite() Op { return 1 - o }
+
+// RejectedError carries the host's final refusal of one volume change.
+type RejectedError struct {
+	Volume, VM string
+	Op         Op
+	Err        error
+}
+
+func (e *RejectedError) Error() string {
+	return fmt.Sprintf("%s of volume %s on VM %s rejected: %v", e.Op, e.Volume, e.VM, e.Err)
+}
+
+func (e *RejectedError) Unwrap() error { return e.Err }
