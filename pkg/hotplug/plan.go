@@ -76,9 +76,6 @@ func decide(now time.Time, cfg Config, w *vmWork, o observed) plan {
 			w.settlingSince = now
 		}
 		start := w.settlingSince
-		if w.lastWrite.After(start) {
-			start = w.lastWrite
-		}
 		if now.Sub(start) < cfg.MaxHold {
 			p.hold = "previous change still settling"
 			p.wake(start.Add(cfg.MaxHold))

@@ -104,8 +104,8 @@ type vmWork struct {
 	expect map[string]expectation
 	// gatherUntil ends the batching window of the VM's first intent.
 	gatherUntil time.Time
-	// lastWrite and settlingSince bound how long a settling VM is held.
-	lastWrite     time.Time
+	// settlingSince starts when the queue writes the VM or first sees it
+	// settling, and bounds how long it is held (MaxHold).
 	settlingSince time.Time
 }
 
@@ -270,12 +270,10 @@ func (q *Queue) Attach(ctx context.Context, vm, volume string, exclusive bool) e
 	_, expecting := w.expect[volume]
 	if !expecting && obs.attached(volume) {
 		// Already there: answer at once and cancel a detach not yet written.
-		if it != nil {
-			var err error
-			if it.op == Detach {
-				err = supersede(it, Attach)
-			}
-			q.finishLocked(w, it, err)
+		if it != nil && it.op == Detach {
+			q.supersedeLocked(ctx, w, it, Attach)
+		} else if it != nil {
+			q.finishLocked(w, it, nil)
 		}
 		q.dropIfIdleLocked(vm)
 		q.mu.Unlock()
@@ -304,7 +302,7 @@ func (q *Queue) Detach(ctx context.Context, vm, volume string) error {
 		// Nothing of ours is in flight and nothing is there: cancel a
 		// not-yet-applied attach and answer at once.
 		if it := w.intents[volume]; it != nil {
-			q.finishLocked(w, it, supersede(it, Detach))
+			q.supersedeLocked(ctx, w, it, Detach)
 		}
 		q.dropIfIdleLocked(vm)
 		q.mu.Unlock()
@@ -335,8 +333,12 @@ func (q *Queue) Holders(volume string) []string {
 	return out
 }
 
-func supersede(it *intent, by Op) error {
-	return &SupersededError{Volume: it.volume, VM: it.vm, By: by}
+// supersedeLocked answers an intent's callers that a newer, opposite intent
+// (by) replaced it.
+func (q *Queue) supersedeLocked(ctx context.Context, w *vmWork, it *intent, by Op) {
+	klog.FromContext(ctx).V(2).Info("intent superseded", "vm", it.vm, "volume", it.volume, "old", it.op, "new", by)
+	q.metrics.superseded.Inc()
+	q.finishLocked(w, it, &SupersededError{Volume: it.volume, VM: it.vm, By: by})
 }
 
 // heldElsewhereLocked refuses an exclusive attach while another VM holds the
@@ -385,9 +387,7 @@ func (q *Queue) setIntentLocked(ctx context.Context, w *vmWork, vm, volume strin
 		if it.op == op {
 			return it
 		}
-		klog.FromContext(ctx).V(2).Info("intent superseded", "vm", vm, "volume", volume, "old", it.op, "new", op)
-		q.metrics.superseded.Inc()
-		q.finishLocked(w, it, supersede(it, op))
+		q.supersedeLocked(ctx, w, it, op)
 	}
 	now := q.now()
 	idle := len(w.intents) == 0

@@ -116,7 +116,7 @@ func (q *Queue) record(ctx context.Context, vm string, changes []Change, outs []
 		}
 	}
 	if wrote {
-		w.lastWrite = now
+		w.settlingSince = now
 		q.metrics.writes.Inc()
 	}
 	q.dropIfIdleLocked(vm)

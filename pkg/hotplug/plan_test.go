@@ -1,0 +1,173 @@
+package hotplug
+
+import (
+	"errors"
+	"slices"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// vmWith builds a VM whose template holds hotplug volumes (and disks) of the
+// given names, plus queued legacy requests.
+func vmWith(vols []string, reqs ...kubevirtv1.VirtualMachineVolumeRequest) *kubevirtv1.VirtualMachine {
+	vm := &kubevirtv1.VirtualMachine{
+		ObjectMeta: metav1.ObjectMeta{Name: "vm1", Namespace: "ns"},
+		Spec:       kubevirtv1.VirtualMachineSpec{Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{}},
+	}
+	for _, v := range vols {
+		vm.Spec.Template.Spec.Volumes = append(vm.Spec.Template.Spec.Volumes, kubevirtv1.Volume{
+			Name: v,
+			VolumeSource: kubevirtv1.VolumeSource{PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{
+				PersistentVolumeClaimVolumeSource: corev1.PersistentVolumeClaimVolumeSource{ClaimName: v}, Hotpluggable: true,
+			}},
+		})
+		vm.Spec.Template.Spec.Domain.Devices.Disks = append(vm.Spec.Template.Spec.Domain.Devices.Disks, kubevirtv1.Disk{Name: v})
+	}
+	vm.Status.VolumeRequests = reqs
+	return vm
+}
+
+// vmiWith builds a running VMI with hotplug volume statuses "name=phase"
+// (phase Ready gets a target).
+func vmiWith(statuses map[string]kubevirtv1.VolumePhase) *kubevirtv1.VirtualMachineInstance {
+	vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Name: "vm1", Namespace: "ns"}}
+	vmi.Status.Phase = kubevirtv1.Running
+	for _, name := range sortedKeys(statuses) {
+		phase := statuses[name]
+		vmi.Spec.Volumes = append(vmi.Spec.Volumes, kubevirtv1.Volume{Name: name, VolumeSource: kubevirtv1.VolumeSource{
+			PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{
+				PersistentVolumeClaimVolumeSource: corev1.PersistentVolumeClaimVolumeSource{ClaimName: name}, Hotpluggable: true,
+			}}})
+		s := kubevirtv1.VolumeStatus{Name: name, Phase: phase, HotplugVolume: &kubevirtv1.HotplugVolumeStatus{}}
+		if phase == kubevirtv1.VolumeReady {
+			s.Target = "sda"
+		}
+		vmi.Status.VolumeStatus = append(vmi.Status.VolumeStatus, s)
+	}
+	return vmi
+}
+
+func addReq(name string) kubevirtv1.VirtualMachineVolumeRequest {
+	return kubevirtv1.VirtualMachineVolumeRequest{AddVolumeOptions: &kubevirtv1.AddVolumeOptions{Name: name}}
+}
+
+func TestDecide(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	cfg := Config{MaxHold: 30 * time.Second}
+	type in struct {
+		intents map[string]Op
+		expect  map[string]expectation
+		gather  time.Time
+		since   time.Time // settling since
+		obs     observed
+	}
+	cases := []struct {
+		name        string
+		in          in
+		wantChanges []Change
+		wantResolve map[string]error // volume -> err (nil: success)
+		wantHold    string
+		wantExpect  []string // expectations left
+	}{{
+		name:        "attach already observed Ready resolves",
+		in:          in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady})}},
+		wantResolve: map[string]error{"a": nil},
+	}, {
+		name: "attach in spec but not Ready yet waits without writing",
+		in:   in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeMounted})}},
+	}, {
+		name:     "first intent waits for the batch window",
+		in:       in{intents: map[string]Op{"a": Attach}, gather: t0.Add(time.Second), obs: observed{vm: vmWith(nil), vmi: vmiWith(nil)}},
+		wantHold: "gathering a batch", wantChanges: []Change{{"a", Attach}},
+	}, {
+		name:        "removals go before additions",
+		in:          in{intents: map[string]Op{"a": Attach, "b": Detach, "c": Attach}, obs: observed{vm: vmWith([]string{"b"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"b": kubevirtv1.VolumeReady})}},
+		wantChanges: []Change{{"b", Detach}, {"a", Attach}, {"c", Attach}},
+	}, {
+		name:     "settling VM is held after our recent write",
+		in:       in{intents: map[string]Op{"b": Attach}, since: t0.Add(-5 * time.Second), obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeAttachedToNode})}},
+		wantHold: "previous change still settling", wantChanges: []Change{{"b", Attach}},
+	}, {
+		name:        "settling VM is written anyway after max hold",
+		in:          in{intents: map[string]Op{"b": Attach}, since: t0.Add(-31 * time.Second), obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeDetaching})}},
+		wantChanges: []Change{{"b", Attach}},
+	}, {
+		name:        "a missing claim does not hold the VM",
+		in:          in{intents: map[string]Op{"b": Attach}, since: t0.Add(-time.Second), obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumePending})}},
+		wantChanges: []Change{{"b", Attach}},
+	}, {
+		name: "unobserved own write: neither judged nor rewritten",
+		in: in{intents: map[string]Op{"a": Detach}, expect: map[string]expectation{"a": {op: Attach, since: t0.Add(-time.Second)}},
+			obs: observed{vm: vmWith(nil), vmi: vmiWith(nil)}},
+		wantExpect: []string{"a"},
+	}, {
+		name: "reflected write clears the expectation and judges again",
+		in: in{intents: map[string]Op{"a": Detach}, expect: map[string]expectation{"a": {op: Attach, since: t0.Add(-time.Second)}},
+			obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(nil)}},
+		wantChanges: []Change{{"a", Detach}},
+	}, {
+		name: "expired expectation is dropped",
+		in: in{intents: map[string]Op{"a": Detach}, expect: map[string]expectation{"a": {op: Attach, since: t0.Add(-time.Minute)}},
+			obs: observed{vm: vmWith(nil), vmi: vmiWith(nil)}},
+		wantResolve: map[string]error{"a": nil},
+	}, {
+		name:        "attach to a missing VM fails",
+		in:          in{intents: map[string]Op{"a": Attach}, obs: observed{}},
+		wantResolve: map[string]error{"a": ErrVMNotFound},
+	}, {
+		name: "detach waits for a VMI that outlives its VM",
+		in:   in{intents: map[string]Op{"a": Detach}, obs: observed{vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady})}},
+	}, {
+		name:        "detach from a gone VM and VMI is done",
+		in:          in{intents: map[string]Op{"a": Detach}, obs: observed{}},
+		wantResolve: map[string]error{"a": nil},
+	}, {
+		name: "legacy add request queued: attach waits",
+		in:   in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith(nil, addReq("a")), vmi: vmiWith(nil)}},
+	}, {
+		name:        "legacy add request queued: detach removes it",
+		in:          in{intents: map[string]Op{"a": Detach}, obs: observed{vm: vmWith(nil, addReq("a")), vmi: vmiWith(nil)}},
+		wantChanges: []Change{{"a", Detach}}, wantHold: "previous change still settling",
+	}, {
+		name:        "detach of a volume gone from the VM but still on the VMI waits",
+		in:          in{intents: map[string]Op{"a": Detach}, obs: observed{vm: vmWith(nil), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeDetaching})}},
+		wantChanges: nil,
+	}}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			w := &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, gatherUntil: tc.in.gather, settlingSince: tc.in.since}
+			for v, op := range tc.in.intents {
+				w.intents[v] = &intent{vm: "vm1", volume: v, op: op, created: t0}
+			}
+			for v, e := range tc.in.expect {
+				w.expect[v] = e
+			}
+			p := decide(t0, cfg, w, tc.in.obs)
+			if !slices.Equal(p.changes, tc.wantChanges) {
+				t.Errorf("changes = %v, want %v", p.changes, tc.wantChanges)
+			}
+			if p.hold != tc.wantHold {
+				t.Errorf("hold = %q, want %q", p.hold, tc.wantHold)
+			}
+			got := map[string]error{}
+			for _, r := range p.resolve {
+				got[r.it.volume] = r.err
+			}
+			if len(got) != len(tc.wantResolve) {
+				t.Errorf("resolved %v, want %v", got, tc.wantResolve)
+			}
+			for v, want := range tc.wantResolve {
+				if err, ok := got[v]; !ok || !errors.Is(err, want) && err != want {
+					t.Errorf("volume %s resolved with %v (resolved: %v), want %v", v, err, ok, want)
+				}
+			}
+			if left := sortedKeys(w.expect); !slices.Equal(left, tc.wantExpect) && len(left)+len(tc.wantExpect) > 0 {
+				t.Errorf("expectations left %v, want %v", left, tc.wantExpect)
+			}
+		})
+	}
+}

@@ -1,0 +1,428 @@
+package hotplug
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/tools/cache"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+	"kubevirt.io/client-go/kubevirt/fake"
+)
+
+const ns = "ns"
+
+// fakeKubeVirt is a Backend over a fake clientset: Apply edits the VM spec,
+// and after readyDelay the VMI follows the spec with every hotplug volume
+// Ready, as the declarative controller and virt-handler would.
+type fakeKubeVirt struct {
+	t          *testing.T
+	kv         *fake.Clientset
+	readyDelay time.Duration
+	// override, when set, answers a change instead of applying it.
+	override func(vm string, c Change) (Outcome, bool)
+
+	mu          sync.Mutex
+	applies     int
+	writes      int
+	inflight    map[string]int
+	maxInflight int
+	vmiMu       sync.Mutex
+}
+
+func newFakeKubeVirt(t *testing.T, vms ...string) *fakeKubeVirt {
+	f := &fakeKubeVirt{t: t, kv: fake.NewSimpleClientset(), readyDelay: 20 * time.Millisecond, inflight: map[string]int{}}
+	for _, name := range vms {
+		f.addVM(name)
+	}
+	return f
+}
+
+func (f *fakeKubeVirt) addVM(name string) {
+	ctx := context.Background()
+	vm := vmWith(nil)
+	vm.Name = name
+	vmi := vmiWith(nil)
+	vmi.Name = name
+	if _, err := f.kv.KubevirtV1().VirtualMachines(ns).Create(ctx, vm, metav1.CreateOptions{}); err != nil {
+		f.t.Fatal(err)
+	}
+	if _, err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Create(ctx, vmi, metav1.CreateOptions{}); err != nil {
+		f.t.Fatal(err)
+	}
+}
+
+func (f *fakeKubeVirt) Name() string { return "fake" }
+
+func (f *fakeKubeVirt) Exists(ctx context.Context, vm string) (bool, error) {
+	_, err := f.kv.KubevirtV1().VirtualMachines(ns).Get(ctx, vm, metav1.GetOptions{})
+	return err == nil, nil
+}
+
+func (f *fakeKubeVirt) Apply(ctx context.Context, vm string, changes []Change) []Outcome {
+	f.mu.Lock()
+	f.applies++
+	f.inflight[vm]++
+	f.maxInflight = max(f.maxInflight, f.inflight[vm])
+	f.mu.Unlock()
+	defer func() {
+		f.mu.Lock()
+		f.inflight[vm]--
+		f.mu.Unlock()
+	}()
+	time.Sleep(2 * time.Millisecond) // widen the window in which a second worker could overlap
+
+	outs := make([]Outcome, len(changes))
+	obj, err := f.kv.KubevirtV1().VirtualMachines(ns).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		for i := range outs {
+			outs[i] = Outcome{Result: VMGone, Err: err}
+		}
+		return outs
+	}
+	vols := observed{vm: obj}
+	names := []string{}
+	for _, v := range obj.Spec.Template.Spec.Volumes {
+		names = append(names, v.Name)
+	}
+	changed := false
+	for i, c := range changes {
+		if f.override != nil {
+			if o, ok := f.override(vm, c); ok {
+				outs[i] = o
+				continue
+			}
+		}
+		switch {
+		case c.Op == Attach && vols.inVMSpec(c.Volume), c.Op == Detach && !vols.inVMSpec(c.Volume):
+			outs[i] = Outcome{Result: AlreadyDone}
+		case c.Op == Attach:
+			names = append(names, c.Volume)
+			changed = true
+		default:
+			names = without(names, c.Volume)
+			changed = true
+		}
+	}
+	if changed {
+		next := vmWith(names)
+		obj.Spec.Template.Spec = next.Spec.Template.Spec
+		if _, err := f.kv.KubevirtV1().VirtualMachines(ns).Update(ctx, obj, metav1.UpdateOptions{}); err != nil {
+			f.t.Errorf("update VM: %v", err)
+		}
+		f.mu.Lock()
+		f.writes++
+		f.mu.Unlock()
+		time.AfterFunc(f.readyDelay, func() { f.followSpec(vm) })
+	}
+	return outs
+}
+
+// followSpec makes the VMI match the VM's hotplug volumes, all Ready.
+func (f *fakeKubeVirt) followSpec(vm string) {
+	f.vmiMu.Lock()
+	defer f.vmiMu.Unlock()
+	ctx := context.Background()
+	obj, err := f.kv.KubevirtV1().VirtualMachines(ns).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		return
+	}
+	phases := map[string]kubevirtv1.VolumePhase{}
+	for _, v := range obj.Spec.Template.Spec.Volumes {
+		phases[v.Name] = kubevirtv1.VolumeReady
+	}
+	vmi, err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		return
+	}
+	next := vmiWith(phases)
+	vmi.Spec.Volumes, vmi.Status.VolumeStatus = next.Spec.Volumes, next.Status.VolumeStatus
+	if _, err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Update(ctx, vmi, metav1.UpdateOptions{}); err != nil {
+		f.t.Errorf("update VMI: %v", err)
+	}
+}
+
+func (f *fakeKubeVirt) stats() (applies, writes, maxInflight int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.applies, f.writes, f.maxInflight
+}
+
+func without(list []string, s string) []string {
+	out := list[:0:0]
+	for _, x := range list {
+		if x != s {
+			out = append(out, x)
+		}
+	}
+	return out
+}
+
+// startQueue runs a queue over informers of the fake clientset.
+func startQueue(t *testing.T, f *fakeKubeVirt, cfg Config) (*Queue, *prometheus.Registry) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	informer := func(obj runtime.Object, list func(context.Context, metav1.ListOptions) (runtime.Object, error), w func(context.Context, metav1.ListOptions) (watch.Interface, error)) cache.SharedIndexInformer {
+		return cache.NewSharedIndexInformer(&cache.ListWatch{ListWithContextFunc: list, WatchFuncWithContext: w}, obj, 0, cache.Indexers{})
+	}
+	vms := f.kv.KubevirtV1().VirtualMachines(ns)
+	vmis := f.kv.KubevirtV1().VirtualMachineInstances(ns)
+	vmInf := informer(&kubevirtv1.VirtualMachine{},
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vms.List(ctx, o) },
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) { return vms.Watch(ctx, o) })
+	vmiInf := informer(&kubevirtv1.VirtualMachineInstance{},
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vmis.List(ctx, o) },
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) { return vmis.Watch(ctx, o) })
+	reg := prometheus.NewRegistry()
+	cfg.Namespace = ns
+	q, err := New(cfg, f, vmInf, vmiInf, reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go vmInf.RunWithContext(ctx)
+	go vmiInf.RunWithContext(ctx)
+	go func() { _ = q.Run(ctx) }()
+	if !cache.WaitForCacheSync(ctx.Done(), vmInf.HasSynced, vmiInf.HasSynced) {
+		t.Fatal("informers did not sync")
+	}
+	return q, reg
+}
+
+func fastConfig() Config {
+	return Config{BatchWindow: 50 * time.Millisecond, MaxHold: 2 * time.Second, BackoffBase: time.Millisecond, BackoffMax: 50 * time.Millisecond, QPS: 1000, Burst: 1000}
+}
+
+func TestConcurrentAttachesAreBatched(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	q, reg := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make([]error, 20)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = q.Attach(ctx, "vm1", fmt.Sprintf("pvc-%02d", i), true)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("attach pvc-%02d: %v", i, err)
+		}
+	}
+	_, writes, maxInflight := f.stats()
+	if writes > 2 {
+		t.Errorf("20 concurrent attaches took %d VM writes, want at most 2", writes)
+	}
+	if maxInflight != 1 {
+		t.Errorf("%d backend calls overlapped on one VM, want 1", maxInflight)
+	}
+	if n := testutil.CollectAndCount(reg, "harvester_csi_hotplug_intent_duration_seconds"); n == 0 {
+		t.Error("no completion latency recorded")
+	}
+}
+
+func TestAttachThenDetachBeforeTheBatchCancels(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	cfg := fastConfig()
+	cfg.BatchWindow = 300 * time.Millisecond
+	q, reg := startQueue(t, f, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	attachErr := make(chan error, 1)
+	go func() { attachErr <- q.Attach(ctx, "vm1", "pvc-a", true) }()
+	time.Sleep(50 * time.Millisecond) // the attach is queued, its window still open
+	if err := q.Detach(ctx, "vm1", "pvc-a"); err != nil {
+		t.Fatalf("detach: %v", err)
+	}
+	var superseded *SupersededError
+	if err := <-attachErr; !errors.As(err, &superseded) {
+		t.Fatalf("attach answered %v, want a SupersededError", err)
+	}
+	time.Sleep(2 * cfg.BatchWindow)
+	if applies, _, _ := f.stats(); applies != 0 {
+		t.Errorf("backend called %d times for a cancelled attach, want 0", applies)
+	}
+	if got := testutil.ToFloat64(q.metrics.superseded); got != 1 {
+		t.Errorf("superseded counter = %v, want 1", got)
+	}
+	_ = reg
+}
+
+func TestExclusiveVolumeHeldByAnotherVM(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1", "vm2")
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); err != nil {
+		t.Fatal(err)
+	}
+	var held *HeldError
+	if err := q.Attach(ctx, "vm2", "pvc-a", true); !errors.As(err, &held) || held.VM != "vm1" {
+		t.Fatalf("attach to vm2 answered %v, want HeldError naming vm1", err)
+	}
+	// Pending (not yet applied) attaches fence too.
+	first := make(chan error, 1)
+	go func() { first <- q.Attach(ctx, "vm1", "pvc-b", true) }()
+	time.Sleep(10 * time.Millisecond)
+	if err := q.Attach(ctx, "vm2", "pvc-b", true); !errors.As(err, &held) || held.VM != "vm1" {
+		t.Fatalf("racing attach answered %v, want HeldError naming vm1", err)
+	}
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+	if err := q.Detach(ctx, "vm1", "pvc-a"); err != nil {
+		t.Fatal(err)
+	}
+	if err := q.Attach(ctx, "vm2", "pvc-a", true); err != nil {
+		t.Fatalf("attach after detach: %v", err)
+	}
+}
+
+func TestRejectedVolumeFailsAlone(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	f.override = func(_ string, c Change) (Outcome, bool) {
+		if c.Volume == "pvc-bad" {
+			return Outcome{Result: Rejected, Err: errors.New(`admission webhook "x" denied the request`)}, true
+		}
+		return Outcome{}, false
+	}
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	errs := make(chan error, 3)
+	for _, v := range []string{"pvc-a", "pvc-bad", "pvc-c"} {
+		go func() { errs <- q.Attach(ctx, "vm1", v, true) }()
+	}
+	var rejected, ok int
+	for range 3 {
+		var r *RejectedError
+		switch err := <-errs; {
+		case err == nil:
+			ok++
+		case errors.As(err, &r) && r.Volume == "pvc-bad":
+			rejected++
+		default:
+			t.Errorf("unexpected answer %v", err)
+		}
+	}
+	if ok != 2 || rejected != 1 {
+		t.Errorf("ok=%d rejected=%d, want 2 and 1", ok, rejected)
+	}
+}
+
+func TestConflictsAreRetried(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	var mu sync.Mutex
+	conflicts := 3
+	f.override = func(_ string, c Change) (Outcome, bool) {
+		mu.Lock()
+		defer mu.Unlock()
+		if conflicts > 0 {
+			conflicts--
+			return Outcome{Result: Conflict, Err: errors.New("the server rejected our request due to an error in our request")}, true
+		}
+		return Outcome{}, false
+	}
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); err != nil {
+		t.Fatal(err)
+	}
+	if applies, writes, _ := f.stats(); applies != 4 || writes != 1 {
+		t.Errorf("applies=%d writes=%d, want 4 attempts and 1 write", applies, writes)
+	}
+}
+
+func TestDeadlineKeepsTheIntentForTheRetry(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	f.readyDelay = 400 * time.Millisecond
+	q, _ := startQueue(t, f, fastConfig())
+	short, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
+	defer cancel()
+	if err := q.Attach(short, "vm1", "pvc-a", true); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("first attach answered %v, want DeadlineExceeded", err)
+	}
+	ctx, cancel2 := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel2()
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); err != nil {
+		t.Fatalf("retry: %v", err)
+	}
+	if _, writes, _ := f.stats(); writes != 1 {
+		t.Errorf("%d VM writes, want 1: the retry must join the work in flight", writes)
+	}
+}
+
+func TestDetachOfUnattachedVolumeIsImmediate(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	for _, vm := range []string{"vm1", "no-such-vm"} {
+		if err := q.Detach(ctx, vm, "pvc-a"); err != nil {
+			t.Errorf("detach from %s: %v", vm, err)
+		}
+	}
+	if applies, _, _ := f.stats(); applies != 0 {
+		t.Errorf("backend called %d times, want 0", applies)
+	}
+}
+
+func TestAttachToUnknownVMIsNotFound(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	q, _ := startQueue(t, f, fastConfig())
+	if err := q.Attach(context.Background(), "no-such-vm", "pvc-a", true); !errors.Is(err, ErrVMNotFound) {
+		t.Fatalf("got %v, want ErrVMNotFound", err)
+	}
+}
+
+func TestStormOnSeveralVMsConverges(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1", "vm2", "vm3")
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var wg sync.WaitGroup
+	for v := range 3 {
+		vm := fmt.Sprintf("vm%d", v+1)
+		for i := range 8 {
+			vol := fmt.Sprintf("pvc-%s-%d", vm, i)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for round := range 3 {
+					if err := q.Attach(ctx, vm, vol, true); err != nil {
+						t.Errorf("round %d attach %s/%s: %v", round, vm, vol, err)
+						return
+					}
+					if err := q.Detach(ctx, vm, vol); err != nil {
+						t.Errorf("round %d detach %s/%s: %v", round, vm, vol, err)
+						return
+					}
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	for v := range 3 {
+		o := q.observe(fmt.Sprintf("vm%d", v+1))
+		if n := len(o.vm.Spec.Template.Spec.Volumes); n != 0 {
+			t.Errorf("vm%d still has %d volumes after the storm", v+1, n)
+		}
+	}
+	if _, _, maxInflight := f.stats(); maxInflight != 1 {
+		t.Errorf("%d backend calls overlapped on one VM, want 1", maxInflight)
+	}
+}
+
