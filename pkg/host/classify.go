@@ -30,13 +30,13 @@ func classify(err error, op hotplug.Op) hotplug.Outcome {
 		has("request for [") && has("aleady exists"), // sic: KubeVirt's typo
 		has("conflicts with an existing volume of the same name"):
 		r = hotplug.InFlight
+	// VM-wide, temporary refusals: retry the VM later, fail no volume.
+	case has("migration is in progress"), has("until snapshot"), has("VMI is not running"):
+		r = hotplug.Failed
 	// Optimistic concurrency: a JSON-patch test failed or the object moved.
 	case has("the server rejected our request due to an error in our request"),
 		apierrors.IsConflict(err) && !has("Unable to"):
 		r = hotplug.Conflict
-	// VM-wide, temporary refusals: retry the VM later, fail no volume.
-	case has("migration is in progress"), has("until snapshot"), has("VMI is not running"):
-		r = hotplug.Failed
 	case apierrors.IsNotFound(err):
 		r = hotplug.VMGone
 	// Refusals of this one volume.

@@ -1,0 +1,60 @@
+package host
+
+import (
+	"errors"
+	"testing"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+)
+
+func TestClassifyKubeVirtAnswers(t *testing.T) {
+	vmGR := schema.GroupResource{Group: "kubevirt.io", Resource: "virtualmachine"}
+	conflict := func(msg string) error { return apierrors.NewConflict(vmGR, "node-1", errors.New(msg)) }
+	cases := []struct {
+		name string
+		err  error
+		op   hotplug.Op
+		want hotplug.Result
+	}{
+		{"accepted", nil, hotplug.Attach, hotplug.Applied},
+		{"add of a volume already in the spec", conflict("Unable to add volume [pvc-1] because volume with that name already exists"), hotplug.Attach, hotplug.AlreadyDone},
+		{"remove of a volume not in the spec", conflict("Unable to remove volume [pvc-1] because it does not exist"), hotplug.Detach, hotplug.AlreadyDone},
+		{"queued add", conflict("add volume request for volume [pvc-1] already exists"), hotplug.Attach, hotplug.InFlight},
+		{"add behind a queued remove", conflict("unable to add volume since a remove volume request for volume [pvc-1] already exists and is still being processed"), hotplug.Attach, hotplug.InFlight},
+		{"queued remove", conflict("a remove volume request for volume [pvc-1] already exists and is still being processed"), hotplug.Detach, hotplug.InFlight},
+		{"status webhook duplicate add", errors.New(`admission webhook "kubevirt-crd-status-validator.kubevirt.io" denied the request: AddVolume request for [pvc-1] aleady exists`), hotplug.Attach, hotplug.InFlight},
+		{"JSON patch test failed", apierrors.NewGenericServerResponse(422, "", schema.GroupResource{}, "", "testing value /status/volumeRequests failed", 0, false), hotplug.Attach, hotplug.Conflict},
+		{"resourceVersion conflict", apierrors.NewConflict(vmGR, "node-1", errors.New("the object has been modified")), hotplug.Attach, hotplug.Conflict},
+		{"not hotpluggable", conflict("Unable to remove volume [pvc-1] because it is not hotpluggable"), hotplug.Detach, hotplug.Rejected},
+		{"claim attached under another name", conflict("Unable to add volume source [pvc-1] because it already exists"), hotplug.Attach, hotplug.Rejected},
+		{"third-party webhook", errors.New(`admission webhook "validator.harvesterhci.io" denied the request: the volume pvc-1 is already used by VM other`), hotplug.Attach, hotplug.Rejected},
+		{"snapshot in progress", errors.New(`admission webhook "virtualmachine-validator.kubevirt.io" denied the request: Cannot update vm disks or volumes until snapshot "s1" completes`), hotplug.Attach, hotplug.Failed},
+		{"migration in progress", errors.New(`admission webhook "kubevirt-crd-status-validator.kubevirt.io" denied the request: Cannot handle volume requests while VMI migration is in progress`), hotplug.Attach, hotplug.Failed},
+		{"VMI not running", apierrors.NewConflict(schema.GroupResource{Group: "kubevirt.io", Resource: "virtualmachineinstance"}, "node-1", errors.New("VMI is not running")), hotplug.Attach, hotplug.Failed},
+		{"VM gone", apierrors.NewNotFound(vmGR, "node-1"), hotplug.Attach, hotplug.VMGone},
+		{"feature gate off", apierrors.NewBadRequest("Enable DeclarativeHotplugVolumes or HotplugVolumes feature gate to use this API."), hotplug.Attach, hotplug.Failed},
+		{"server error", apierrors.NewInternalError(errors.New("unable to patch vm status: boom")), hotplug.Attach, hotplug.Failed},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			got := classify(tc.err, tc.op)
+			if got.Result != tc.want {
+				t.Errorf("classify(%v) = %s, want %s", tc.err, got.Result, tc.want)
+			}
+			if tc.err != nil && got.Err == nil {
+				t.Error("the original error was dropped")
+			}
+		})
+	}
+}
+
+func TestAtLeast(t *testing.T) {
+	for v, want := range map[string]bool{"v1.8.0": true, "v1.7.1": false, "v1.10.0": true, "v2.0.0": true, "v1.8.0-rc2": true, "": false, "master-head": false, "v1": false} {
+		if got := atLeast(v, 1, 8); got != want {
+			t.Errorf("atLeast(%q, 1.8) = %v, want %v", v, got, want)
+		}
+	}
+}
