@@ -1,0 +1,156 @@
+package mounter
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
+)
+
+func TestMain(m *testing.M) { nodetest.Main(m) }
+
+func setup(t *testing.T, size int64) (context.Context, *Mounter, string, string) {
+	t.Helper()
+	nodetest.RequireRealDevices(t)
+	root := t.TempDir()
+	disks, err := loopdisk.New(loopdisk.Options{BackingDir: filepath.Join(root, "host"), ByIDRoot: filepath.Join(root, "by-id"),
+		Size: func(context.Context, string) (int64, error) { return size, nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = disks.Close(context.Background()) })
+	nodetest.CleanupMounts(t, root)
+	if err := disks.Plug(context.Background(), "vm", "pvc", "pvc"); err != nil {
+		t.Fatal(err)
+	}
+	dev, _ := disks.Device("vm", "pvc")
+	_, ctx := ktesting.NewTestContext(t)
+	return ctx, New(Options{}), dev, root
+}
+
+func TestFormatOnlyBlankDisks(t *testing.T) {
+	ctx, m, dev, root := setup(t, 32<<20)
+	if f, err := m.DiskFormat(ctx, dev); err != nil || f != "" {
+		t.Fatalf("blank disk: %q %v", f, err)
+	}
+	mnt := filepath.Join(root, "mnt")
+	if _, err := m.FormatAndMount(ctx, dev, mnt, "", []string{"ro"}); err == nil {
+		t.Fatal("formatted a disk for a read-only mount")
+	}
+	formatted, err := m.FormatAndMount(ctx, dev, mnt, "", nil)
+	if err != nil || !formatted {
+		t.Fatalf("first mount: %v %v", formatted, err)
+	}
+	if err := os.WriteFile(filepath.Join(mnt, "f"), []byte("keep"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Unmount(ctx, mnt); err != nil {
+		t.Fatal(err)
+	}
+	var mis *MismatchError
+	if _, err := m.FormatAndMount(ctx, dev, mnt, "xfs", nil); !errors.As(err, &mis) || mis.Have != "ext4" {
+		t.Fatalf("fs type mismatch: %v", err)
+	}
+	formatted, err = m.FormatAndMount(ctx, dev, mnt, "ext4", nil)
+	if err != nil || formatted {
+		t.Fatalf("second mount: %v %v", formatted, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(mnt, "f")); err != nil || string(b) != "keep" {
+		t.Fatalf("data: %q %v", b, err)
+	}
+	if err := m.Unmount(ctx, mnt); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestPartitionedDiskIsLeftAlone(t *testing.T) {
+	ctx, m, dev, root := setup(t, 32<<20)
+	// An MBR with one Linux partition at 1 MiB, written by hand so the
+	// test needs no partitioning tool.
+	mbr := make([]byte, 512)
+	entry := mbr[446:462]
+	entry[4] = 0x83
+	binary.LittleEndian.PutUint32(entry[8:], 2048)
+	binary.LittleEndian.PutUint32(entry[12:], 4096)
+	mbr[510], mbr[511] = 0x55, 0xaa
+	f, err := os.OpenFile(dev, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt(mbr, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	got, err := m.DiskFormat(ctx, dev)
+	if err != nil || !strings.HasPrefix(got, "partition table") {
+		t.Fatalf("got %q %v", got, err)
+	}
+	if _, err := m.FormatAndMount(ctx, dev, filepath.Join(root, "mnt"), "", nil); err == nil {
+		t.Fatal("mounted/formatted a partitioned disk")
+	}
+}
+
+func TestUnmountStackedAndRemovePath(t *testing.T) {
+	ctx, m, _, root := setup(t, 8<<20)
+	src := filepath.Join(root, "src")
+	dst := filepath.Join(root, "dst")
+	for _, d := range []string{src, dst} {
+		if err := os.MkdirAll(d, 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.WriteFile(filepath.Join(src, "f"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 3; i++ {
+		if err := m.BindMount(ctx, src, dst, i == 2, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := m.RemovePath(dst); err == nil {
+		t.Fatal("removed a mount point")
+	}
+	if err := m.Unmount(ctx, dst); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := m.IsMountPoint(dst); ok {
+		t.Fatal("still mounted")
+	}
+	if err := m.RemovePath(src); err == nil {
+		t.Fatal("removed a non-empty directory")
+	}
+	if err := m.RemovePath(dst); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Unmount(ctx, dst); err != nil {
+		t.Fatalf("unmount of a missing path: %v", err)
+	}
+}
+
+func TestDeviceSizeAndStats(t *testing.T) {
+	ctx, m, dev, root := setup(t, 48<<20)
+	if n, err := DeviceSize(dev); err != nil || n != 48<<20 {
+		t.Fatalf("size %d %v", n, err)
+	}
+	mnt := filepath.Join(root, "mnt")
+	if _, err := m.FormatAndMount(ctx, dev, mnt, "ext4", nil); err != nil {
+		t.Fatal(err)
+	}
+	st, err := FSStats(mnt)
+	if err != nil || st.TotalBytes < 30<<20 || st.TotalBytes > 48<<20 || st.TotalInodes == 0 || st.UsedInodes < 1 {
+		t.Fatalf("stats %+v %v", st, err)
+	}
+	if err := m.Unmount(ctx, mnt); err != nil {
+		t.Fatal(err)
+	}
+}
