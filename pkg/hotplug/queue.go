@@ -443,3 +443,6 @@ func (q *Queue) observe(vm string) observed {
 	}
 	return o
 }
+
+// BackendName names the backend in use.
+func (q *Queue) BackendName() string { return q.backend.Name() }

@@ -425,4 +425,3 @@ func TestStormOnSeveralVMsConverges(t *testing.T) {
 		t.Errorf("%d backend calls overlapped on one VM, want 1", maxInflight)
 	}
 }
-

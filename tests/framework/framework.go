@@ -1,0 +1,196 @@
+// Package framework starts what the integration, sanity and benchmark suites
+// run against: a real kube-apiserver with the KubeVirt simulator (the host
+// cluster) and the driver's controller service on a unix socket.
+package framework
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
+)
+
+// Host is a simulated Harvester cluster: a real API server, the KubeVirt
+// simulator and a namespace for the guest cluster's VMs.
+type Host struct {
+	Env       *testenv.Env
+	Sim       *kubevirtsim.Sim
+	Namespace string
+	Kube      kubernetes.Interface
+}
+
+// StartHost starts a host cluster; it is stopped when tb ends.
+func StartHost(tb testing.TB, opts kubevirtsim.Options) *Host {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	env, err := testenv.Start(ctx, testenv.Options{})
+	if err != nil {
+		tb.Fatalf("start control plane: %v", err)
+	}
+	tb.Cleanup(env.Stop)
+	if opts.Namespace == "" {
+		opts.Namespace = "guests"
+	}
+	kube := kubernetes.NewForConfigOrDie(env.Config)
+	if _, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: opts.Namespace}}, metav1.CreateOptions{}); err != nil {
+		tb.Fatalf("create namespace: %v", err)
+	}
+	sim, err := kubevirtsim.New(env.Config, opts)
+	if err != nil {
+		tb.Fatalf("simulator: %v", err)
+	}
+	if err := sim.Start(context.Background()); err != nil {
+		tb.Fatalf("start simulator: %v", err)
+	}
+	tb.Cleanup(sim.Stop)
+	return &Host{Env: env, Sim: sim, Namespace: opts.Namespace, Kube: kube}
+}
+
+// CreateVMs creates running VMs (guest nodes) and waits for their VMIs.
+func (h *Host) CreateVMs(tb testing.TB, names ...string) {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make([]error, len(names))
+	for i, n := range names {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, errs[i] = h.Sim.CreateVM(ctx, kubevirtsim.VMSpec{Namespace: h.Namespace, Name: n})
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		tb.Fatalf("create VMs: %v", err)
+	}
+}
+
+// CreateVolumes creates bound host PVCs named prefix-00, prefix-01, ...
+func (h *Host) CreateVolumes(tb testing.TB, prefix string, n int) []string {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	names := make([]string, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range names {
+		names[i] = fmt.Sprintf("%s-%02d", prefix, i)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, errs[i] = h.Sim.CreatePVC(ctx, h.Namespace, names[i], "1Gi", false)
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		tb.Fatalf("create host PVCs: %v", err)
+	}
+	return names
+}
+
+// ControllerOptions configure StartController.
+type ControllerOptions struct {
+	// Backend is auto, declarative or subresource.
+	Backend string
+	Queue   hotplug.Config
+	Driver  driver.ControllerOptions
+	// Node, when set, is served beside the controller (sanity needs both).
+	Node csi.NodeServer
+}
+
+// Controller is a running controller service.
+type Controller struct {
+	Endpoint string
+	Conn     *grpc.ClientConn
+	Client   csi.ControllerClient
+	Host     *host.Client
+	Queue    *hotplug.Queue
+	cancel   context.CancelFunc
+	done     chan struct{}
+}
+
+// StartController runs the driver's controller service (and identity) over
+// the simulator's front proxy, as the chart's controller pod does. Stop ends
+// it; tb's end stops it too.
+func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controller {
+	tb.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	cfg := h.Sim.ClientConfig()
+	hc, err := host.NewForConfig(cfg, h.Namespace)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	backend, err := host.NewBackend(ctx, hc, opts.Backend)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	vmInf, vmiInf := hc.VMInformer(0), hc.VMIInformer(0)
+	qcfg := opts.Queue
+	qcfg.Namespace = h.Namespace
+	q, err := hotplug.New(qcfg, backend, vmInf, vmiInf, nil)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	dir, err := os.MkdirTemp("", "hcsi-") // unix socket paths must stay short
+	if err != nil {
+		tb.Fatal(err)
+	}
+	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
+	d := driver.New("test", driver.NewControllerService(opts.Driver, q, hc), opts.Node)
+	c := &Controller{Endpoint: endpoint, Host: hc, Queue: q, cancel: cancel, done: make(chan struct{})}
+	var wg sync.WaitGroup
+	wg.Add(4)
+	go func() { defer wg.Done(); vmInf.RunWithContext(ctx) }()
+	go func() { defer wg.Done(); vmiInf.RunWithContext(ctx) }()
+	go func() { defer wg.Done(); _ = q.Run(ctx) }()
+	go func() { defer wg.Done(); _ = d.Serve(ctx, endpoint) }()
+	go func() { wg.Wait(); os.RemoveAll(dir); close(c.done) }()
+	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	c.Conn, c.Client = conn, csi.NewControllerClient(conn)
+	// Wait until the informers synced and the socket answers.
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		probeCtx, pc := context.WithTimeout(ctx, time.Second)
+		_, err := csi.NewIdentityClient(conn).Probe(probeCtx, &csi.ProbeRequest{})
+		pc()
+		if err == nil && vmInf.HasSynced() && vmiInf.HasSynced() {
+			break
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("controller did not come up: %v", err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	tb.Cleanup(c.Stop)
+	return c
+}
+
+// Stop ends the controller as a crash or a rolling update would: in-flight
+// calls are cut off and nothing is flushed.
+func (c *Controller) Stop() {
+	c.cancel()
+	<-c.done
+	_ = c.Conn.Close()
+}

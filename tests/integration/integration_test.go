@@ -1,0 +1,197 @@
+// Package integration runs the controller service against a real
+// kube-apiserver and the KubeVirt simulator, in every hotplug mode and
+// KubeVirt profile, under the concurrency the external-attacher produces.
+package integration
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
+)
+
+// scale shrinks every simulated KubeVirt latency (an 8 s attachment-pod start
+// becomes 0.4 s) so the suites run in minutes.
+const scale = 0.05
+
+type flavor struct {
+	name    string
+	mode    kubevirtsim.Mode
+	profile kubevirtsim.Profile
+	backend string // what auto-detection must pick
+}
+
+var flavors = []flavor{
+	{"legacy-v1.5", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV15, host.BackendSubresource},
+	{"legacy-v1.7", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV17, host.BackendSubresource},
+	{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.ProfileV17, host.BackendDeclarative},
+}
+
+func queueConfig() hotplug.Config {
+	return hotplug.Config{
+		BatchWindow: 100 * time.Millisecond,
+		MaxHold:     time.Duration(float64(30*time.Second) * scale),
+		BackoffBase: 20 * time.Millisecond,
+		BackoffMax:  500 * time.Millisecond,
+		QPS:         100,
+		Burst:       100,
+	}
+}
+
+// suite is one host cluster flavor with a controller in front of it.
+type suite struct {
+	t    *testing.T
+	f    flavor
+	host *framework.Host
+	ctrl *framework.Controller
+}
+
+func TestController(t *testing.T) {
+	for _, f := range flavors {
+		t.Run(f.name, func(t *testing.T) {
+			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: scale, BindClasslessPVCs: true})
+			s := &suite{t: t, f: f, host: h}
+			s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
+			if got := s.ctrl.Queue.BackendName(); got != f.backend {
+				t.Fatalf("auto-detected backend %s, want %s", got, f.backend)
+			}
+			t.Run("ConcurrentPublishesToOneVM", s.concurrentPublishes)
+			t.Run("StormOnThreeVMs", s.storm)
+			t.Run("UnpublishBeforeTheBatchCancels", s.cancelBeforeBatch)
+			t.Run("ExclusiveVolumeOnSecondVM", s.exclusive)
+			t.Run("WebhookDeniedVolumeFailsAlone", s.webhookDenied)
+			t.Run("DeletedVMReleasesItsVolumes", s.deletedVM)
+			t.Run("RestartMidBatch", s.restartMidBatch)
+		})
+	}
+}
+
+// attacher mimics the external-attacher: one call at a time per volume, each
+// with its own timeout, retried with backoff while the answer is non-final.
+type attacher struct {
+	ctrl    func() csi.ControllerClient
+	timeout time.Duration
+	mu      sync.Mutex
+	seen    map[codes.Code]int
+	msgs    []string
+}
+
+func newAttacher(ctrl func() csi.ControllerClient) *attacher {
+	return &attacher{ctrl: ctrl, timeout: 3 * time.Second, seen: map[codes.Code]int{}}
+}
+
+func final(c codes.Code) bool {
+	switch c {
+	case codes.OK, codes.InvalidArgument, codes.NotFound, codes.FailedPrecondition, codes.AlreadyExists, codes.PermissionDenied:
+		return true
+	}
+	return false
+}
+
+func (a *attacher) do(ctx context.Context, call func(ctx context.Context, c csi.ControllerClient) error) error {
+	backoff := 50 * time.Millisecond
+	for {
+		cctx, cancel := context.WithTimeout(ctx, a.timeout)
+		err := call(cctx, a.ctrl())
+		cancel()
+		code := status.Code(err)
+		a.mu.Lock()
+		a.seen[code]++
+		if err != nil {
+			a.msgs = append(a.msgs, err.Error())
+		}
+		a.mu.Unlock()
+		if final(code) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("gave up after %v: %w", err, ctx.Err())
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, time.Second)
+	}
+}
+
+func (a *attacher) publish(ctx context.Context, vm, vol string) error {
+	return a.do(ctx, func(ctx context.Context, c csi.ControllerClient) error {
+		_, err := c.ControllerPublishVolume(ctx, publishReq(vm, vol))
+		return err
+	})
+}
+
+func (a *attacher) unpublish(ctx context.Context, vm, vol string) error {
+	return a.do(ctx, func(ctx context.Context, c csi.ControllerClient) error {
+		_, err := c.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: vol, NodeId: vm})
+		return err
+	})
+}
+
+func publishReq(vm, vol string) *csi.ControllerPublishVolumeRequest {
+	return &csi.ControllerPublishVolumeRequest{VolumeId: vol, NodeId: vm, VolumeCapability: &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}}
+}
+
+// leaked reports answers that must never reach the caller: KubeVirt's
+// duplicate-request errors are the queue's business.
+func (a *attacher) leaked() []string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var out []string
+	for _, m := range a.msgs {
+		if strings.Contains(m, "already exists") || strings.Contains(m, "does not exist") || strings.Contains(m, "still being processed") {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+func (s *suite) client() csi.ControllerClient { return s.ctrl.Client }
+
+// attachedTo lists the VMs whose spec or VMI holds the volume.
+func (s *suite) attachedTo(vol string, vms ...string) []string {
+	var out []string
+	for _, vm := range vms {
+		v, vmi := s.host.Sim.VM(s.host.Namespace, vm)
+		if v != nil && v.Spec.Template != nil && hasVolume(v.Spec.Template.Spec.Volumes, vol) {
+			out = append(out, vm)
+			continue
+		}
+		if _, ok := kubevirtsim.FindVolumeStatus(vmi, vol); ok {
+			out = append(out, vm+"(vmi)")
+		}
+	}
+	return out
+}
+
+func (s *suite) requireReady(vm, vol string) {
+	s.t.Helper()
+	_, vmi := s.host.Sim.VM(s.host.Namespace, vm)
+	e, ok := kubevirtsim.FindVolumeStatus(vmi, vol)
+	if !ok || e.Phase != kubevirtv1.VolumeReady || e.Target == "" {
+		s.t.Errorf("publish of %s to %s answered OK but the VMI shows %+v", vol, vm, e)
+	}
+}
+
+func hasVolume(vols []kubevirtv1.Volume, name string) bool {
+	for _, v := range vols {
+		if v.Name == name {
+			return true
+		}
+	}
+	return false
+}

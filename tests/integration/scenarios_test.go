@@ -1,0 +1,345 @@
+package integration
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
+)
+
+// concurrentPublishes: 20 publishes to one VM at once all succeed, and the
+// declarative backend needs at most 3 VM spec writes for them.
+func (s *suite) concurrentPublishes(t *testing.T) {
+	vm := "cp-vm"
+	s.host.CreateVMs(t, vm)
+	vols := s.host.CreateVolumes(t, "cp", 20)
+	s.host.Sim.ResetStats()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	a := newAttacher(s.client)
+	errs := make([]error, len(vols))
+	var wg sync.WaitGroup
+	for i, vol := range vols {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i] = a.publish(ctx, vm, vol) }()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("publish %s: %v", vols[i], err)
+		} else {
+			s.requireReady(vm, vols[i])
+		}
+	}
+	st := s.host.Sim.Stats()
+	t.Logf("%s: VM spec writes %d, status writes %d, addvolume %d, conflicts %d/%d, answers %v",
+		s.f.name, st.VMSpecWrites, st.VMStatusWrites, st.AddVolume, st.Conflicts, st.Unprocessable, a.seen)
+	if s.f.backend == host.BackendDeclarative && st.VMSpecWrites > 3 {
+		t.Errorf("20 publishes took %d VM spec writes, want at most 3", st.VMSpecWrites)
+	}
+	if s.f.backend == host.BackendSubresource && st.VMSpecWrites != 0 {
+		t.Errorf("subresource backend wrote the VM spec %d times, want 0", st.VMSpecWrites)
+	}
+	if l := a.leaked(); len(l) > 0 {
+		t.Errorf("KubeVirt duplicate errors reached the caller: %q", l)
+	}
+	for _, vol := range vols {
+		if err := a.unpublish(ctx, vm, vol); err != nil {
+			t.Errorf("unpublish %s: %v", vol, err)
+		}
+	}
+}
+
+// storm: publishes and unpublishes on three VMs, volumes moving between
+// them, converge with every call answered and nothing left attached.
+func (s *suite) storm(t *testing.T) {
+	vms := []string{"st-a", "st-b", "st-c"}
+	s.host.CreateVMs(t, vms...)
+	vols := s.host.CreateVolumes(t, "st", 12)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	a := newAttacher(s.client)
+	var wg sync.WaitGroup
+	for i, vol := range vols {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for round := range 3 {
+				vm := vms[(i+round)%len(vms)] // each round the volume moves to the next VM
+				if err := a.publish(ctx, vm, vol); err != nil {
+					t.Errorf("round %d: publish %s to %s: %v", round, vol, vm, err)
+					return
+				}
+				if got := s.attachedTo(vol, vms...); len(got) != 1 || got[0] != vm {
+					t.Errorf("round %d: %s published to %s but held by %v", round, vol, vm, got)
+				}
+				if err := a.unpublish(ctx, vm, vol); err != nil {
+					t.Errorf("round %d: unpublish %s from %s: %v", round, vol, vm, err)
+					return
+				}
+				if got := s.attachedTo(vol, vms...); len(got) != 0 {
+					t.Errorf("round %d: %s unpublished but still held by %v", round, vol, got)
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	t.Logf("%s: answers %v", s.f.name, a.seen)
+	if l := a.leaked(); len(l) > 0 {
+		t.Errorf("KubeVirt duplicate errors reached the caller: %q", l)
+	}
+	if n := a.seen[codes.FailedPrecondition]; n > 0 {
+		t.Errorf("%d FailedPrecondition answers for volumes that were never held elsewhere: %v", n, a.msgs)
+	}
+}
+
+// cancelBeforeBatch: an unpublish that arrives while the publish still waits
+// for its batch answers the publish Aborted and writes nothing.
+func (s *suite) cancelBeforeBatch(t *testing.T) {
+	vm := "cb-vm"
+	s.host.CreateVMs(t, vm)
+	vol := s.host.CreateVolumes(t, "cb", 1)[0]
+	cfg := queueConfig()
+	cfg.BatchWindow = 2 * time.Second
+	s.ctrl.Stop()
+	ctrl := s.host.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: cfg})
+	defer func() {
+		ctrl.Stop()
+		s.ctrl = s.host.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
+	}()
+	s.host.Sim.ResetStats()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	published := make(chan error, 1)
+	go func() {
+		_, err := ctrl.Client.ControllerPublishVolume(ctx, publishReq(vm, vol))
+		published <- err
+	}()
+	time.Sleep(300 * time.Millisecond)
+	if _, err := ctrl.Client.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: vol, NodeId: vm}); err != nil {
+		t.Fatalf("unpublish: %v", err)
+	}
+	if err := <-published; status.Code(err) != codes.Aborted {
+		t.Fatalf("publish answered %v, want Aborted (superseded)", err)
+	}
+	time.Sleep(cfg.BatchWindow + 200*time.Millisecond)
+	st := s.host.Sim.Stats()
+	if st.VMSpecWrites+st.AddVolume+st.RemoveVolume != 0 {
+		t.Errorf("a cancelled publish wrote to KubeVirt: %+v", st)
+	}
+	if got := s.attachedTo(vol, vm); len(got) != 0 {
+		t.Errorf("volume held by %v after cancel", got)
+	}
+}
+
+// exclusive: an RWO volume published to one VM is refused on another with
+// FailedPrecondition naming the holder, and moves once unpublished.
+func (s *suite) exclusive(t *testing.T) {
+	s.host.CreateVMs(t, "ex-a", "ex-b")
+	vol := s.host.CreateVolumes(t, "ex", 1)[0]
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a := newAttacher(s.client)
+	if err := a.publish(ctx, "ex-a", vol); err != nil {
+		t.Fatal(err)
+	}
+	_, err := s.client().ControllerPublishVolume(ctx, publishReq("ex-b", vol))
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "ex-a") {
+		t.Fatalf("publish to the second VM answered %v, want FailedPrecondition naming ex-a", err)
+	}
+	if err := a.unpublish(ctx, "ex-a", vol); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.publish(ctx, "ex-b", vol); err != nil {
+		t.Fatalf("publish after the move: %v", err)
+	}
+	if err := a.unpublish(ctx, "ex-b", vol); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// webhookDenied: a volume the host's admission webhook refuses fails alone,
+// the rest of its batch attaches.
+func (s *suite) webhookDenied(t *testing.T) {
+	vm := "wd-vm"
+	s.host.CreateVMs(t, vm)
+	vols := s.host.CreateVolumes(t, "wd", 5)
+	bad := vols[2]
+	s.host.Sim.DenyVolume(bad, "")
+	defer s.host.Sim.AllowVolume(bad)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a := newAttacher(s.client)
+	errs := make([]error, len(vols))
+	var wg sync.WaitGroup
+	for i, vol := range vols {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			// The bad volume's attacher would retry forever; bound it.
+			cctx, c := context.WithTimeout(ctx, 20*time.Second)
+			defer c()
+			errs[i] = a.publish(cctx, vm, vol)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		switch {
+		case vols[i] == bad && status.Code(err) != codes.FailedPrecondition:
+			t.Errorf("denied volume answered %v, want FailedPrecondition", err)
+		case vols[i] == bad && !strings.Contains(err.Error(), "already used by VM"):
+			t.Errorf("denied volume's answer %q lacks the webhook's reason", err)
+		case vols[i] != bad && err != nil:
+			t.Errorf("publish %s: %v", vols[i], err)
+		}
+	}
+	if got := s.attachedTo(bad, vm); len(got) != 0 {
+		t.Errorf("denied volume is held by %v", got)
+	}
+	for _, vol := range vols {
+		if vol != bad {
+			if err := a.unpublish(ctx, vm, vol); err != nil {
+				t.Errorf("unpublish %s: %v", vol, err)
+			}
+		}
+	}
+}
+
+// deletedVM: a VM deleted while holding a volume keeps it until its VMI is
+// gone; then unpublish from it succeeds and the volume attaches elsewhere.
+func (s *suite) deletedVM(t *testing.T) {
+	s.host.CreateVMs(t, "dv-a", "dv-b")
+	vol := s.host.CreateVolumes(t, "dv", 1)[0]
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a := newAttacher(s.client)
+	if err := a.publish(ctx, "dv-a", vol); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.host.Sim.DeleteVM(ctx, s.host.Namespace, "dv-a"); err != nil {
+		t.Fatal(err)
+	}
+	// Right after the delete the VMI still runs with the volume.
+	_, err := s.client().ControllerPublishVolume(ctx, publishReq("dv-b", vol))
+	if status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("publish while the old VMI lives answered %v, want FailedPrecondition", err)
+	}
+	if err := a.unpublish(ctx, "dv-a", vol); err != nil {
+		t.Fatalf("unpublish from the deleted VM: %v", err)
+	}
+	if got := s.attachedTo(vol, "dv-a"); len(got) != 0 {
+		t.Fatalf("unpublish answered OK while %v holds the volume", got)
+	}
+	if err := a.publish(ctx, "dv-b", vol); err != nil {
+		t.Fatalf("publish to the new VM: %v", err)
+	}
+	if err := a.unpublish(ctx, "dv-b", vol); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// restartMidBatch: the controller dies right after its first write to a VM;
+// a new one finishes every publish on retry, with no volume attached twice
+// and no publish to a second VM let through meanwhile.
+func (s *suite) restartMidBatch(t *testing.T) {
+	s.host.CreateVMs(t, "rs-a", "rs-b")
+	vols := s.host.CreateVolumes(t, "rs", 10)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	s.host.Sim.ResetStats()
+	first := make(chan error, len(vols))
+	for _, vol := range vols {
+		go func() {
+			_, err := s.client().ControllerPublishVolume(ctx, publishReq("rs-a", vol))
+			first <- err
+		}()
+	}
+	// Kill the controller as soon as KubeVirt saw its first write.
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		st := s.host.Sim.Stats()
+		if st.VMSpecWrites+st.AddVolume > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the controller never wrote")
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	s.ctrl.Stop()
+	for range vols {
+		if err := <-first; err != nil && status.Code(err) == codes.OK {
+			t.Errorf("unexpected answer %v", err)
+		}
+	}
+	s.ctrl = s.host.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
+	// What the dead controller wrote is visible to the new one at once: a
+	// volume it wrote is fenced from rs-b; one it never wrote may go there,
+	// but never to both VMs.
+	var fenced int
+	for _, vol := range vols {
+		cctx, c := context.WithTimeout(ctx, 5*time.Second)
+		_, err := s.client().ControllerPublishVolume(cctx, publishReq("rs-b", vol))
+		c()
+		switch status.Code(err) {
+		case codes.FailedPrecondition:
+			fenced++
+			if !strings.Contains(err.Error(), "rs-a") {
+				t.Errorf("%s fenced without naming rs-a: %v", vol, err)
+			}
+		case codes.OK:
+			if got := s.attachedTo(vol, "rs-a", "rs-b"); len(got) != 1 || got[0] != "rs-b" {
+				t.Errorf("%s published to rs-b but held by %v", vol, got)
+			}
+			if err := newAttacher(s.client).unpublish(ctx, "rs-b", vol); err != nil {
+				t.Error(err)
+			}
+		default:
+			t.Errorf("publish %s to rs-b answered %v", vol, err)
+		}
+	}
+	if fenced == 0 {
+		t.Error("no volume was fenced after the restart although the dead controller had written")
+	}
+	a := newAttacher(s.client)
+	var wg sync.WaitGroup
+	for _, vol := range vols {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := a.publish(ctx, "rs-a", vol); err != nil {
+				t.Errorf("retry publish %s: %v", vol, err)
+			}
+		}()
+	}
+	wg.Wait()
+	for _, vol := range vols {
+		if got := s.attachedTo(vol, "rs-a", "rs-b"); len(got) != 1 || got[0] != "rs-a" {
+			t.Errorf("%s held by %v after the retries, want [rs-a]", vol, got)
+		}
+		v, _ := s.host.Sim.VM(s.host.Namespace, "rs-a")
+		n := 0
+		for _, x := range v.Spec.Template.Spec.Volumes {
+			if x.Name == vol {
+				n++
+			}
+		}
+		if n != 1 {
+			t.Errorf("%s appears %d times in the VM spec", vol, n)
+		}
+		if err := a.unpublish(ctx, "rs-a", vol); err != nil {
+			t.Errorf("unpublish %s: %v", vol, err)
+		}
+	}
+	if l := a.leaked(); len(l) > 0 {
+		t.Errorf("KubeVirt duplicate errors reached the caller: %q", l)
+	}
+}
