@@ -1,0 +1,282 @@
+package kubevirtsim
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apiextv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/utils/ptr"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// Harvester's settings API.
+var settingsGVR = schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"}
+
+// ServerVersionSetting is the name of Harvester's version setting.
+const ServerVersionSetting = "server-version"
+
+// LonghornProvisioner is the provisioner name of the StorageClass Install
+// creates when it is missing.
+const LonghornProvisioner = "driver.longhorn.io"
+
+func crdDef(group, version, plural, singular, kind string, namespaced bool, shortNames []string, schemaProps *apiextv1.JSONSchemaProps) *apiextv1.CustomResourceDefinition {
+	scope := apiextv1.ClusterScoped
+	if namespaced {
+		scope = apiextv1.NamespaceScoped
+	}
+	if schemaProps == nil {
+		schemaProps = &apiextv1.JSONSchemaProps{Type: "object", XPreserveUnknownFields: ptr.To(true)}
+	}
+	return &apiextv1.CustomResourceDefinition{
+		ObjectMeta: metav1.ObjectMeta{Name: plural + "." + group},
+		Spec: apiextv1.CustomResourceDefinitionSpec{
+			Group: group,
+			Names: apiextv1.CustomResourceDefinitionNames{
+				Plural: plural, Singular: singular, Kind: kind, ListKind: kind + "List", ShortNames: shortNames,
+			},
+			Scope: scope,
+			Versions: []apiextv1.CustomResourceDefinitionVersion{{
+				Name: version, Served: true, Storage: true,
+				Schema:       &apiextv1.CustomResourceValidation{OpenAPIV3Schema: schemaProps},
+				Subresources: &apiextv1.CustomResourceSubresources{Status: &apiextv1.CustomResourceSubresourceStatus{}},
+			}},
+		},
+	}
+}
+
+func crds() []*apiextv1.CustomResourceDefinition {
+	preserve := func() apiextv1.JSONSchemaProps {
+		return apiextv1.JSONSchemaProps{Type: "object", XPreserveUnknownFields: ptr.To(true)}
+	}
+	settingSchema := &apiextv1.JSONSchemaProps{
+		Type:                   "object",
+		XPreserveUnknownFields: ptr.To(true),
+		Properties: map[string]apiextv1.JSONSchemaProps{
+			"value":      {Type: "string"},
+			"default":    {Type: "string"},
+			"customized": {Type: "boolean"},
+			"status":     preserve(),
+		},
+	}
+	return []*apiextv1.CustomResourceDefinition{
+		crdDef("kubevirt.io", "v1", "virtualmachines", "virtualmachine", "VirtualMachine", true, []string{"vm", "vms"}, nil),
+		crdDef("kubevirt.io", "v1", "virtualmachineinstances", "virtualmachineinstance", "VirtualMachineInstance", true, []string{"vmi", "vmis"}, nil),
+		crdDef("kubevirt.io", "v1", "kubevirts", "kubevirt", "KubeVirt", true, []string{"kv", "kvs"}, nil),
+		crdDef("harvesterhci.io", "v1beta1", "settings", "setting", "Setting", false, nil, settingSchema),
+	}
+}
+
+// Install creates the CRDs (keeping existing ones) and waits until they are Established,
+// then writes the KubeVirt CR with the feature gates of the mode (creating its
+// namespace), the Harvester server-version setting (unless
+// Options.SkipServerVersion) and the host StorageClass if it is missing.
+// Start calls it; it is idempotent and safe to run against a cluster another
+// simulator already installed.
+func (s *Sim) Install(ctx context.Context) error {
+	for _, c := range crds() {
+		cur, err := s.ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, c.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+			if _, err := s.ext.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, c, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+				return fmt.Errorf("create CRD %s: %w", c.Name, err)
+			}
+		case err != nil:
+			return fmt.Errorf("get CRD %s: %w", c.Name, err)
+		default:
+			_ = cur // installed already (by another simulator, say): keep it
+		}
+	}
+	for _, c := range crds() {
+		err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
+			cur, err := s.ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, c.Name, metav1.GetOptions{})
+			if err != nil {
+				return false, nil //nolint:nilerr // keep polling
+			}
+			for _, cond := range cur.Status.Conditions {
+				if cond.Type == apiextv1.Established && cond.Status == apiextv1.ConditionTrue {
+					return true, nil
+				}
+			}
+			return false, nil
+		})
+		if err != nil {
+			return fmt.Errorf("CRD %s not established: %w", c.Name, err)
+		}
+	}
+	if err := s.ensureNamespace(ctx, s.opts.KubeVirtNamespace); err != nil {
+		return err
+	}
+	if err := s.writeKubeVirt(ctx); err != nil {
+		return err
+	}
+	if !s.opts.SkipServerVersion {
+		if err := s.SetServerVersion(ctx, s.opts.ServerVersion); err != nil {
+			return err
+		}
+	}
+	return s.ensureStorageClass(ctx)
+}
+
+func (s *Sim) ensureNamespace(ctx context.Context, name string) error {
+	_, err := s.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create namespace %s: %w", name, err)
+	}
+	return nil
+}
+
+// The CRD may take a moment to serve after Established; retry NotFound.
+func retryNotServed(ctx context.Context, f func() error) error {
+	var err error
+	for range 50 {
+		if err = f(); err == nil || !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	return err
+}
+
+func (s *Sim) writeKubeVirt(ctx context.Context) error {
+	return s.SetFeatureGates(ctx, s.opts.gates())
+}
+
+// SetFeatureGates replaces the feature gates of the KubeVirt CR (creating
+// it if needed). The simulator follows the CR at run time, so this switches
+// between legacy, declarative and no hotplug on a running simulator.
+func (s *Sim) SetFeatureGates(ctx context.Context, gates []string) error {
+	ns, name := s.opts.KubeVirtNamespace, s.opts.KubeVirtName
+	return retryNotServed(ctx, func() error {
+		cur := &kubevirtv1.KubeVirt{}
+		err := s.kv.get(ctx, resKubeVirts, ns, name, cur)
+		if apierrors.IsNotFound(err) {
+			kv := &kubevirtv1.KubeVirt{
+				TypeMeta:   metav1.TypeMeta{APIVersion: kubevirtv1.GroupVersion.String(), Kind: "KubeVirt"},
+				ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+				Spec: kubevirtv1.KubeVirtSpec{Configuration: kubevirtv1.KubeVirtConfiguration{
+					DeveloperConfiguration: &kubevirtv1.DeveloperConfiguration{FeatureGates: gates},
+				}},
+			}
+			created := &kubevirtv1.KubeVirt{}
+			if err := s.kv.create(ctx, resKubeVirts, ns, kv, created); err != nil {
+				return err
+			}
+			created.Status.Phase = kubevirtv1.KubeVirtPhaseDeployed
+			created.Status.ObservedKubeVirtVersion = s.kubevirtVersion()
+			return s.kv.update(ctx, resKubeVirts, ns, name, "status", created, &kubevirtv1.KubeVirt{})
+		}
+		if err != nil {
+			return err
+		}
+		if cur.Spec.Configuration.DeveloperConfiguration == nil {
+			cur.Spec.Configuration.DeveloperConfiguration = &kubevirtv1.DeveloperConfiguration{}
+		}
+		cur.Spec.Configuration.DeveloperConfiguration.FeatureGates = gates
+		updated := &kubevirtv1.KubeVirt{}
+		if err := s.kv.update(ctx, resKubeVirts, ns, name, "", cur, updated); err != nil {
+			return err
+		}
+		s.waitGates(ctx, gates)
+		return nil
+	})
+}
+
+// waitGates waits (briefly) until the informer has seen the gates.
+func (s *Sim) waitGates(ctx context.Context, gates []string) {
+	if s.kvInf == nil {
+		return
+	}
+	_ = wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 5*time.Second, true, func(context.Context) (bool, error) {
+		obj, ok, _ := s.kvInf.GetStore().GetByKey(s.opts.KubeVirtNamespace + "/" + s.opts.KubeVirtName)
+		if !ok {
+			return false, nil
+		}
+		dc := obj.(*kubevirtv1.KubeVirt).Spec.Configuration.DeveloperConfiguration
+		var have []string
+		if dc != nil {
+			have = dc.FeatureGates
+		}
+		if len(have) != len(gates) {
+			return false, nil
+		}
+		for i := range have {
+			if have[i] != gates[i] {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+}
+
+func (s *Sim) kubevirtVersion() string {
+	switch {
+	case s.opts.Profile == ProfileV15:
+		return "v1.5.2"
+	case s.opts.Mode == ModeDeclarative:
+		return "v1.7.0"
+	default:
+		return "v1.6.3"
+	}
+}
+
+// SetServerVersion writes Harvester's server-version setting (value field).
+func (s *Sim) SetServerVersion(ctx context.Context, version string) error {
+	res := s.dyn.Resource(settingsGVR)
+	return retryNotServed(ctx, func() error {
+		cur, err := res.Get(ctx, ServerVersionSetting, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) {
+			obj := &unstructured.Unstructured{Object: map[string]any{
+				"apiVersion": "harvesterhci.io/v1beta1",
+				"kind":       "Setting",
+				"metadata":   map[string]any{"name": ServerVersionSetting},
+				"default":    "",
+				"value":      version,
+			}}
+			_, err = res.Create(ctx, obj, metav1.CreateOptions{})
+			return err
+		}
+		if err != nil {
+			return err
+		}
+		cur.Object["value"] = version
+		_, err = res.Update(ctx, cur, metav1.UpdateOptions{})
+		return err
+	})
+}
+
+func (s *Sim) ensureStorageClass(ctx context.Context) error {
+	if s.opts.StorageClass == "" {
+		return nil
+	}
+	_, err := s.kube.StorageV1().StorageClasses().Get(ctx, s.opts.StorageClass, metav1.GetOptions{})
+	if err == nil {
+		return nil
+	}
+	if !apierrors.IsNotFound(err) {
+		return err
+	}
+	sc := &storagev1.StorageClass{
+		ObjectMeta:           metav1.ObjectMeta{Name: s.opts.StorageClass},
+		Provisioner:          LonghornProvisioner,
+		ReclaimPolicy:        ptr.To(corev1.PersistentVolumeReclaimDelete),
+		AllowVolumeExpansion: ptr.To(true),
+		VolumeBindingMode:    ptr.To(storagev1.VolumeBindingImmediate),
+		Parameters:           map[string]string{"numberOfReplicas": "3", "staleReplicaTimeout": "30"},
+	}
+	if _, err := s.kube.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	return nil
+}

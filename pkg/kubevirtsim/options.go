@@ -1,0 +1,288 @@
+package kubevirtsim
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"time"
+)
+
+// Mode selects which hotplug machinery the simulated KubeVirt runs. It only
+// decides the feature gates written to the KubeVirt CR at Install; at run
+// time the simulator follows the gates in the CR (legacy wins when both are
+// listed), as KubeVirt does.
+type Mode string
+
+const (
+	// ModeLegacy lists the HotplugVolumes gate: addvolume/removevolume queue
+	// requests in vm.status.volumeRequests for the legacy VM controller.
+	ModeLegacy Mode = "legacy"
+	// ModeDeclarative lists only DeclarativeHotplugVolumes (profile v1.7+):
+	// clients edit the VM spec (or call the VM subresource, which does that).
+	ModeDeclarative Mode = "declarative"
+)
+
+// Profile selects version-dependent behaviour: bus rules, the feature-gate
+// message, the VM-owned-VMI check and the removal phases.
+type Profile string
+
+const (
+	// ProfileV15 is KubeVirt 1.5 (Harvester 1.6): legacy only, scsi only,
+	// removal goes to Detaching at once.
+	ProfileV15 Profile = "v1.5"
+	// ProfileV17 is KubeVirt 1.6 to 1.8: both gates exist, scsi or virtio,
+	// removal goes Ready -> UnMountedFromPod -> Detaching -> gone.
+	ProfileV17 Profile = "v1.7+"
+)
+
+// Feature gate names in the KubeVirt CR.
+const (
+	GateHotplugVolumes            = "HotplugVolumes"
+	GateDeclarativeHotplugVolumes = "DeclarativeHotplugVolumes"
+)
+
+// DiskHook lets a test attach something real (a loop device, say) when the
+// simulated virt-handler plugs a volume into the guest. vm is
+// "namespace/name". Plug runs just before a volumeStatus entry turns Ready;
+// an error keeps the entry in MountedToPod and Plug is retried at the next
+// handler poll. Unplug runs when the volume is unmounted from the VM; an
+// error is retried the same way.
+type DiskHook interface {
+	Plug(ctx context.Context, vm, volume, claimName string) error
+	Unplug(ctx context.Context, vm, volume string) error
+}
+
+// Timings are the simulated latencies of reference §7 items 1 and 21. A zero
+// field takes the default shown; a negative field means "no delay". Every
+// value is multiplied by Options.Scale.
+type Timings struct {
+	// API is virt-api's handling time before it reads the object (10ms).
+	API time.Duration
+	// RaceWindow is δ, the time between virt-api's GET and its compare-and-
+	// swap patch (20ms). Wider windows give more 422s under concurrency.
+	RaceWindow time.Duration
+	// VMReconcile is the delay between a VM or VMI event and the VM
+	// controller's pass (50ms).
+	VMReconcile time.Duration
+	// VMIReconcile is the delay between an event and the VMI controller's pass
+	// (50ms).
+	VMIReconcile time.Duration
+	// PodStart is the time from creating an attachment pod to its being
+	// Running and Ready (8s).
+	PodStart time.Duration
+	// Mount is the time from AttachedToNode with a ready pod to MountedToPod
+	// (1s).
+	Mount time.Duration
+	// DomainAttach is the time from MountedToPod to Ready (1s).
+	DomainAttach time.Duration
+	// Detach is the time virt-handler needs to detach a removed volume from the
+	// domain and unmount it (2s), v1.7+ profile.
+	Detach time.Duration
+	// PodDelete is the time a deleted attachment pod spends terminating (1s).
+	PodDelete time.Duration
+	// HandlerPoll is virt-handler's requeue period while a target is empty or
+	// a disk hook failed (1s).
+	HandlerPoll time.Duration
+	// Bind is the time the host provisioner takes to bind a PVC (100ms).
+	Bind time.Duration
+	// VMIShutdown is how long a VMI outlives the stop or deletion of its VM
+	// (2s).
+	VMIShutdown time.Duration
+	// BackoffBase and BackoffMax bound the VM controller's per-VM exponential
+	// backoff (5ms, 1000s).
+	BackoffBase time.Duration
+	BackoffMax  time.Duration
+}
+
+// DefaultTimings returns the unscaled defaults.
+func DefaultTimings() Timings {
+	return Timings{
+		API:          10 * time.Millisecond,
+		RaceWindow:   20 * time.Millisecond,
+		VMReconcile:  50 * time.Millisecond,
+		VMIReconcile: 50 * time.Millisecond,
+		PodStart:     8 * time.Second,
+		Mount:        time.Second,
+		DomainAttach: time.Second,
+		Detach:       2 * time.Second,
+		PodDelete:    time.Second,
+		HandlerPoll:  time.Second,
+		Bind:         100 * time.Millisecond,
+		VMIShutdown:  2 * time.Second,
+		BackoffBase:  5 * time.Millisecond,
+		BackoffMax:   1000 * time.Second,
+	}
+}
+
+// Options configure a Sim. The zero value is a legacy v1.7+ simulator with
+// default timings over every namespace.
+type Options struct {
+	// Mode is the hotplug mode (default ModeLegacy).
+	Mode Mode
+	// Profile is the KubeVirt version profile (default ProfileV17).
+	Profile Profile
+	// FeatureGates, when non-nil, replaces the gates derived from Mode in
+	// the KubeVirt CR (an empty non-nil slice enables no hotplug gate).
+	FeatureGates []string
+
+	// Namespace limits the simulator to one namespace (VMs, VMIs, pods,
+	// PVCs, webhooks). Empty means every namespace.
+	Namespace string
+	// KubeVirtNamespace and KubeVirtName locate the KubeVirt CR
+	// (default "harvester-system"/"kubevirt").
+	KubeVirtNamespace string
+	KubeVirtName      string
+	// ServerVersion is the Harvester server-version setting. Empty derives
+	// it from the profile and mode (v1.5: v1.6.0; legacy v1.7+: v1.7.0;
+	// declarative: v1.8.0).
+	ServerVersion string
+	// SkipServerVersion leaves the server-version setting alone.
+	SkipServerVersion bool
+
+	// StorageClass is the host class the provisioner binds (default
+	// "longhorn"); BindClasslessPVCs also binds PVCs with no class.
+	StorageClass      string
+	BindClasslessPVCs bool
+	// NodeName is the node VMIs run on (default "harvester-node-0").
+	NodeName string
+
+	// DiskHook is called around guest plug and unplug; nil is a no-op.
+	DiskHook DiskHook
+
+	// Timings are the simulated latencies; Scale multiplies all of them
+	// (0 means 1; tests use e.g. 0.05).
+	Timings Timings
+	Scale   float64
+	// Jitter spreads every delay uniformly over ±Jitter of its value
+	// (0 = exact, 0.25 = ±25%); Seed seeds the generator.
+	Jitter float64
+	Seed   uint64
+
+	// StuckDetachOnReadd reproduces the v1.5 bug where a volume re-added
+	// while its entry is still Detaching stays Detaching forever.
+	StuckDetachOnReadd bool
+}
+
+func (o *Options) setDefaults() error {
+	if o.Mode == "" {
+		o.Mode = ModeLegacy
+	}
+	if o.Profile == "" {
+		o.Profile = ProfileV17
+	}
+	switch o.Mode {
+	case ModeLegacy, ModeDeclarative:
+	default:
+		return fmt.Errorf("kubevirtsim: unknown mode %q", o.Mode)
+	}
+	switch o.Profile {
+	case ProfileV15, ProfileV17:
+	default:
+		return fmt.Errorf("kubevirtsim: unknown profile %q", o.Profile)
+	}
+	if o.Profile == ProfileV15 && o.Mode == ModeDeclarative {
+		return fmt.Errorf("kubevirtsim: profile %s has no declarative hotplug", o.Profile)
+	}
+	if o.KubeVirtNamespace == "" {
+		o.KubeVirtNamespace = "harvester-system"
+	}
+	if o.KubeVirtName == "" {
+		o.KubeVirtName = "kubevirt"
+	}
+	if o.ServerVersion == "" {
+		switch {
+		case o.Profile == ProfileV15:
+			o.ServerVersion = "v1.6.0"
+		case o.Mode == ModeDeclarative:
+			o.ServerVersion = "v1.8.0"
+		default:
+			o.ServerVersion = "v1.7.0"
+		}
+	}
+	if o.StorageClass == "" {
+		o.StorageClass = "longhorn"
+	}
+	if o.NodeName == "" {
+		o.NodeName = "harvester-node-0"
+	}
+	if o.Scale <= 0 {
+		o.Scale = 1
+	}
+	if o.Jitter < 0 || o.Jitter >= 1 {
+		return fmt.Errorf("kubevirtsim: jitter %v out of [0,1)", o.Jitter)
+	}
+	d := DefaultTimings()
+	fill := func(v *time.Duration, def time.Duration) {
+		switch {
+		case *v == 0:
+			*v = def
+		case *v < 0:
+			*v = 0
+		}
+		*v = time.Duration(float64(*v) * o.Scale)
+	}
+	t := &o.Timings
+	fill(&t.API, d.API)
+	fill(&t.RaceWindow, d.RaceWindow)
+	fill(&t.VMReconcile, d.VMReconcile)
+	fill(&t.VMIReconcile, d.VMIReconcile)
+	fill(&t.PodStart, d.PodStart)
+	fill(&t.Mount, d.Mount)
+	fill(&t.DomainAttach, d.DomainAttach)
+	fill(&t.Detach, d.Detach)
+	fill(&t.PodDelete, d.PodDelete)
+	fill(&t.HandlerPoll, d.HandlerPoll)
+	fill(&t.Bind, d.Bind)
+	fill(&t.VMIShutdown, d.VMIShutdown)
+	fill(&t.BackoffBase, d.BackoffBase)
+	fill(&t.BackoffMax, d.BackoffMax)
+	if t.HandlerPoll <= 0 {
+		t.HandlerPoll = time.Millisecond
+	}
+	if t.BackoffBase <= 0 {
+		t.BackoffBase = time.Microsecond
+	}
+	if t.BackoffMax < t.BackoffBase {
+		t.BackoffMax = t.BackoffBase
+	}
+	return nil
+}
+
+// gates returns the feature gates Install writes.
+func (o *Options) gates() []string {
+	if o.FeatureGates != nil {
+		return append([]string{}, o.FeatureGates...)
+	}
+	if o.Mode == ModeDeclarative {
+		return []string{GateDeclarativeHotplugVolumes}
+	}
+	return []string{GateHotplugVolumes}
+}
+
+// jitterer draws jittered durations from a seeded generator.
+type jitterer struct {
+	mu  sync.Mutex
+	r   *rand.Rand
+	amt float64
+}
+
+func newJitterer(seed uint64, amount float64) *jitterer {
+	return &jitterer{r: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), amt: amount}
+}
+
+func (j *jitterer) d(base time.Duration) time.Duration {
+	if j.amt == 0 || base <= 0 {
+		return base
+	}
+	j.mu.Lock()
+	f := 1 + j.amt*(2*j.r.Float64()-1)
+	j.mu.Unlock()
+	return time.Duration(float64(base) * f)
+}
+
+func (j *jitterer) intn(n int) int {
+	j.mu.Lock()
+	defer j.mu.Unlock()
+	return j.r.IntN(n)
+}

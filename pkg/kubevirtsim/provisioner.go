@@ -1,0 +1,137 @@
+package kubevirtsim
+
+import (
+	"context"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/cache"
+)
+
+const pvDeletePrefix = "pv-delete:"
+
+// wantsBinding reports whether the host provisioner handles this claim.
+func (s *Sim) wantsBinding(pvc *corev1.PersistentVolumeClaim) bool {
+	class := ""
+	if pvc.Spec.StorageClassName != nil {
+		class = *pvc.Spec.StorageClassName
+	}
+	return class == s.opts.StorageClass || (class == "" && s.opts.BindClasslessPVCs)
+}
+
+// syncPVC is the host "Longhorn" provisioner plus the bits of the PV
+// controller these tests need: it creates a PV for a pending claim of the
+// class, binds both and writes the claim's status; when a bound claim is
+// gone it deletes its PV.
+func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
+	if pv, ok := strings.CutPrefix(key, pvDeletePrefix); ok {
+		err := s.kube.CoreV1().PersistentVolumes().Delete(ctx, pv, metav1.DeleteOptions{})
+		if err != nil && !apierrors.IsNotFound(err) {
+			return 0, err
+		}
+		return 0, nil
+	}
+	ns, name, _ := cache.SplitMetaNamespaceKey(key)
+	pvc, err := s.pvcLister.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	if pvc.DeletionTimestamp != nil || !s.wantsBinding(pvc) || pvc.Status.Phase == corev1.ClaimBound {
+		return 0, nil
+	}
+	now := time.Now()
+	s.mu.Lock()
+	first, seen := s.pvcSeen[pvc.UID]
+	if !seen {
+		first = now
+		s.pvcSeen[pvc.UID] = now
+	}
+	s.mu.Unlock()
+	if at := first.Add(s.jit.d(s.t.Bind)); now.Before(at) && pvc.Spec.VolumeName == "" {
+		return at.Sub(now), nil
+	}
+	log := s.log.WithValues("pvc", key)
+
+	pvName := pvc.Spec.VolumeName
+	if pvName == "" {
+		pvName = "pvc-" + string(pvc.UID)
+	}
+	size := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+	if size.IsZero() {
+		size = resource.MustParse("1Gi")
+	}
+	class := s.opts.StorageClass
+	if pvc.Spec.StorageClassName != nil {
+		class = *pvc.Spec.StorageClassName
+	}
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:        pvName,
+			Annotations: map[string]string{"pv.kubernetes.io/provisioned-by": LonghornProvisioner},
+		},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:    corev1.ResourceList{corev1.ResourceStorage: size},
+			AccessModes: pvc.Spec.AccessModes,
+			ClaimRef: &corev1.ObjectReference{
+				APIVersion: "v1", Kind: "PersistentVolumeClaim", Namespace: pvc.Namespace, Name: pvc.Name,
+				UID: pvc.UID, ResourceVersion: pvc.ResourceVersion,
+			},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimDelete,
+			StorageClassName:              class,
+			VolumeMode:                    pvc.Spec.VolumeMode,
+			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
+				Driver: LonghornProvisioner, VolumeHandle: pvName, FSType: "ext4",
+			}},
+		},
+	}
+	if len(pv.Spec.AccessModes) == 0 {
+		pv.Spec.AccessModes = []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce}
+	}
+	created, err := s.kube.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
+	switch {
+	case apierrors.IsAlreadyExists(err):
+		if created, err = s.kube.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{}); err != nil {
+			return 0, err
+		}
+	case err != nil:
+		return 0, err
+	}
+	if created.Status.Phase != corev1.VolumeBound {
+		created.Status.Phase = corev1.VolumeBound
+		if _, err := s.kube.CoreV1().PersistentVolumes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+			return 0, err
+		}
+	}
+
+	claim := pvc.DeepCopy()
+	if claim.Spec.VolumeName == "" {
+		claim.Spec.VolumeName = pvName
+		if claim.Annotations == nil {
+			claim.Annotations = map[string]string{}
+		}
+		claim.Annotations["pv.kubernetes.io/bind-completed"] = "yes"
+		claim.Annotations["pv.kubernetes.io/bound-by-controller"] = "yes"
+		claim.Annotations["volume.kubernetes.io/storage-provisioner"] = LonghornProvisioner
+		if claim, err = s.kube.CoreV1().PersistentVolumeClaims(ns).Update(ctx, claim, metav1.UpdateOptions{}); err != nil {
+			return 0, err
+		}
+	}
+	claim.Status.Phase = corev1.ClaimBound
+	claim.Status.AccessModes = pv.Spec.AccessModes
+	claim.Status.Capacity = corev1.ResourceList{corev1.ResourceStorage: size}
+	if _, err := s.kube.CoreV1().PersistentVolumeClaims(ns).UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
+		return 0, err
+	}
+	s.mu.Lock()
+	delete(s.pvcSeen, pvc.UID)
+	s.mu.Unlock()
+	log.V(2).Info("PVC bound", "pv", pvName)
+	return 0, nil
+}

@@ -1,0 +1,439 @@
+package kubevirtsim
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/yaml"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+var (
+	vmResource  = kubevirtv1.Resource("virtualmachine")
+	vmiResource = kubevirtv1.Resource("virtualmachineinstance")
+)
+
+const vmiNotRunning = "VMI is not running"
+
+// serveVolumeSubresource is virt-api's addvolume/removevolume handler
+// (reference §1.1): the checks run in the documented order and produce the
+// documented codes and messages.
+func (s *Sim) serveVolumeSubresource(w http.ResponseWriter, r *http.Request, info reqInfo) {
+	add := info.key.Subresource == "addvolume"
+	onVMI := info.key.Resource == resVMIs
+	ns, name := info.namespace, info.name
+	log := s.log.WithValues("vm", ns+"/"+name, "path", info.key.Resource+"/"+info.key.Subresource)
+
+	// 1. feature gate
+	legacy, declarative := s.gates()
+	if !legacy && !declarative {
+		msg := "Enable DeclarativeHotplugVolumes or HotplugVolumes feature gate to use this API."
+		if s.opts.Profile == ProfileV15 {
+			if add {
+				msg = "Unable to Add Volume because HotplugVolumes feature gate is not enabled."
+			} else {
+				msg = "Unable to Remove Volume because HotplugVolumes feature gate is not enabled."
+			}
+		}
+		writeStatus(w, apierrors.NewBadRequest(msg))
+		return
+	}
+
+	// 3. decode, 4. fields
+	var req kubevirtv1.VirtualMachineVolumeRequest
+	dec := yaml.NewYAMLOrJSONDecoder(r.Body, 1024)
+	if add {
+		opts := &kubevirtv1.AddVolumeOptions{}
+		if err := dec.Decode(opts); err != nil {
+			writeStatus(w, apierrors.NewBadRequest(fmt.Sprintf("Can not unmarshal Request body to struct, error: %v", err)))
+			return
+		}
+		switch {
+		case opts.Name == "":
+			writeStatus(w, apierrors.NewBadRequest("AddVolumeOptions requires name to be set"))
+			return
+		case opts.Disk == nil:
+			writeStatus(w, apierrors.NewBadRequest("AddVolumeOptions requires disk to not be nil"))
+			return
+		case opts.VolumeSource == nil:
+			writeStatus(w, apierrors.NewBadRequest("AddVolumeOptions requires VolumeSource to not be nil"))
+			return
+		}
+		opts.Disk.Name = opts.Name
+		if opts.VolumeSource.DataVolume != nil {
+			opts.VolumeSource.DataVolume.Hotpluggable = true
+		} else if opts.VolumeSource.PersistentVolumeClaim != nil {
+			opts.VolumeSource.PersistentVolumeClaim.Hotpluggable = true
+		}
+		req.AddVolumeOptions = opts
+	} else {
+		opts := &kubevirtv1.RemoveVolumeOptions{}
+		if err := dec.Decode(opts); err != nil {
+			writeStatus(w, apierrors.NewBadRequest(fmt.Sprintf("Can not unmarshal Request body to struct, error: %v", err)))
+			return
+		}
+		if opts.Name == "" {
+			writeStatus(w, apierrors.NewBadRequest("RemoveVolumeOptions requires name to be set"))
+			return
+		}
+		req.RemoveVolumeOptions = opts
+	}
+	log = log.WithValues("volume", requestName(&req))
+
+	sleepCtx(r.Context(), s.jit.d(s.t.API))
+	var serr *apierrors.StatusError
+	switch {
+	case onVMI:
+		serr = s.vmiVolumePatch(r.Context(), ns, name, &req, legacy)
+	case legacy:
+		serr = s.vmVolumePatchStatus(r.Context(), ns, name, &req)
+	default:
+		serr = s.vmVolumePatch(r.Context(), ns, name, &req)
+	}
+	if serr != nil {
+		log.V(2).Info("volume request rejected", "code", serr.Status().Code, "message", serr.Status().Message)
+		writeStatus(w, serr)
+		return
+	}
+	log.V(2).Info("volume request accepted", "dryRun", dryRunOf(&req))
+	w.WriteHeader(http.StatusAccepted)
+}
+
+func requestName(req *kubevirtv1.VirtualMachineVolumeRequest) string {
+	if req.AddVolumeOptions != nil {
+		return req.AddVolumeOptions.Name
+	}
+	if req.RemoveVolumeOptions != nil {
+		return req.RemoveVolumeOptions.Name
+	}
+	return ""
+}
+
+// dryRunOf honours dryRun only when its first element is "All".
+func dryRunOf(req *kubevirtv1.VirtualMachineVolumeRequest) []string {
+	var d []string
+	if o := req.AddVolumeOptions; o != nil {
+		d = o.DryRun
+	} else if o := req.RemoveVolumeOptions; o != nil {
+		d = o.DryRun
+	}
+	if len(d) > 0 && d[0] == metav1.DryRunAll {
+		return d
+	}
+	return nil
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+}
+
+func (s *Sim) fetchVM(ctx context.Context, ns, name string) (*kubevirtv1.VirtualMachine, *apierrors.StatusError) {
+	vm := &kubevirtv1.VirtualMachine{}
+	if err := s.kv.get(ctx, resVMs, ns, name, vm); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil, apierrors.NewNotFound(vmResource, name)
+		}
+		return nil, apierrors.NewInternalError(fmt.Errorf("unable to retrieve vm [%s]: %v", name, err))
+	}
+	return vm, nil
+}
+
+func (s *Sim) fetchVMI(ctx context.Context, ns, name string) (*kubevirtv1.VirtualMachineInstance, *apierrors.StatusError) {
+	vmi := &kubevirtv1.VirtualMachineInstance{}
+	if err := s.kv.get(ctx, resVMIs, ns, name, vmi); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil, apierrors.NewNotFound(vmiResource, name)
+		}
+		return nil, apierrors.NewInternalError(fmt.Errorf("unable to retrieve vmi [%s]: %v", name, err))
+	}
+	return vmi, nil
+}
+
+// vmVolumePatchStatus is the legacy VM path: queue the request in
+// vm.status.volumeRequests with a compare-and-swap of the whole list.
+func (s *Sim) vmVolumePatchStatus(ctx context.Context, ns, name string, req *kubevirtv1.VirtualMachineVolumeRequest) *apierrors.StatusError {
+	vm, serr := s.fetchVM(ctx, ns, name)
+	if serr != nil {
+		return serr
+	}
+	if err := verifyVolumeOption(vm.Spec.Template.Spec.Volumes, req); err != nil {
+		return apierrors.NewConflict(vmResource, name, err)
+	}
+	newList, err := queueVolumeRequest(vm.Status.VolumeRequests, req)
+	if err != nil {
+		return apierrors.NewConflict(vmResource, name, err)
+	}
+	patch, err := casPatch(casOp{"/status/volumeRequests", vm.Status.VolumeRequests, newList, len(vm.Status.VolumeRequests) > 0})
+	if err != nil {
+		return apierrors.NewInternalError(err)
+	}
+	sleepCtx(ctx, s.jit.d(s.t.RaceWindow))
+	if err := s.kv.patch(ctx, resVMs, ns, name, "status", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachine{}); err != nil {
+		return passInvalid(err, "unable to patch vm status")
+	}
+	return nil
+}
+
+// vmVolumePatch is the declarative VM path: test-and-replace the template's
+// volumes and disks.
+func (s *Sim) vmVolumePatch(ctx context.Context, ns, name string, req *kubevirtv1.VirtualMachineVolumeRequest) *apierrors.StatusError {
+	vm, serr := s.fetchVM(ctx, ns, name)
+	if serr != nil {
+		return serr
+	}
+	if err := verifyVolumeOption(vm.Spec.Template.Spec.Volumes, req); err != nil {
+		return apierrors.NewConflict(vmResource, name, err)
+	}
+	patch, err := specPatch("/spec/template", &vm.Spec.Template.Spec, req)
+	if err != nil {
+		return apierrors.NewConflict(vmResource, name, err)
+	}
+	sleepCtx(ctx, s.jit.d(s.t.RaceWindow))
+	if err := s.kv.patch(ctx, resVMs, ns, name, "", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachine{}); err != nil {
+		return passInvalid(err, "unable to patch vm")
+	}
+	return nil
+}
+
+// vmiVolumePatch is the VMI path, used by clients and by the legacy VM
+// controller.
+func (s *Sim) vmiVolumePatch(ctx context.Context, ns, name string, req *kubevirtv1.VirtualMachineVolumeRequest, legacy bool) *apierrors.StatusError {
+	vmi, serr := s.fetchVMI(ctx, ns, name)
+	if serr != nil {
+		return serr
+	}
+	if s.opts.Profile != ProfileV15 && !legacy && ownedByVM(vmi) {
+		return apierrors.NewBadRequest(fmt.Sprintf("VMI %s/%s is owned by a VM", vmi.Namespace, vmi.Name))
+	}
+	if vmi.Status.Phase != kubevirtv1.Running {
+		return apierrors.NewConflict(vmiResource, name, errors.New(vmiNotRunning))
+	}
+	if err := verifyVolumeOption(vmi.Spec.Volumes, req); err != nil {
+		return apierrors.NewConflict(vmiResource, name, err)
+	}
+	patch, err := specPatch("", &vmi.Spec, req)
+	if err != nil {
+		return apierrors.NewConflict(vmiResource, name, err)
+	}
+	sleepCtx(ctx, s.jit.d(s.t.RaceWindow))
+	if err := s.kv.patch(ctx, resVMIs, ns, name, "", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachineInstance{}); err != nil {
+		return passInvalid(err, "unable to patch vmi")
+	}
+	return nil
+}
+
+func ownedByVM(vmi *kubevirtv1.VirtualMachineInstance) bool {
+	for _, o := range vmi.OwnerReferences {
+		if o.Kind == "VirtualMachine" && o.Controller != nil && *o.Controller {
+			return true
+		}
+	}
+	return false
+}
+
+// passInvalid returns 422s (failed JSON-patch tests, webhook denials) as they
+// are and wraps anything else in a 500, as virt-api does.
+func passInvalid(err error, what string) *apierrors.StatusError {
+	var se *apierrors.StatusError
+	if apierrors.IsInvalid(err) && errors.As(err, &se) {
+		return se
+	}
+	return apierrors.NewInternalError(fmt.Errorf("%s: %v", what, err))
+}
+
+// verifyVolumeOption checks a request against a list of volumes (the VM
+// template's or the VMI's); it never looks at volumeRequests or volumeStatus.
+func verifyVolumeOption(volumes []kubevirtv1.Volume, req *kubevirtv1.VirtualMachineVolumeRequest) error {
+	foundRemove := false
+	for _, v := range volumes {
+		if o := req.AddVolumeOptions; o != nil {
+			src := hotplugSourceName(o.VolumeSource)
+			if v.Name == o.Name {
+				return fmt.Errorf("Unable to add volume [%s] because volume with that name already exists", o.Name)
+			}
+			if volumeClaim(v) != "" && volumeClaim(v) == src {
+				return fmt.Errorf("Unable to add volume source [%s] because it already exists", src)
+			}
+		} else if o := req.RemoveVolumeOptions; o != nil && (v.Name == o.Name || (volumeClaim(v) != "" && volumeClaim(v) == o.Name)) {
+			if !isHotpluggable(v) {
+				return fmt.Errorf("Unable to remove volume [%s] because it is not hotpluggable", v.Name)
+			}
+			foundRemove = true
+			break
+		}
+	}
+	if o := req.RemoveVolumeOptions; o != nil && !foundRemove {
+		return fmt.Errorf("Unable to remove volume [%s] because it does not exist", o.Name)
+	}
+	return nil
+}
+
+// queueVolumeRequest scans the queued requests and returns the new list: an
+// add is appended, a remove replaces a queued add of the same name.
+func queueVolumeRequest(list []kubevirtv1.VirtualMachineVolumeRequest, req *kubevirtv1.VirtualMachineVolumeRequest) ([]kubevirtv1.VirtualMachineVolumeRequest, error) {
+	if o := req.AddVolumeOptions; o != nil {
+		for _, q := range list {
+			if q.AddVolumeOptions != nil && q.AddVolumeOptions.Name == o.Name {
+				return nil, fmt.Errorf("add volume request for volume [%s] already exists", o.Name)
+			}
+			if q.RemoveVolumeOptions != nil && q.RemoveVolumeOptions.Name == o.Name {
+				return nil, fmt.Errorf("unable to add volume since a remove volume request for volume [%s] already exists and is still being processed", o.Name)
+			}
+		}
+		out := append(append([]kubevirtv1.VirtualMachineVolumeRequest{}, list...), *stripDryRun(req))
+		return out, nil
+	}
+	name := req.RemoveVolumeOptions.Name
+	var out []kubevirtv1.VirtualMachineVolumeRequest
+	for _, q := range list {
+		if q.AddVolumeOptions != nil && q.AddVolumeOptions.Name == name {
+			continue
+		}
+		if q.RemoveVolumeOptions != nil && q.RemoveVolumeOptions.Name == name {
+			return nil, fmt.Errorf("a remove volume request for volume [%s] already exists and is still being processed", name)
+		}
+		out = append(out, q)
+	}
+	return append(out, *stripDryRun(req)), nil
+}
+
+func stripDryRun(req *kubevirtv1.VirtualMachineVolumeRequest) *kubevirtv1.VirtualMachineVolumeRequest {
+	c := req.DeepCopy()
+	if c.AddVolumeOptions != nil {
+		c.AddVolumeOptions.DryRun = nil
+	}
+	if c.RemoveVolumeOptions != nil {
+		c.RemoveVolumeOptions.DryRun = nil
+	}
+	return c
+}
+
+// applyVolumeRequest applies a request to a VMI spec (the VM template or the
+// VMI): an add appends a hotpluggable volume and its disk unless a volume of
+// that name exists; a remove drops every volume and disk with that name.
+func applyVolumeRequest(spec *kubevirtv1.VirtualMachineInstanceSpec, req *kubevirtv1.VirtualMachineVolumeRequest) {
+	if o := req.AddVolumeOptions; o != nil {
+		for _, v := range spec.Volumes {
+			if v.Name == o.Name {
+				return
+			}
+		}
+		nv := kubevirtv1.Volume{Name: o.Name}
+		if o.VolumeSource != nil {
+			if o.VolumeSource.PersistentVolumeClaim != nil {
+				pvc := o.VolumeSource.PersistentVolumeClaim.DeepCopy()
+				pvc.Hotpluggable = true
+				nv.PersistentVolumeClaim = pvc
+			} else if o.VolumeSource.DataVolume != nil {
+				dv := o.VolumeSource.DataVolume.DeepCopy()
+				dv.Hotpluggable = true
+				nv.DataVolume = dv
+			}
+		}
+		spec.Volumes = append(spec.Volumes, nv)
+		if o.Disk != nil {
+			d := o.Disk.DeepCopy()
+			d.Name = o.Name
+			spec.Domain.Devices.Disks = append(spec.Domain.Devices.Disks, *d)
+		}
+		return
+	}
+	if o := req.RemoveVolumeOptions; o != nil {
+		vols := []kubevirtv1.Volume{}
+		for _, v := range spec.Volumes {
+			if v.Name != o.Name {
+				vols = append(vols, v)
+			}
+		}
+		disks := []kubevirtv1.Disk{}
+		for _, d := range spec.Domain.Devices.Disks {
+			if d.Name != o.Name {
+				disks = append(disks, d)
+			}
+		}
+		spec.Volumes, spec.Domain.Devices.Disks = vols, disks
+	}
+}
+
+// specPatch builds virt-api's test-and-replace patch on the volumes and disks
+// under prefix ("/spec/template" for a VM, "" for a VMI).
+func specPatch(prefix string, spec *kubevirtv1.VirtualMachineInstanceSpec, req *kubevirtv1.VirtualMachineVolumeRequest) ([]byte, error) {
+	next := spec.DeepCopy()
+	applyVolumeRequest(next, req)
+	return casPatch(
+		casOp{prefix + "/spec/volumes", spec.Volumes, next.Volumes, len(spec.Volumes) > 0},
+		casOp{prefix + "/spec/domain/devices/disks", spec.Domain.Devices.Disks, next.Domain.Devices.Disks, len(spec.Domain.Devices.Disks) > 0},
+	)
+}
+
+// casOp is one guarded list write: test the old value, then replace it (or
+// add it when the old list was empty).
+type casOp struct {
+	path     string
+	old, new any
+	replace  bool
+}
+
+func casPatch(ops ...casOp) ([]byte, error) {
+	type op struct {
+		Op    string `json:"op"`
+		Path  string `json:"path"`
+		Value any    `json:"value"`
+	}
+	var out []op
+	for _, o := range ops {
+		out = append(out, op{"test", o.path, o.old})
+	}
+	for _, o := range ops {
+		verb := "add"
+		if o.replace {
+			verb = "replace"
+		}
+		out = append(out, op{verb, o.path, o.new})
+	}
+	return json.Marshal(out)
+}
+
+func hotplugSourceName(src *kubevirtv1.HotplugVolumeSource) string {
+	if src == nil {
+		return ""
+	}
+	if src.DataVolume != nil {
+		return src.DataVolume.Name
+	}
+	if src.PersistentVolumeClaim != nil {
+		return src.PersistentVolumeClaim.ClaimName
+	}
+	return ""
+}
+
+// volumeClaim is the claim (or DataVolume, same name) behind a volume.
+func volumeClaim(v kubevirtv1.Volume) string {
+	if v.PersistentVolumeClaim != nil {
+		return v.PersistentVolumeClaim.ClaimName
+	}
+	if v.DataVolume != nil {
+		return v.DataVolume.Name
+	}
+	return ""
+}
+
+func isHotpluggable(v kubevirtv1.Volume) bool {
+	return (v.PersistentVolumeClaim != nil && v.PersistentVolumeClaim.Hotpluggable) ||
+		(v.DataVolume != nil && v.DataVolume.Hotpluggable)
+}

@@ -1,0 +1,446 @@
+package kubevirtsim
+
+import (
+	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/json"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"io"
+	"math/big"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	admissionv1 "k8s.io/api/admission/v1"
+	admregv1 "k8s.io/api/admissionregistration/v1"
+	"k8s.io/apimachinery/pkg/api/equality"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/utils/ptr"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// Names of the simulated admission webhooks, as they appear in denial
+// messages ("admission webhook "<name>" denied the request: ...").
+const (
+	WebhookVMStatus  = "kubevirt-crd-status-validator.kubevirt.io"
+	WebhookVM        = "virtualmachine-validator.kubevirt.io"
+	WebhookHarvester = "validator.harvesterhci.io"
+)
+
+const probeAnnotation = "kubevirtsim.io/webhook-probe"
+
+type webhookServer struct {
+	srv    *http.Server
+	url    string
+	caPEM  []byte
+	cfgKey string // name of the ValidatingWebhookConfiguration
+}
+
+func startWebhook(s *Sim) (*webhookServer, error) {
+	certPEM, keyPEM, err := selfSignedCert()
+	if err != nil {
+		return nil, err
+	}
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		return nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, err
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/vm-status", s.admitHandler(s.admitVMStatus))
+	mux.HandleFunc("/vm", s.admitHandler(s.admitVM))
+	mux.HandleFunc("/harvester-vm", s.admitHandler(s.admitHarvesterVM))
+	name := "kubevirtsim"
+	if s.opts.Namespace != "" {
+		name += "-" + s.opts.Namespace
+	}
+	w := &webhookServer{
+		srv:    &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}},
+		url:    "https://" + ln.Addr().String(),
+		caPEM:  certPEM,
+		cfgKey: name,
+	}
+	s.goRun(func() {
+		if err := w.srv.ServeTLS(ln, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			s.log.Error(err, "webhook server stopped")
+		}
+	})
+	return w, nil
+}
+
+func (w *webhookServer) close() {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := w.srv.Shutdown(ctx); err != nil {
+		_ = w.srv.Close()
+	}
+}
+
+func selfSignedCert() (certPEM, keyPEM []byte, err error) {
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		return nil, nil, err
+	}
+	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
+	if err != nil {
+		return nil, nil, err
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber:          serial,
+		Subject:               pkix.Name{CommonName: "kubevirtsim-webhook"},
+		NotBefore:             time.Now().Add(-time.Hour),
+		NotAfter:              time.Now().Add(24 * time.Hour),
+		IsCA:                  true,
+		BasicConstraintsValid: true,
+		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
+		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
+		IPAddresses:           []net.IP{net.ParseIP("127.0.0.1")},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		return nil, nil, err
+	}
+	kder, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		return nil, nil, err
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), nil
+}
+
+// registerWebhooks writes the ValidatingWebhookConfiguration and waits until
+// the API server calls it.
+func (s *Sim) registerWebhooks(ctx context.Context) error {
+	w := s.webhook
+	var nsSel *metav1.LabelSelector
+	if s.opts.Namespace != "" {
+		nsSel = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/metadata.name": s.opts.Namespace}}
+	}
+	hook := func(name, path string, ops []admregv1.OperationType, resource string) admregv1.ValidatingWebhook {
+		return admregv1.ValidatingWebhook{
+			Name:                    name,
+			ClientConfig:            admregv1.WebhookClientConfig{URL: ptr.To(w.url + path), CABundle: w.caPEM},
+			Rules:                   []admregv1.RuleWithOperations{{Operations: ops, Rule: admregv1.Rule{APIGroups: []string{"kubevirt.io"}, APIVersions: []string{"v1"}, Resources: []string{resource}, Scope: ptr.To(admregv1.NamespacedScope)}}},
+			FailurePolicy:           ptr.To(admregv1.Fail),
+			SideEffects:             ptr.To(admregv1.SideEffectClassNone),
+			AdmissionReviewVersions: []string{"v1"},
+			TimeoutSeconds:          ptr.To[int32](10),
+			NamespaceSelector:       nsSel,
+		}
+	}
+	cfg := &admregv1.ValidatingWebhookConfiguration{
+		ObjectMeta: metav1.ObjectMeta{Name: w.cfgKey},
+		Webhooks: []admregv1.ValidatingWebhook{
+			hook(WebhookVMStatus, "/vm-status", []admregv1.OperationType{admregv1.Update}, "virtualmachines/status"),
+			hook(WebhookVM, "/vm", []admregv1.OperationType{admregv1.Create, admregv1.Update}, "virtualmachines"),
+			hook(WebhookHarvester, "/harvester-vm", []admregv1.OperationType{admregv1.Update}, "virtualmachines"),
+		},
+	}
+	api := s.kube.AdmissionregistrationV1().ValidatingWebhookConfigurations()
+	cur, err := api.Get(ctx, cfg.Name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		_, err = api.Create(ctx, cfg, metav1.CreateOptions{})
+	case err == nil:
+		cur.Webhooks = cfg.Webhooks
+		_, err = api.Update(ctx, cur, metav1.UpdateOptions{})
+	}
+	if err != nil {
+		return fmt.Errorf("kubevirtsim: register webhooks: %w", err)
+	}
+	// Probe until the API server has picked the configuration up: a dry-run
+	// create that the VM webhook denies on sight.
+	probeNS := s.opts.Namespace
+	if probeNS == "" {
+		probeNS = "default"
+	}
+	if err := s.ensureNamespace(ctx, probeNS); err != nil {
+		return err
+	}
+	probe := &kubevirtv1.VirtualMachine{
+		TypeMeta:   metav1.TypeMeta{APIVersion: kubevirtv1.GroupVersion.String(), Kind: "VirtualMachine"},
+		ObjectMeta: metav1.ObjectMeta{Name: "kubevirtsim-webhook-probe", Namespace: probeNS, Annotations: map[string]string{probeAnnotation: w.url}},
+		Spec:       kubevirtv1.VirtualMachineSpec{Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{}},
+	}
+	return wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		err := s.kv.rc.Post().Namespace(probeNS).Resource(resVMs).Param("dryRun", metav1.DryRunAll).Body(probe).Do(ctx).Error()
+		if err != nil && apierrors.IsInvalid(err) {
+			if st, ok := err.(*apierrors.StatusError); ok && st.ErrStatus.Message != "" && strings.Contains(st.ErrStatus.Message, "kubevirtsim webhook probe") {
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+}
+
+func (s *Sim) unregisterWebhooks(ctx context.Context) {
+	err := s.kube.AdmissionregistrationV1().ValidatingWebhookConfigurations().Delete(ctx, s.webhook.cfgKey, metav1.DeleteOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		s.log.V(1).Info("could not remove webhook configuration", "name", s.webhook.cfgKey, "err", err)
+	}
+}
+
+// admitHandler decodes an AdmissionReview, runs f and answers.
+func (s *Sim) admitHandler(f func(*admissionv1.AdmissionRequest) []metav1.StatusCause) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		body, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		var review admissionv1.AdmissionReview
+		if err := json.Unmarshal(body, &review); err != nil || review.Request == nil {
+			http.Error(w, "bad admission review", http.StatusBadRequest)
+			return
+		}
+		resp := &admissionv1.AdmissionResponse{UID: review.Request.UID, Allowed: true}
+		if causes := f(review.Request); len(causes) > 0 {
+			msg := ""
+			for _, c := range causes {
+				if msg == "" {
+					msg = c.Message
+				} else {
+					msg += ", " + c.Message
+				}
+			}
+			resp.Allowed = false
+			resp.Result = &metav1.Status{
+				Status:  metav1.StatusFailure,
+				Message: msg,
+				Reason:  metav1.StatusReasonInvalid,
+				Code:    http.StatusUnprocessableEntity,
+				Details: &metav1.StatusDetails{Causes: causes},
+			}
+		}
+		out := admissionv1.AdmissionReview{TypeMeta: review.TypeMeta, Response: resp}
+		data, _ := json.Marshal(out)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write(data)
+	}
+}
+
+func decodeVM(raw []byte) (*kubevirtv1.VirtualMachine, error) {
+	vm := &kubevirtv1.VirtualMachine{}
+	if len(raw) == 0 {
+		return vm, nil
+	}
+	return vm, json.Unmarshal(raw, vm)
+}
+
+func invalid(field, format string, args ...any) []metav1.StatusCause {
+	return []metav1.StatusCause{{Type: metav1.CauseTypeFieldValueInvalid, Message: fmt.Sprintf(format, args...), Field: field}}
+}
+
+// admitVMStatus is the status validator of reference §1.3: it validates the
+// queued volume requests against each other, the template, the running VMI,
+// the bus rules of the profile and migrations.
+func (s *Sim) admitVMStatus(req *admissionv1.AdmissionRequest) []metav1.StatusCause {
+	vm, err := decodeVM(req.Object.Raw)
+	if err != nil {
+		return invalid("", "%v", err)
+	}
+	if len(vm.Status.VolumeRequests) == 0 {
+		return nil
+	}
+	const field = "Status.volumeRequests"
+	vmVols := map[string]kubevirtv1.Volume{}
+	for _, v := range vm.Spec.Template.Spec.Volumes {
+		vmVols[v.Name] = v
+	}
+	var vmi *kubevirtv1.VirtualMachineInstance
+	if vm.Status.Ready {
+		if obj, ok, _ := s.vmiInf.GetStore().GetByKey(vm.Namespace + "/" + vm.Name); ok {
+			if v := obj.(*kubevirtv1.VirtualMachineInstance); v.DeletionTimestamp == nil {
+				vmi = v
+			}
+		}
+	}
+	vmiVols := map[string]kubevirtv1.Volume{}
+	if vmi != nil {
+		for _, v := range vmi.Spec.Volumes {
+			vmiVols[v.Name] = v
+		}
+	}
+	adds, removes := map[string]bool{}, map[string]bool{}
+	for _, r := range vm.Status.VolumeRequests {
+		switch {
+		case r.AddVolumeOptions != nil && r.RemoveVolumeOptions != nil:
+			return invalid(field, "VolumeRequests require either addVolumeOptions or removeVolumeOptions to be set, not both")
+		case r.AddVolumeOptions != nil:
+			name := r.AddVolumeOptions.Name
+			if adds[name] {
+				return invalid(field, "AddVolume request for [%s] aleady exists", name)
+			}
+			if c := s.validateHotplugDisk(r.AddVolumeOptions.Disk, name, "AddVolume request", field); c != nil {
+				return c
+			}
+			nv := kubevirtv1.Volume{Name: name}
+			if src := r.AddVolumeOptions.VolumeSource; src != nil {
+				if src.PersistentVolumeClaim != nil {
+					nv.PersistentVolumeClaim = src.PersistentVolumeClaim
+				} else if src.DataVolume != nil {
+					nv.DataVolume = src.DataVolume
+				}
+			}
+			if v, ok := vmVols[name]; ok && !equality.Semantic.DeepEqual(nv, v) {
+				return invalid(field, "AddVolume request for [%s] conflicts with an existing volume of the same name on the vmi template.", name)
+			}
+			if v, ok := vmiVols[name]; ok && !equality.Semantic.DeepEqual(nv, v) {
+				return invalid(field, "AddVolume request for [%s] conflicts with an existing volume of the same name on currently running vmi", name)
+			}
+			adds[name] = true
+		case r.RemoveVolumeOptions != nil:
+			name := r.RemoveVolumeOptions.Name
+			if removes[name] {
+				return invalid(field, "RemoveVolume request for [%s] aleady exists", name)
+			}
+			removes[name] = true
+		default:
+			return invalid(field, "VolumeRequests require one of either addVolumeOptions or removeVolumeOptions to be set")
+		}
+	}
+	if vmi != nil && isMigrating(vmi) {
+		return []metav1.StatusCause{{Type: metav1.CauseTypeFieldValueNotSupported, Message: "Cannot handle volume requests while VMI migration is in progress", Field: "spec"}}
+	}
+	return nil
+}
+
+func isMigrating(vmi *kubevirtv1.VirtualMachineInstance) bool {
+	ms := vmi.Status.MigrationState
+	if ms == nil || ms.StartTimestamp == nil {
+		return false
+	}
+	now := time.Now()
+	if ms.StartTimestamp.After(now) {
+		return false
+	}
+	return ms.EndTimestamp == nil || ms.EndTimestamp.After(now)
+}
+
+// validateHotplugDisk applies the hotplug bus rules of the profile.
+func (s *Sim) validateHotplugDisk(disk *kubevirtv1.Disk, name, prefix, field string) []metav1.StatusCause {
+	if disk == nil {
+		return invalid(field, "%s for [%s] requires the disk field to be set.", prefix, name)
+	}
+	if disk.Disk == nil && disk.LUN == nil {
+		return invalid(field, "%s for [%s] requires diskDevice of type 'disk' or 'lun' to be used.", prefix, name)
+	}
+	bus := diskBus(disk)
+	if s.opts.Profile == ProfileV15 {
+		if bus != kubevirtv1.DiskBusSCSI {
+			return invalid(field, "%s for [%s] requires disk bus to be 'scsi'. [%s] is not permitted", prefix, name, bus)
+		}
+		return nil
+	}
+	if disk.Disk != nil {
+		if bus != kubevirtv1.DiskBusSCSI && bus != kubevirtv1.DiskBusVirtio {
+			return invalid(field, "%s for disk [%s] requires bus to be 'scsi' or 'virtio'. [%s] is not permitted.", prefix, name, bus)
+		}
+		return nil
+	}
+	if bus != kubevirtv1.DiskBusSCSI {
+		return invalid(field, "%s for LUN [%s] requires bus to be 'scsi'. [%s] is not permitted.", prefix, name, bus)
+	}
+	return nil
+}
+
+func diskBus(d *kubevirtv1.Disk) kubevirtv1.DiskBus {
+	switch {
+	case d.Disk != nil:
+		return d.Disk.Bus
+	case d.LUN != nil:
+		return d.LUN.Bus
+	case d.CDRom != nil:
+		return d.CDRom.Bus
+	}
+	return ""
+}
+
+// admitVM is the VM validator's snapshot rule (and the startup probe).
+func (s *Sim) admitVM(req *admissionv1.AdmissionRequest) []metav1.StatusCause {
+	vm, err := decodeVM(req.Object.Raw)
+	if err != nil {
+		return invalid("", "%v", err)
+	}
+	if req.Operation == admissionv1.Create && vm.Annotations[probeAnnotation] == s.webhook.url {
+		return invalid("", "kubevirtsim webhook probe")
+	}
+	if req.Operation != admissionv1.Update || vm.Status.SnapshotInProgress == nil {
+		return nil
+	}
+	old, err := decodeVM(req.OldObject.Raw)
+	if err != nil {
+		return []metav1.StatusCause{{Type: metav1.CauseTypeUnexpectedServerResponse, Message: "Could not fetch old vm"}}
+	}
+	if !sameVolumes(old.Spec.Template, vm.Spec.Template) {
+		return []metav1.StatusCause{{Type: metav1.CauseTypeFieldValueNotSupported,
+			Message: fmt.Sprintf("Cannot update vm disks or volumes until snapshot %q completes", *vm.Status.SnapshotInProgress), Field: "spec"}}
+	}
+	return nil
+}
+
+func sameVolumes(a, b *kubevirtv1.VirtualMachineInstanceTemplateSpec) bool {
+	var va, vb []kubevirtv1.Volume
+	if a != nil {
+		va = a.Spec.Volumes
+	}
+	if b != nil {
+		vb = b.Spec.Volumes
+	}
+	if len(va) != len(vb) {
+		return false
+	}
+	for i := range va {
+		if !equality.Semantic.DeepEqual(va[i], vb[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+// admitHarvesterVM denies VM updates that add a volume the test marked with
+// DenyVolume, like Harvester's VM validator does for a volume in use by
+// another VM.
+func (s *Sim) admitHarvesterVM(req *admissionv1.AdmissionRequest) []metav1.StatusCause {
+	denied := s.faults.deniedVolumes()
+	if len(denied) == 0 {
+		return nil
+	}
+	vm, err := decodeVM(req.Object.Raw)
+	if err != nil || vm.Spec.Template == nil {
+		return nil
+	}
+	old, _ := decodeVM(req.OldObject.Raw)
+	had := map[string]bool{}
+	if old.Spec.Template != nil {
+		for _, v := range old.Spec.Template.Spec.Volumes {
+			had[v.Name] = true
+		}
+	}
+	for _, v := range vm.Spec.Template.Spec.Volumes {
+		if had[v.Name] {
+			continue
+		}
+		for _, key := range []string{v.Name, volumeClaim(v)} {
+			if msg, ok := denied[key]; ok && key != "" {
+				if msg == "" {
+					msg = fmt.Sprintf("the volume %s is already used by VM %s/%s", volumeClaim(v), vm.Namespace, "another-vm")
+				}
+				return invalid("spec.template.spec.volumes", "%s", msg)
+			}
+		}
+	}
+	return nil
+}
