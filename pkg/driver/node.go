@@ -92,6 +92,14 @@ type nodeService struct {
 	serials  map[string]string
 }
 
+// forget drops what the service remembers about a volume once unstaged.
+func (s *nodeService) forget(id, staging string) {
+	s.sweeper.Forget(staging)
+	s.serialMu.Lock()
+	defer s.serialMu.Unlock()
+	delete(s.serials, id)
+}
+
 func (s *nodeService) serial(id string, publishContext map[string]string) string {
 	s.serialMu.Lock()
 	defer s.serialMu.Unlock()
@@ -393,7 +401,7 @@ func (s *nodeService) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstag
 				return nil, toStatus(err)
 			}
 		}
-		s.sweeper.Forget(staging)
+		s.forget(id, staging)
 		logger.V(2).Info("nothing staged", "path", staging)
 		return &csi.NodeUnstageVolumeResponse{}, nil
 	}
@@ -420,10 +428,7 @@ func (s *nodeService) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstag
 			}
 		}
 	}
-	s.sweeper.Forget(staging)
-	s.serialMu.Lock()
-	delete(s.serials, id)
-	s.serialMu.Unlock()
+	s.forget(id, staging)
 	logger.Info("volume unstaged", "device", dev.Path, "path", staging)
 	return &csi.NodeUnstageVolumeResponse{}, nil
 }
@@ -653,6 +658,10 @@ func (s *nodeService) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandV
 		if err != nil {
 			return nil, toStatus(err)
 		}
+		if required > 0 && size < required {
+			return nil, status.Errorf(codes.FailedPrecondition, "disk %s is %d bytes, less than the requested %d: it has not grown on this node yet", dev.Path, size, required)
+		}
+		logger.Info("block volume size checked after expansion", "device", dev.Path, "bytes", size)
 		return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
 	}
 	mnt, ok, err := s.mounter.MountAt(path)

@@ -10,6 +10,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -76,7 +77,8 @@ func New(o Options) (*LoopDisks, error) {
 	return &LoopDisks{o: o}, nil
 }
 
-// ByIDDir is the by-id directory of vm, to give that node's driver.
+// ByIDDir is the by-id directory of vm, to give that node's driver as its
+// --by-id-dir. A vm of the form "namespace/name" makes nested directories.
 func (l *LoopDisks) ByIDDir(vm string) string { return filepath.Join(l.o.ByIDRoot, vm) }
 
 // BackingFile is the backing file of claimName.
@@ -187,25 +189,30 @@ func (l *LoopDisks) Grow(ctx context.Context, claimName string, size int64) erro
 	return nil
 }
 
-// Close unplugs every disk of every VM; it is for test cleanup.
+// Close unplugs every disk of every VM; it is for test cleanup. VM names may
+// contain a slash (the simulator passes "namespace/name"), so by-id
+// directories are found at any depth.
 func (l *LoopDisks) Close(ctx context.Context) error {
-	vms, err := os.ReadDir(l.o.ByIDRoot)
-	if err != nil {
-		if os.IsNotExist(err) {
+	var errs []error
+	err := filepath.WalkDir(l.o.ByIDRoot, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			if os.IsNotExist(err) {
+				return nil
+			}
+			return err
+		}
+		vol, ok := strings.CutPrefix(d.Name(), LinkPrefix)
+		if !ok || d.IsDir() {
 			return nil
 		}
-		return err
-	}
-	var errs []error
-	for _, vm := range vms {
-		links, _ := os.ReadDir(filepath.Join(l.o.ByIDRoot, vm.Name()))
-		for _, ln := range links {
-			if vol, ok := strings.CutPrefix(ln.Name(), LinkPrefix); ok {
-				errs = append(errs, l.Unplug(ctx, vm.Name(), vol))
-			}
+		vm, err := filepath.Rel(l.o.ByIDRoot, filepath.Dir(path))
+		if err != nil {
+			return err
 		}
-	}
-	return errors.Join(errs...)
+		errs = append(errs, l.Unplug(ctx, vm, vol))
+		return nil
+	})
+	return errors.Join(append(errs, err)...)
 }
 
 func ensureSize(file string, size int64) error {

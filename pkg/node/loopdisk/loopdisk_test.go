@@ -64,13 +64,19 @@ func TestPlugUnplugGrow(t *testing.T) {
 	if st, err := os.Stat(l.BackingFile("claim")); err != nil || st.Size() != 2*DefaultSize {
 		t.Fatalf("backing file after unplug %v %v", st, err)
 	}
-	if err := l.Plug(ctx, "vm-b", "vol", "claim"); err != nil {
+	// The simulator names VMs "namespace/name".
+	if err := l.Plug(ctx, "ns/vm-b", "vol", "claim"); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Plug(ctx, "vm-c", "vol2", "claim2"); err != nil {
 		t.Fatal(err)
 	}
 	if err := l.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, ok := l.Device("vm-b", "vol"); ok {
-		t.Fatal("Close left a disk plugged")
+	for _, p := range [][2]string{{"ns/vm-b", "vol"}, {"vm-c", "vol2"}} {
+		if _, ok := l.Device(p[0], p[1]); ok {
+			t.Fatalf("Close left %v plugged", p)
+		}
 	}
 }

@@ -11,6 +11,8 @@ import (
 	"sort"
 	"strings"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
@@ -162,4 +164,40 @@ func sharesMAC(local, vmi []string) bool {
 		}
 	}
 	return false
+}
+
+// KubeVirtVMIs is the part of a typed KubeVirt VMI client (for example
+// KubevirtV1().VirtualMachineInstances(hostNamespace)) discovery uses.
+type KubeVirtVMIs interface {
+	Get(ctx context.Context, name string, opts metav1.GetOptions) (*kubevirtv1.VirtualMachineInstance, error)
+	List(ctx context.Context, opts metav1.ListOptions) (*kubevirtv1.VirtualMachineInstanceList, error)
+}
+
+// KubeVirtSource adapts a typed VMI client to VMISource.
+func KubeVirtSource(vmis KubeVirtVMIs) VMISource { return kubeVirtSource{vmis} }
+
+type kubeVirtSource struct{ c KubeVirtVMIs }
+
+func (s kubeVirtSource) GetVMI(ctx context.Context, name string) (*VMI, error) {
+	vmi, err := s.c.Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	v := FromKubeVirt(vmi)
+	return &v, nil
+}
+
+func (s kubeVirtSource) ListVMIs(ctx context.Context) ([]VMI, error) {
+	list, err := s.c.List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]VMI, 0, len(list.Items))
+	for i := range list.Items {
+		out = append(out, FromKubeVirt(&list.Items[i]))
+	}
+	return out, nil
 }

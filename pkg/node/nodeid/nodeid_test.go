@@ -7,7 +7,9 @@ import (
 	"path/filepath"
 	"testing"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/klog/v2/ktesting"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
@@ -119,5 +121,34 @@ func TestFromKubeVirt(t *testing.T) {
 	got := FromKubeVirt(vmi)
 	if got.Name != "vm-1" || len(got.MACs) != 2 {
 		t.Fatalf("got %+v", got)
+	}
+}
+
+type typedVMIs struct {
+	items []kubevirtv1.VirtualMachineInstance
+}
+
+func (f typedVMIs) Get(_ context.Context, name string, _ metav1.GetOptions) (*kubevirtv1.VirtualMachineInstance, error) {
+	for i := range f.items {
+		if f.items[i].Name == name {
+			return &f.items[i], nil
+		}
+	}
+	return nil, apierrors.NewNotFound(schema.GroupResource{Group: "kubevirt.io", Resource: "virtualmachineinstances"}, name)
+}
+
+func (f typedVMIs) List(context.Context, metav1.ListOptions) (*kubevirtv1.VirtualMachineInstanceList, error) {
+	return &kubevirtv1.VirtualMachineInstanceList{Items: f.items}, nil
+}
+
+func TestKubeVirtSource(t *testing.T) {
+	root := sysfs(t, map[string]string{"eth0": "52:54:00:12:34:56"})
+	vmi := kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Name: "guest-1"}}
+	vmi.Status.Interfaces = []kubevirtv1.VirtualMachineInstanceNetworkInterface{{MAC: "52:54:00:12:34:56"}}
+	_, ctx := ktesting.NewTestContext(t)
+	// The hostname's VMI does not exist (NotFound is not an error); the list finds the VM.
+	got, err := Discover(ctx, Options{SysfsRoot: root, Hostname: "node-1", VMIs: KubeVirtSource(typedVMIs{items: []kubevirtv1.VirtualMachineInstance{vmi}})})
+	if err != nil || got != "guest-1" {
+		t.Fatalf("got %q, %v", got, err)
 	}
 }
