@@ -9,15 +9,18 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"runtime"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -26,11 +29,19 @@ import (
 
 // One API server for the whole package; every test runs its own simulator
 // scoped to its own namespace (and its own KubeVirt CR there).
-var env *testenv.Env
+var (
+	env   *testenv.Env
+	nsSeq atomic.Int64
+)
 
 func TestMain(m *testing.M) {
 	klog.InitFlags(nil)
 	flag.Parse()
+	// The tests mostly wait on simulated time: run more of them at once than
+	// there are CPUs, unless -parallel was given.
+	if f := flag.Lookup("test.parallel"); f != nil && f.Value.String() == strconv.Itoa(runtime.GOMAXPROCS(0)) {
+		_ = f.Value.Set("6")
+	}
 	if testing.Short() {
 		os.Exit(m.Run())
 	}
@@ -57,7 +68,7 @@ func testSim(t *testing.T, opts Options) (*Sim, string) {
 	if len(ns) > 50 {
 		ns = ns[:50]
 	}
-	ns = strings.Trim(ns, "-")
+	ns = fmt.Sprintf("%s-%d", strings.Trim(ns, "-"), nsSeq.Add(1)) // unique under -count
 	opts.Namespace = ns
 	if opts.KubeVirtNamespace == "" {
 		opts.KubeVirtNamespace = ns
@@ -241,6 +252,24 @@ func recordPhases(s *Sim, ns, vm string) *phaseLog {
 	return l
 }
 
+// waitFor waits (a little) for the log of volume to equal want, since the
+// recorder's handler may run after the handler a Wait returned on.
+func (l *phaseLog) waitFor(t *testing.T, volume string, want []string, d time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for {
+		got := l.get(volume)
+		if slices.Equal(got, want) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("%s phases %v, want %v", volume, got, want)
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 func (l *phaseLog) get(volume string) []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -266,5 +295,3 @@ func detached(t *testing.T, s *Sim, ns, vm, volume string, d time.Duration) {
 		t.Fatalf("volume %s not detached: %v (entry %+v)", volume, err, e)
 	}
 }
-
-var _ = rest.Config{}

@@ -2,6 +2,7 @@ package kubevirtsim
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"time"
 
@@ -9,6 +10,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 )
 
@@ -29,11 +32,7 @@ func (s *Sim) wantsBinding(pvc *corev1.PersistentVolumeClaim) bool {
 // gone it deletes its PV.
 func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 	if pv, ok := strings.CutPrefix(key, pvDeletePrefix); ok {
-		err := s.kube.CoreV1().PersistentVolumes().Delete(ctx, pv, metav1.DeleteOptions{})
-		if err != nil && !apierrors.IsNotFound(err) {
-			return 0, err
-		}
-		return 0, nil
+		return 0, s.deletePV(ctx, pv)
 	}
 	ns, name, _ := cache.SplitMetaNamespaceKey(key)
 	pvc, err := s.pvcLister.PersistentVolumeClaims(ns).Get(name)
@@ -42,6 +41,9 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 	}
 	if err != nil {
 		return 0, err
+	}
+	if pvc.DeletionTimestamp != nil {
+		return 0, s.releasePVC(ctx, pvc)
 	}
 	if pvc.DeletionTimestamp != nil || !s.wantsBinding(pvc) || pvc.Status.Phase == corev1.ClaimBound {
 		return 0, nil
@@ -134,4 +136,72 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 	s.mu.Unlock()
 	log.V(2).Info("PVC bound", "pv", pvName)
 	return 0, nil
+}
+
+// Finalizers the API server's admission adds and kube-controller-manager
+// removes; no controller manager runs here, so the simulator removes them.
+const (
+	pvcProtection = "kubernetes.io/pvc-protection"
+	pvProtection  = "kubernetes.io/pv-protection"
+)
+
+// releasePVC plays the PVC protection controller: a deleted claim goes away
+// once no attachment pod uses it.
+func (s *Sim) releasePVC(ctx context.Context, pvc *corev1.PersistentVolumeClaim) error {
+	if !slices.Contains(pvc.Finalizers, pvcProtection) {
+		return nil
+	}
+	pods, _ := s.podLister.Pods(pvc.Namespace).List(labels.Everything())
+	for _, p := range pods {
+		if p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
+			continue
+		}
+		for _, v := range p.Spec.Volumes {
+			if v.PersistentVolumeClaim != nil && v.PersistentVolumeClaim.ClaimName == pvc.Name {
+				return nil // in use; pod events bring us back
+			}
+		}
+	}
+	return s.dropFinalizer(ctx, pvc.Finalizers, pvcProtection, func(patch []byte) error {
+		_, err := s.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Patch(ctx, pvc.Name, types.JSONPatchType, patch, metav1.PatchOptions{})
+		return err
+	})
+}
+
+// deletePV deletes a released volume (reclaim policy Delete) and lifts its
+// protection finalizer.
+func (s *Sim) deletePV(ctx context.Context, name string) error {
+	err := s.kube.CoreV1().PersistentVolumes().Delete(ctx, name, metav1.DeleteOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	pv, err := s.kube.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	return s.dropFinalizer(ctx, pv.Finalizers, pvProtection, func(patch []byte) error {
+		_, err := s.kube.CoreV1().PersistentVolumes().Patch(ctx, name, types.JSONPatchType, patch, metav1.PatchOptions{})
+		return err
+	})
+}
+
+func (s *Sim) dropFinalizer(ctx context.Context, have []string, drop string, apply func([]byte) error) error {
+	if !slices.Contains(have, drop) {
+		return nil
+	}
+	keep := slices.DeleteFunc(slices.Clone(have), func(f string) bool { return f == drop })
+	patch, err := casPatch(casOp{"/metadata/finalizers", have, keep, true})
+	if err != nil {
+		return err
+	}
+	if err := apply(patch); err != nil && !apierrors.IsNotFound(err) {
+		return err
+	}
+	return ctx.Err()
 }

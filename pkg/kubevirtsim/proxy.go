@@ -309,10 +309,13 @@ func (p *proxy) authorize(w http.ResponseWriter, r *http.Request, info reqInfo) 
 	case code == http.StatusUnauthorized:
 		writeStatus(w, apierrors.NewUnauthorized("Unauthorized"))
 		return false
+	case code == http.StatusForbidden:
+		out.Status.Allowed = false // may not even ask: not allowed either
 	case code != http.StatusCreated && code != http.StatusOK:
 		writeStatus(w, apierrors.NewInternalError(fmt.Errorf("authorization check: HTTP %d", code)))
 		return false
-	case out.Status.Allowed:
+	}
+	if out.Status.Allowed {
 		return true
 	}
 	user := "system:anonymous"

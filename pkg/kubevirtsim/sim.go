@@ -368,6 +368,11 @@ func (s *Sim) setupQueues() {
 			s.mu.Lock()
 			delete(s.pods, p.UID)
 			s.mu.Unlock()
+			for _, v := range p.Spec.Volumes { // a deleted claim may be free now
+				if v.PersistentVolumeClaim != nil {
+					s.pvcQueue.Add(p.Namespace + "/" + v.PersistentVolumeClaim.ClaimName)
+				}
+			}
 		}
 	}})
 }

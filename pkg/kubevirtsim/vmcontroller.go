@@ -21,7 +21,7 @@ const (
 	ReasonFailedUpdateError  = "FailedUpdateError"
 )
 
-const vmiFinalizer = "foregroundDeleteVirtualMachine"
+const vmiFinalizer = "kubevirt.io/virtualMachineControllerFinalize"
 
 type syncError struct {
 	reason string

@@ -224,6 +224,9 @@ func (s *Sim) syncVMI(ctx context.Context, key string) (time.Duration, error) {
 		}
 		if current == nil && len(ready) > 0 && !oldPending {
 			if podName, err := s.createAttachmentPod(ctx, vmi, st.NodeName, hot, ready); err != nil {
+				if ctx.Err() != nil {
+					return 0, nil
+				}
 				log.Error(err, "creating attachment pod")
 				soon(s.t.HandlerPoll)
 			} else {
