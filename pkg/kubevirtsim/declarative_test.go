@@ -68,6 +68,16 @@ func TestDeclarativeDirectPatch(t *testing.T) {
 			t.Errorf("%s left Ready: %v", v, got)
 		}
 	}
+	// The remaining Ready entries moved to the new pod with the smaller set.
+	_, vmi = s.VM(ns, "vm1")
+	if pods = s.attachmentPods(vmi); len(pods) != 1 || !sameSet(podVolumes(pods[0]), []string{"pvc-a", "pvc-c"}) {
+		t.Fatalf("attachment pods after the removal: %d", len(pods))
+	}
+	for _, v := range []string{"pvc-a", "pvc-c"} {
+		if e, _ := FindVolumeStatus(vmi, v); e.HotplugVolume.AttachPodName != pods[0].Name || e.HotplugVolume.AttachPodUID != pods[0].UID {
+			t.Errorf("%s still points at %s", v, e.HotplugVolume.AttachPodName)
+		}
+	}
 
 	// §4: a patch guarded by test on resourceVersion fails with 422 when the
 	// controller wrote the status in between (it does after every spec change).

@@ -68,6 +68,9 @@ func (s *Sim) AllowVolume(volume string) {
 	s.faults.mu.Lock()
 	delete(s.faults.deny, volume)
 	s.faults.mu.Unlock()
+	if s.vmInf == nil {
+		return
+	}
 	for _, k := range s.vmInf.GetStore().ListKeys() {
 		s.vmQueue.Add(k) // retry now rather than after the backoff
 	}

@@ -11,6 +11,8 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
@@ -327,4 +329,43 @@ func TestPendingPVC(t *testing.T) {
 		return ok && e.Phase == kubevirtv1.VolumePending && e.Reason == "PVCNotReady" && e.Message == "PVC is in phase ClaimPending"
 	})
 	ready(t, s, ns, "vm1", "missing", 20*time.Second)
+}
+
+// TestProxyWatch: watches stream through the front proxy with the caller's
+// credentials, and the proxy counts them.
+func TestProxyWatch(t *testing.T) {
+	t.Parallel()
+	s, ns := testSim(t, Options{})
+	ctx := testCtx(t, 30*time.Second)
+	c := proxyKV(t, s)
+	inf := c.informer(resVMs, ns, &kubevirtv1.VirtualMachine{}, &kubevirtv1.VirtualMachineList{})
+	seen := make(chan string, 10)
+	_, _ = inf.AddEventHandler(cacheHandler(func(obj any) { seen <- obj.(*kubevirtv1.VirtualMachine).Name }))
+	go inf.RunWithContext(ctx)
+	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) {
+		t.Fatal("informer through the proxy did not sync")
+	}
+	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "watched", NoWait: true}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case name := <-seen:
+		if name != "watched" {
+			t.Errorf("saw %q", name)
+		}
+	case <-ctx.Done():
+		t.Fatal("no watch event through the proxy")
+	}
+	st := s.Stats()
+	if st.Requests[RequestKey{"watch", "kubevirt.io", resVMs, ""}] != 1 || st.Requests[RequestKey{"list", "kubevirt.io", resVMs, ""}] != 1 {
+		t.Errorf("requests %v", st.Requests)
+	}
+	// Without credentials the API server answers, through the proxy, 403.
+	anon, err := newKVClient(&rest.Config{Host: s.ProxyURL()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := anon.get(ctx, resVMs, ns, "watched", &kubevirtv1.VirtualMachine{}); !apierrors.IsForbidden(err) {
+		t.Errorf("anonymous get: %v", err)
+	}
 }

@@ -375,9 +375,12 @@ func writeStatus(w http.ResponseWriter, err *apierrors.StatusError) {
 	_, _ = w.Write(data)
 }
 
-// Stats returns a snapshot of the proxy's counters.
+// Stats returns a snapshot of the proxy's counters (empty before Start).
 func (s *Sim) Stats() Stats {
 	p := s.proxy
+	if p == nil {
+		return Stats{Requests: map[RequestKey]int{}, Answers: map[RequestKey]map[int]int{}}
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	st := Stats{Requests: maps.Clone(p.reqs), Answers: map[RequestKey]map[int]int{}}
@@ -409,6 +412,9 @@ func (s *Sim) Stats() Stats {
 // ResetStats zeroes the proxy's counters.
 func (s *Sim) ResetStats() {
 	p := s.proxy
+	if p == nil {
+		return
+	}
 	p.mu.Lock()
 	p.reqs = map[RequestKey]int{}
 	p.answers = map[RequestKey]map[int]int{}

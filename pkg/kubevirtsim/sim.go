@@ -241,6 +241,7 @@ func (s *Sim) goRun(f func()) {
 // ClientConfig reaches the simulated host cluster through the front proxy
 // (plain HTTP on 127.0.0.1) with the admin token. Use it for everything a
 // driver does, so the subresources exist and Stats counts the requests.
+// Valid after Start.
 func (s *Sim) ClientConfig() *rest.Config {
 	return &rest.Config{
 		Host:        s.proxy.url,

@@ -250,3 +250,46 @@ func waitVMI(t *testing.T, s *Sim, ns, vm string, cond func(*kubevirtv1.VirtualM
 		t.Fatalf("VMI condition not reached: %v", err)
 	}
 }
+
+// TestStatusWebhook pins the status validator's own messages on direct
+// status writes (the typo "aleady" is KubeVirt's).
+func TestStatusWebhook(t *testing.T) {
+	t.Parallel()
+	s, ns := testSim(t, Options{Mode: ModeLegacy})
+	ctx := testCtx(t, 60*time.Second)
+	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
+		t.Fatal(err)
+	}
+	// An ephemeral VMI-only volume (the VMI path with the legacy gate).
+	expect202(t, call(t, s, ns, resVMIs, "vm1", "addvolume", addOpts("eph", "claim-1", "scsi")))
+	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return hasVolume(vmi.Spec.Volumes, "eph") })
+	c := proxyKV(t, s)
+	write := func(reqs ...*kubevirtv1.VirtualMachineVolumeRequest) error {
+		vm := &kubevirtv1.VirtualMachine{}
+		if err := c.get(ctx, resVMs, ns, "vm1", vm); err != nil {
+			t.Fatal(err)
+		}
+		vm.Status.VolumeRequests = nil
+		for _, r := range reqs {
+			vm.Status.VolumeRequests = append(vm.Status.VolumeRequests, *r)
+		}
+		vm.Status.Ready = true
+		return c.update(ctx, resVMs, ns, "vm1", "status", vm, vm)
+	}
+	for _, tc := range []struct {
+		reqs []*kubevirtv1.VirtualMachineVolumeRequest
+		msg  string
+	}{
+		{[]*kubevirtv1.VirtualMachineVolumeRequest{addReq("x"), addReq("x")}, "AddVolume request for [x] aleady exists"},
+		{[]*kubevirtv1.VirtualMachineVolumeRequest{rmReq("y"), rmReq("y")}, "RemoveVolume request for [y] aleady exists"},
+		{[]*kubevirtv1.VirtualMachineVolumeRequest{addReq("rootdisk")}, "AddVolume request for [rootdisk] conflicts with an existing volume of the same name on the vmi template."},
+		{[]*kubevirtv1.VirtualMachineVolumeRequest{{AddVolumeOptions: addOpts("eph", "claim-2", "scsi")}}, "AddVolume request for [eph] conflicts with an existing volume of the same name on currently running vmi"},
+		{[]*kubevirtv1.VirtualMachineVolumeRequest{{AddVolumeOptions: &kubevirtv1.AddVolumeOptions{Name: "nodisk", VolumeSource: addOpts("n", "n", "").VolumeSource}}}, "AddVolume request for [nodisk] requires the disk field to be set."},
+		{[]*kubevirtv1.VirtualMachineVolumeRequest{{}}, "VolumeRequests require one of either addVolumeOptions or removeVolumeOptions to be set"},
+	} {
+		err := write(tc.reqs...)
+		if err == nil || err.Error() != statusHook+tc.msg {
+			t.Errorf("got %v\nwant %s", err, statusHook+tc.msg)
+		}
+	}
+}
