@@ -1,0 +1,154 @@
+{{/*
+Base name of every object. It is the chart name (or nameOverride), NOT prefixed with the release name: the
+upstream chart names its objects this way and `helm upgrade` from it must find the same objects.
+*/}}
+{{- define "hcsi.name" -}}
+{{- .Values.nameOverride | default .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "hcsi.controllerName" -}}
+{{- printf "%s-controllers" (include "hcsi.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "hcsi.nodeServiceAccount" -}}
+{{- printf "%s-node" (include "hcsi.name" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Selector labels. Deployment and DaemonSet selectors are immutable, so these are exactly upstream's:
+app.kubernetes.io/name, app.kubernetes.io/instance, plus `component` per workload.
+*/}}
+{{- define "hcsi.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "hcsi.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "hcsi.controllerSelectorLabels" -}}
+component: csi-controllers
+{{ include "hcsi.selectorLabels" . }}
+{{- end -}}
+
+{{- define "hcsi.nodeSelectorLabels" -}}
+component: csi-driver
+{{ include "hcsi.selectorLabels" . }}
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "hcsi.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "hcsi.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: harvester-csi-driver
+{{- end -}}
+
+{{/* "<registry>/" when Rancher's system default registry is set. */}}
+{{- define "hcsi.registry" -}}
+{{- with .Values.global.cattle.systemDefaultRegistry -}}{{ trimSuffix "/" . }}/{{- end -}}
+{{- end -}}
+
+{{/* Image reference of a {repository, tag} map: (list $ .Values.image.csi.attacher) */}}
+{{- define "hcsi.image" -}}
+{{- $root := index . 0 -}}
+{{- $img := index . 1 -}}
+{{- printf "%s%s:%s" (include "hcsi.registry" $root) $img.repository (toString ($img.tag | default $root.Chart.AppVersion)) -}}
+{{- end -}}
+
+{{- define "hcsi.driverImage" -}}
+{{- include "hcsi.image" (list . .Values.image.harvester.csiDriver) -}}
+{{- end -}}
+
+{{/* imagePullSecrets from global.cattle.imagePullSecrets: plain names or {name: ...} objects, de-duplicated. */}}
+{{- define "hcsi.imagePullSecrets" -}}
+{{- $names := list -}}
+{{- range .Values.global.cattle.imagePullSecrets -}}
+{{- if kindIs "map" . -}}
+{{- with .name }}{{ $names = append $names . }}{{ end -}}
+{{- else if . -}}
+{{- $names = append $names (toString .) -}}
+{{- end -}}
+{{- end -}}
+{{- if $names -}}
+imagePullSecrets:
+{{- range uniq $names }}
+  - name: {{ . | quote }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/* The path, inside the pods, of the host-cluster kubeconfig. */}}
+{{- define "hcsi.cloudConfigFile" -}}/var/lib/harvester/cloud-provider-config{{- end -}}
+
+{{/* The node plugin's socket directory on the host (upstream's path, kept so kubelet's registration stays valid). */}}
+{{- define "hcsi.nodeSocketDir" -}}
+{{- printf "%s/harvester-plugins/driver.harvesterhci.io" (trimSuffix "/" .Values.kubeletRootDir) -}}
+{{- end -}}
+
+{{/* Driver flags shared by both modes. */}}
+{{- define "hcsi.commonDriverArgs" -}}
+- --endpoint=unix:///csi/csi.sock
+- --kubeconfig={{ include "hcsi.cloudConfigFile" . }}
+{{- with .Values.hostStorageClass }}
+- --host-storage-class={{ . }}
+{{- end }}
+- --kube-api-qps={{ .Values.kubeAPI.qps }}
+- --kube-api-burst={{ .Values.kubeAPI.burst }}
+{{- if .Values.metrics.enabled }}
+- --metrics-address=:{{ .Values.metrics.port }}
+{{- end }}
+{{- if .Values.debug }}
+- --debug
+{{- end }}
+{{- end -}}
+
+{{/*
+Whether the StorageClass `harvester` is marked default: isDefault, unless another StorageClass in the cluster
+is already the default (a later choice of the admin that an upgrade must not undo). lookup returns nothing
+in `helm template`, which then renders isDefault.
+*/}}
+{{- define "hcsi.storageClassIsDefault" -}}
+{{- $default := .Values.storageClass.isDefault -}}
+{{- if $default -}}
+{{- $classes := lookup "storage.k8s.io/v1" "StorageClass" "" "" -}}
+{{- range ($classes.items | default list) -}}
+{{- if and (ne .metadata.name "harvester") (eq (index (.metadata.annotations | default dict) "storageclass.kubernetes.io/is-default-class") "true") -}}
+{{- $default = false -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $default | toString -}}
+{{- end -}}
+
+{{/*
+The parts every controller sidecar shares: socket, namespace for its lease, diagnostics port and a liveness
+probe on its leader-election health check (a sidecar that lost its lease but did not exit gets restarted).
+Argument: dict "root" $ "port" <int> "portName" <name, at most 15 characters>.
+*/}}
+{{- define "hcsi.sidecarCommon" -}}
+{{- $root := .root -}}
+env:
+  - name: ADDRESS
+    value: /csi/csi.sock
+  - name: POD_NAMESPACE
+    valueFrom:
+      fieldRef:
+        fieldPath: metadata.namespace
+ports:
+  - name: {{ .portName }}
+    containerPort: {{ .port }}
+livenessProbe:
+  httpGet:
+    path: /healthz/leader-election
+    port: {{ .portName }}
+  initialDelaySeconds: 10
+  periodSeconds: 20
+  timeoutSeconds: 10
+  failureThreshold: 3
+securityContext:
+  {{- toYaml $root.Values.controller.containerSecurityContext | nindent 2 }}
+resources:
+  {{- toYaml $root.Values.controller.resources.sidecar | nindent 2 }}
+volumeMounts:
+  - name: socket-dir
+    mountPath: /csi
+{{- end -}}

@@ -1,0 +1,430 @@
+package chart
+
+import (
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"helm.sh/helm/v3/pkg/action"
+	"helm.sh/helm/v3/pkg/chart"
+	authzv1 "k8s.io/api/authorization/v1"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/meta"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/cli-runtime/pkg/genericclioptions"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/discovery/cached/memory"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/restmapper"
+	"sigs.k8s.io/yaml"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/tests/chart/render"
+)
+
+// TestAgainstAPIServer runs the chart against a real kube-apiserver (from
+// hack/tools.sh): every rendered object passes a server-side dry-run, a Helm
+// release of the upstream chart's shape upgrades in place to this chart, and
+// the installed RBAC grants the ServiceAccounts what the code needs.
+//
+// CRDs: VolumeSnapshotClass is checked against the real snapshot.storage.k8s.io
+// CRDs of the external-snapshotter client module (a Go dependency of this
+// test). ServiceMonitor is checked against a stand-in CRD with an open schema
+// (testdata/servicemonitor-crd.yaml): the dry-run validates its metadata, the
+// strict decoding into the Prometheus Operator's Go type in
+// TestEveryObjectMatchesItsAPIType validates its spec.
+func TestAgainstAPIServer(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a kube-apiserver")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	env, err := testenv.Start(ctx, testenv.Options{Namespace: render.Namespace})
+	if err != nil {
+		t.Fatalf("start the API server: %v", err)
+	}
+	t.Cleanup(env.Stop)
+	k := newKube(t, env.Config)
+
+	t.Run("crds", func(t *testing.T) { k.installCRDs(ctx, t) })
+	for _, vs := range valueSets(t) {
+		t.Run("dry-run/"+vs.name, func(t *testing.T) { k.dryRunAll(ctx, t, renderSet(t, vs)) })
+	}
+
+	helm := newHelm(t, env.Kubeconfig)
+	t.Run("upgrade-from-upstream", func(t *testing.T) { k.upgradeFromUpstream(ctx, t, helm) })
+	t.Run("rbac-on-server", func(t *testing.T) { k.checkAccessReviews(ctx, t) })
+	t.Run("immutable-fields-are-enforced", func(t *testing.T) { k.checkImmutability(ctx, t) })
+	t.Run("respects-another-default-storageclass", func(t *testing.T) { k.checkDefaultStorageClass(ctx, t, helm) })
+	t.Run("host-rbac-script", func(t *testing.T) { k.checkHostRBACScript(ctx, t, env) })
+}
+
+type kube struct {
+	cfg    *rest.Config
+	client kubernetes.Interface
+	dyn    dynamic.Interface
+	mapper *restmapper.DeferredDiscoveryRESTMapper
+}
+
+func newKube(t *testing.T, cfg *rest.Config) *kube {
+	t.Helper()
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &kube{cfg: cfg, client: client, dyn: dyn, mapper: restmapper.NewDeferredDiscoveryRESTMapper(memory.NewMemCacheClient(dc))}
+}
+
+func (k *kube) resource(o *unstructured.Unstructured) (dynamic.ResourceInterface, error) {
+	gvk := o.GroupVersionKind()
+	m, err := k.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	if err != nil {
+		return nil, err
+	}
+	if m.Scope.Name() == meta.RESTScopeNameNamespace {
+		ns := o.GetNamespace()
+		if ns == "" {
+			ns = render.Namespace
+		}
+		return k.dyn.Resource(m.Resource).Namespace(ns), nil
+	}
+	return k.dyn.Resource(m.Resource), nil
+}
+
+func (k *kube) installCRDs(ctx context.Context, t *testing.T) {
+	out, err := exec.Command("go", "list", "-mod=mod", "-m", "-f", "{{.Dir}}", "github.com/kubernetes-csi/external-snapshotter/client/v8").Output()
+	if err != nil {
+		t.Fatalf("locate the external-snapshotter client module: %v", err)
+	}
+	crdDir := filepath.Join(strings.TrimSpace(string(out)), "config", "crd")
+	files := []string{filepath.Join("testdata", "servicemonitor-crd.yaml")}
+	for _, n := range []string{"volumesnapshotclasses", "volumesnapshots", "volumesnapshotcontents"} {
+		files = append(files, filepath.Join(crdDir, "snapshot.storage.k8s.io_"+n+".yaml"))
+	}
+	ext, err := apiextensionsclient.NewForConfig(k.cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range files {
+		data, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		crd := &apiextensionsv1.CustomResourceDefinition{}
+		if err := yaml.Unmarshal(data, crd); err != nil {
+			t.Fatalf("%s: %v", f, err)
+		}
+		if _, err := ext.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, crd, metav1.CreateOptions{}); err != nil {
+			t.Fatalf("create CRD %s: %v", crd.Name, err)
+		}
+		err = wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+			got, err := ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, crd.Name, metav1.GetOptions{})
+			if err != nil {
+				return false, err
+			}
+			for _, c := range got.Status.Conditions {
+				if c.Type == apiextensionsv1.Established && c.Status == apiextensionsv1.ConditionTrue {
+					return true, nil
+				}
+			}
+			return false, nil
+		})
+		if err != nil {
+			t.Fatalf("CRD %s not established: %v", crd.Name, err)
+		}
+	}
+	k.mapper.Reset()
+}
+
+// dryRunAll server-side applies every object with dryRun=All: the API
+// server's validation and admission see them, nothing is stored.
+func (k *kube) dryRunAll(ctx context.Context, t *testing.T, r *rendered) {
+	for _, o := range r.objects {
+		if ns := o.GetNamespace(); ns != "" {
+			k.ensureNamespace(ctx, t, ns)
+		}
+		ri, err := k.resource(o)
+		if err != nil {
+			t.Errorf("%s %s: %v", o.GetKind(), o.GetName(), err)
+			continue
+		}
+		data, err := json.Marshal(o.Object)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = ri.Patch(ctx, o.GetName(), types.ApplyPatchType, data, metav1.PatchOptions{
+			DryRun: []string{metav1.DryRunAll}, FieldManager: "chart-test", Force: ptr(true),
+		})
+		if err != nil {
+			t.Errorf("the API server rejects %s %s/%s: %v", o.GetKind(), o.GetNamespace(), o.GetName(), err)
+		}
+	}
+}
+
+func (k *kube) ensureNamespace(ctx context.Context, t *testing.T, ns string) {
+	_, err := k.client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns}}, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatalf("create namespace %s: %v", ns, err)
+	}
+}
+
+// helmClient runs Helm actions against the test API server.
+type helmClient struct{ cfg *action.Configuration }
+
+func newHelm(t *testing.T, kubeconfig string) *helmClient {
+	t.Helper()
+	flags := genericclioptions.NewConfigFlags(false)
+	flags.KubeConfig = ptr(kubeconfig)
+	flags.Namespace = ptr(render.Namespace)
+	flags.CacheDir = ptr(t.TempDir())
+	cfg := &action.Configuration{}
+	if err := cfg.Init(flags, render.Namespace, "secret", func(format string, v ...interface{}) { t.Logf("helm: "+format, v...) }); err != nil {
+		t.Fatal(err)
+	}
+	return &helmClient{cfg: cfg}
+}
+
+func (h *helmClient) install(ch *chart.Chart, vals map[string]interface{}) error {
+	in := action.NewInstall(h.cfg)
+	in.ReleaseName = render.ReleaseName
+	in.Namespace = render.Namespace
+	in.Timeout = time.Minute
+	_, err := in.Run(ch, vals)
+	return err
+}
+
+func (h *helmClient) upgrade(ch *chart.Chart, vals map[string]interface{}) error {
+	up := action.NewUpgrade(h.cfg)
+	up.Namespace = render.Namespace
+	up.Timeout = time.Minute
+	up.MaxHistory = 5
+	_, err := up.Run(render.ReleaseName, ch, vals)
+	return err
+}
+
+// upgradeFromUpstream installs a release shaped like the upstream chart
+// (testdata/upstream-shape) with a values file written for upstream, then
+// `helm upgrade`s it to this chart with the same values. The API server
+// rejects any change of an immutable field (workload selectors, CSIDriver
+// attachRequired/podInfoOnMount, StorageClass provisioner/parameters/
+// reclaimPolicy/volumeBindingMode), so success means an in-place upgrade works.
+func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmClient) {
+	upstream, err := render.Load(filepath.Join("testdata", "upstream-shape"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	userValues := map[string]interface{}{
+		"replicasCount":    2,
+		"hostStorageClass": "longhorn",
+		"cloudConfig":      map[string]interface{}{"hostPath": "/var/lib/rancher/rke2/etc/config-files/", "secretName": ""},
+	}
+	if err := h.install(upstream, userValues); err != nil {
+		t.Fatalf("install the upstream-shaped release: %v", err)
+	}
+	before := map[string]*unstructured.Unstructured{}
+	upObjs := renderWith(t, upstream, userValues)
+	for _, o := range upObjs {
+		ri, err := k.resource(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		live, err := ri.Get(ctx, o.GetName(), metav1.GetOptions{})
+		if err != nil {
+			t.Fatalf("upstream object %s %s not installed: %v", o.GetKind(), o.GetName(), err)
+		}
+		before[o.GetKind()+"/"+o.GetName()] = live
+	}
+
+	if err := h.upgrade(loadChart(t), userValues); err != nil {
+		t.Fatalf("helm upgrade from the upstream chart's shape fails: %v", err)
+	}
+	for key, old := range before {
+		ri, err := k.resource(old)
+		if err != nil {
+			t.Fatal(err)
+		}
+		live, err := ri.Get(ctx, old.GetName(), metav1.GetOptions{})
+		if err != nil {
+			t.Errorf("%s is gone after the upgrade (upstream's object names must stay): %v", key, err)
+			continue
+		}
+		if live.GetUID() != old.GetUID() {
+			t.Errorf("%s was recreated, not upgraded in place", key)
+		}
+	}
+	d, err := k.client.AppsV1().Deployments(render.Namespace).Get(ctx, controllerName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if *d.Spec.Replicas != 2 || len(d.Spec.Template.Spec.Containers) < 6 {
+		t.Errorf("upgraded Deployment: replicas %d, containers %d", *d.Spec.Replicas, len(d.Spec.Template.Spec.Containers))
+	}
+	for _, c := range d.Spec.Template.Spec.Containers {
+		if c.Name == "harvester-csi-driver" {
+			if v, _ := argValue(c.Args, "host-storage-class"); v != "longhorn" {
+				t.Errorf("upstream's hostStorageClass value did not carry over: --host-storage-class=%q", v)
+			}
+		}
+	}
+}
+
+func renderWith(t *testing.T, ch *chart.Chart, vals map[string]interface{}) []*unstructured.Unstructured {
+	t.Helper()
+	manifest, err := render.Template(ch, vals)
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs, err := render.Objects(manifest)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return objs
+}
+
+// checkAccessReviews asks the API server's RBAC authorizer, for the installed
+// release, whether each ServiceAccount may do what
+// ci/required-guest-permissions.yaml lists, and may not do a few things
+// nobody needs.
+func (k *kube) checkAccessReviews(ctx context.Context, t *testing.T) {
+	perms, _ := loadRequiredPermissions(t)
+	users := map[string]string{
+		"controller": "system:serviceaccount:" + render.Namespace + ":" + controllerSA,
+		"node":       "system:serviceaccount:" + render.Namespace + ":" + nodeSA,
+	}
+	for _, p := range perms {
+		res, sub, _ := strings.Cut(p.Resource, "/")
+		for _, verb := range p.Verbs {
+			ns := ""
+			if p.Scope == "namespace" {
+				ns = render.Namespace
+			}
+			attrs := authzv1.ResourceAttributes{Namespace: ns, Verb: verb, Group: p.APIGroup, Resource: res, Subresource: sub}
+			if !k.allowed(ctx, t, users[p.ServiceAccount], attrs) {
+				t.Errorf("%s may not %s %s/%s in %q; needed by %v", p.ServiceAccount, verb, p.APIGroup, p.Resource, ns, p.UsedBy)
+			}
+			if p.Scope == "namespace" {
+				attrs.Namespace = "default"
+				if k.allowed(ctx, t, users[p.ServiceAccount], attrs) {
+					t.Errorf("%s may %s %s outside the release namespace", p.ServiceAccount, verb, p.Resource)
+				}
+			}
+		}
+	}
+	denied := []struct {
+		sa    string
+		attrs authzv1.ResourceAttributes
+	}{
+		{"controller", authzv1.ResourceAttributes{Verb: "get", Resource: "secrets"}},
+		{"controller", authzv1.ResourceAttributes{Verb: "list", Resource: "pods"}},
+		{"controller", authzv1.ResourceAttributes{Verb: "delete", Group: "storage.k8s.io", Resource: "volumeattachments"}},
+		{"controller", authzv1.ResourceAttributes{Verb: "patch", Resource: "nodes"}},
+		{"node", authzv1.ResourceAttributes{Verb: "get", Resource: "secrets"}},
+		{"node", authzv1.ResourceAttributes{Verb: "list", Resource: "persistentvolumes"}},
+		{"node", authzv1.ResourceAttributes{Verb: "patch", Group: "storage.k8s.io", Resource: "volumeattachments"}},
+		{"node", authzv1.ResourceAttributes{Verb: "create", Resource: "persistentvolumes"}},
+	}
+	for _, d := range denied {
+		if k.allowed(ctx, t, users[d.sa], d.attrs) {
+			t.Errorf("%s may %s %s/%s: nothing needs that", d.sa, d.attrs.Verb, d.attrs.Group, d.attrs.Resource)
+		}
+	}
+}
+
+func (k *kube) allowed(ctx context.Context, t *testing.T, user string, attrs authzv1.ResourceAttributes) bool {
+	t.Helper()
+	sar := &authzv1.SubjectAccessReview{Spec: authzv1.SubjectAccessReviewSpec{
+		User:               user,
+		Groups:             []string{"system:serviceaccounts", "system:authenticated"},
+		ResourceAttributes: &attrs,
+	}}
+	got, err := k.client.AuthorizationV1().SubjectAccessReviews().Create(ctx, sar, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got.Status.Allowed
+}
+
+// checkImmutability shows the upgrade test has teeth: the API server here
+// does reject a changed selector or CSIDriver field.
+func (k *kube) checkImmutability(ctx context.Context, t *testing.T) {
+	d, err := k.client.AppsV1().Deployments(render.Namespace).Get(ctx, controllerName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.Spec.Selector.MatchLabels["component"] = "something-else"
+	d.Spec.Template.Labels["component"] = "something-else"
+	_, err = k.client.AppsV1().Deployments(render.Namespace).Update(ctx, d, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+	if !apierrors.IsInvalid(err) {
+		t.Errorf("changing the Deployment selector: got %v, want an Invalid (immutable) error", err)
+	}
+	cd, err := k.client.StorageV1().CSIDrivers().Get(ctx, driverName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cd.Spec.AttachRequired = ptr(false)
+	_, err = k.client.StorageV1().CSIDrivers().Update(ctx, cd, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+	if !apierrors.IsInvalid(err) {
+		t.Errorf("changing CSIDriver attachRequired: got %v, want an Invalid (immutable) error", err)
+	}
+	sc, err := k.client.StorageV1().StorageClasses().Get(ctx, "harvester", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc.Parameters = map[string]string{"hostStorageClass": "x"}
+	_, err = k.client.StorageV1().StorageClasses().Update(ctx, sc, metav1.UpdateOptions{DryRun: []string{metav1.DryRunAll}})
+	if !apierrors.IsInvalid(err) {
+		t.Errorf("changing StorageClass parameters: got %v, want an Invalid (immutable) error", err)
+	}
+}
+
+// checkDefaultStorageClass: when the admin made another StorageClass the
+// default, an upgrade does not make "harvester" default again.
+func (k *kube) checkDefaultStorageClass(ctx context.Context, t *testing.T, h *helmClient) {
+	isDefault := func() string {
+		sc, err := k.client.StorageV1().StorageClasses().Get(ctx, "harvester", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return sc.Annotations["storageclass.kubernetes.io/is-default-class"]
+	}
+	if got := isDefault(); got != "true" {
+		t.Fatalf("after install, harvester default=%q, want true", got)
+	}
+	other := &storagev1.StorageClass{
+		ObjectMeta:  metav1.ObjectMeta{Name: "admin-choice", Annotations: map[string]string{"storageclass.kubernetes.io/is-default-class": "true"}},
+		Provisioner: "example.com/other",
+	}
+	if _, err := k.client.StorageV1().StorageClasses().Create(ctx, other, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.upgrade(loadChart(t), nil); err != nil {
+		t.Fatalf("helm upgrade: %v", err)
+	}
+	if got := isDefault(); got != "false" {
+		t.Errorf("with another default StorageClass, harvester default=%q after upgrade, want false", got)
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
