@@ -293,6 +293,8 @@ func hotplugStatus(err error) error {
 		return status.Error(codes.Aborted, err.Error())
 	case errors.As(err, &rejected):
 		return status.Error(codes.FailedPrecondition, err.Error())
+	case errors.Is(err, hotplug.ErrStopped):
+		return status.Error(codes.Unavailable, err.Error())
 	case errors.Is(err, context.DeadlineExceeded):
 		return status.Error(codes.DeadlineExceeded, err.Error())
 	case errors.Is(err, context.Canceled):

@@ -10,6 +10,7 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -19,6 +20,9 @@ import (
 // Name is the CSI driver name, identical to upstream so existing PVs,
 // VolumeAttachments and CSINode entries keep working.
 const Name = "driver.harvesterhci.io"
+
+// gracePeriod bounds how long a stopping server waits for calls in flight.
+const gracePeriod = 5 * time.Second
 
 // Driver serves the CSI services enabled by its options.
 type Driver struct {
@@ -46,7 +50,15 @@ func (d *Driver) Serve(ctx context.Context, endpoint string) error {
 	d.Register(srv)
 	go func() {
 		<-ctx.Done()
-		srv.GracefulStop()
+		// Let short calls finish, but do not wait out callers blocked on a
+		// hotplug that can no longer complete in this process.
+		stopped := make(chan struct{})
+		go func() { srv.GracefulStop(); close(stopped) }()
+		select {
+		case <-stopped:
+		case <-time.After(gracePeriod):
+			srv.Stop()
+		}
 	}()
 	klog.FromContext(ctx).Info("serving CSI", "endpoint", endpoint, "controller", d.controller != nil, "node", d.node != nil)
 	return srv.Serve(l)

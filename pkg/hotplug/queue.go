@@ -91,9 +91,16 @@ type Queue struct {
 	metrics *metrics
 	now     func() time.Time
 
+	// stopped is closed when Run returns, releasing every waiting caller.
+	stopped chan struct{}
+
 	mu   sync.Mutex
 	work map[string]*vmWork // by VM name; only VMs with intents or expectations
 }
+
+// ErrStopped answers callers still waiting when the queue stops; the intent
+// dies with the process, and the caller's retry reaches the next one.
+var ErrStopped = errors.New("hotplug queue stopped")
 
 // vmWork is the queue's memory for one VM. Only intents live here: what is
 // attached where always comes from the informers.
@@ -160,6 +167,7 @@ func New(cfg Config, backend Backend, vmInformer, vmiInformer cache.SharedIndexI
 		synced:  []cache.InformerSynced{vmInformer.HasSynced, vmiInformer.HasSynced},
 		wq:      workqueue.NewTypedRateLimitingQueueWithConfig(limiter, workqueue.TypedRateLimitingQueueConfig[string]{Name: "hotplug"}),
 		now:     time.Now,
+		stopped: make(chan struct{}),
 		work:    map[string]*vmWork{},
 	}
 	q.metrics = newMetrics(q, backend.Name())
@@ -207,6 +215,7 @@ func (q *Queue) wake(obj any) {
 
 // Run waits for the informers to sync, then works the queue until ctx ends.
 func (q *Queue) Run(ctx context.Context) error {
+	defer close(q.stopped)
 	defer q.wq.ShutDown()
 	if !cache.WaitForCacheSync(ctx.Done(), q.synced...) {
 		return errors.New("hotplug: VM/VMI informers did not sync")
@@ -426,6 +435,8 @@ func (q *Queue) await(ctx context.Context, it *intent) error {
 		return it.err
 	case <-ctx.Done():
 		return fmt.Errorf("%s of volume %s on VM %s still in progress: %w", it.op, it.volume, it.vm, ctx.Err())
+	case <-q.stopped:
+		return fmt.Errorf("%s of volume %s on VM %s: %w", it.op, it.volume, it.vm, ErrStopped)
 	}
 }
 

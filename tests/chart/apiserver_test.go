@@ -215,8 +215,11 @@ func (h *helmClient) install(ch *chart.Chart, vals map[string]interface{}) error
 	return err
 }
 
-func (h *helmClient) upgrade(ch *chart.Chart, vals map[string]interface{}) error {
+func (h *helmClient) upgrade(ch *chart.Chart, vals map[string]interface{}, opts ...func(*action.Upgrade)) error {
 	up := action.NewUpgrade(h.cfg)
+	for _, o := range opts {
+		o(up)
+	}
 	up.Namespace = render.Namespace
 	up.Timeout = time.Minute
 	up.MaxHistory = 5
@@ -225,8 +228,8 @@ func (h *helmClient) upgrade(ch *chart.Chart, vals map[string]interface{}) error
 }
 
 // upgradeFromUpstream installs a release shaped like the upstream chart
-// (testdata/upstream-shape) with a values file written for upstream, then
-// `helm upgrade`s it to this chart with the same values. The API server
+// (testdata/upstream-shape) with values written for upstream, then
+// `helm upgrade --reset-then-reuse-values`s it to this chart. The API server
 // rejects any change of an immutable field (workload selectors, CSIDriver
 // attachRequired/podInfoOnMount, StorageClass provisioner/parameters/
 // reclaimPolicy/volumeBindingMode), so success means an in-place upgrade works.
@@ -257,7 +260,13 @@ func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmCli
 		before[o.GetKind()+"/"+o.GetName()] = live
 	}
 
-	if err := h.upgrade(loadChart(t), userValues); err != nil {
+	// `helm upgrade --reuse-values` would render with the upstream chart's values.yaml: the chart refuses.
+	err = h.upgrade(loadChart(t), nil, func(u *action.Upgrade) { u.ReuseValues = true })
+	if err == nil || !strings.Contains(err.Error(), "--reset-then-reuse-values") {
+		t.Fatalf("helm upgrade --reuse-values: got %v, want the chart's explanation", err)
+	}
+	// `helm upgrade --reset-then-reuse-values`: this chart's defaults, the user's upstream values on top.
+	if err := h.upgrade(loadChart(t), nil, func(u *action.Upgrade) { u.ResetThenReuseValues = true }); err != nil {
 		t.Fatalf("helm upgrade from the upstream chart's shape fails: %v", err)
 	}
 	for key, old := range before {

@@ -14,7 +14,9 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
@@ -56,13 +58,14 @@ type suite struct {
 	f    flavor
 	host *framework.Host
 	ctrl *framework.Controller
+	kv   kubevirt.Interface // live reads, admin
 }
 
 func TestController(t *testing.T) {
 	for _, f := range flavors {
 		t.Run(f.name, func(t *testing.T) {
 			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: scale, BindClasslessPVCs: true})
-			s := &suite{t: t, f: f, host: h}
+			s := &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}
 			s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
 			if got := s.ctrl.Queue.BackendName(); got != f.backend {
 				t.Fatalf("auto-detected backend %s, want %s", got, f.backend)
@@ -162,17 +165,23 @@ func (a *attacher) leaked() []string {
 
 func (s *suite) client() csi.ControllerClient { return s.ctrl.Client }
 
-// attachedTo lists the VMs whose spec or VMI holds the volume.
+// attachedTo lists the VMs whose spec or VMI holds the volume, read live
+// from the API server (the simulator's cache may lag the driver's).
 func (s *suite) attachedTo(vol string, vms ...string) []string {
+	s.t.Helper()
+	ctx := context.Background()
 	var out []string
 	for _, vm := range vms {
-		v, vmi := s.host.Sim.VM(s.host.Namespace, vm)
-		if v != nil && v.Spec.Template != nil && hasVolume(v.Spec.Template.Spec.Volumes, vol) {
+		v, err := s.kv.KubevirtV1().VirtualMachines(s.host.Namespace).Get(ctx, vm, metav1.GetOptions{})
+		if err == nil && v.Spec.Template != nil && hasVolume(v.Spec.Template.Spec.Volumes, vol) {
 			out = append(out, vm)
 			continue
 		}
-		if _, ok := kubevirtsim.FindVolumeStatus(vmi, vol); ok {
-			out = append(out, vm+"(vmi)")
+		vmi, err := s.kv.KubevirtV1().VirtualMachineInstances(s.host.Namespace).Get(ctx, vm, metav1.GetOptions{})
+		if err == nil {
+			if _, ok := kubevirtsim.FindVolumeStatus(vmi, vol); ok || hasVolume(vmi.Spec.Volumes, vol) {
+				out = append(out, vm+"(vmi)")
+			}
 		}
 	}
 	return out
@@ -180,7 +189,10 @@ func (s *suite) attachedTo(vol string, vms ...string) []string {
 
 func (s *suite) requireReady(vm, vol string) {
 	s.t.Helper()
-	_, vmi := s.host.Sim.VM(s.host.Namespace, vm)
+	vmi, err := s.kv.KubevirtV1().VirtualMachineInstances(s.host.Namespace).Get(context.Background(), vm, metav1.GetOptions{})
+	if err != nil {
+		s.t.Fatal(err)
+	}
 	e, ok := kubevirtsim.FindVolumeStatus(vmi, vol)
 	if !ok || e.Phase != kubevirtv1.VolumeReady || e.Target == "" {
 		s.t.Errorf("publish of %s to %s answered OK but the VMI shows %+v", vol, vm, e)
@@ -191,6 +203,61 @@ func hasVolume(vols []kubevirtv1.Volume, name string) bool {
 	for _, v := range vols {
 		if v.Name == name {
 			return true
+		}
+	}
+	return false
+}
+
+// dumpOnFailure logs the VMs' and VMIs' hotplug state when t fails.
+func (s *suite) dumpOnFailure(t *testing.T, vms ...string) {
+	t.Cleanup(func() {
+		if !t.Failed() {
+			return
+		}
+		ctx := context.Background()
+		for _, vm := range vms {
+			v, err := s.kv.KubevirtV1().VirtualMachines(s.host.Namespace).Get(ctx, vm, metav1.GetOptions{})
+			if err == nil {
+				var names []string
+				for _, x := range v.Spec.Template.Spec.Volumes {
+					names = append(names, x.Name)
+				}
+				t.Logf("VM %s: volumes %v, requests %d, conditions %+v", vm, names, len(v.Status.VolumeRequests), v.Status.Conditions)
+			} else {
+				t.Logf("VM %s: %v", vm, err)
+			}
+			vmi, err := s.kv.KubevirtV1().VirtualMachineInstances(s.host.Namespace).Get(ctx, vm, metav1.GetOptions{})
+			if err != nil {
+				t.Logf("VMI %s: %v", vm, err)
+				continue
+			}
+			var names []string
+			for _, x := range vmi.Spec.Volumes {
+				names = append(names, x.Name)
+			}
+			t.Logf("VMI %s: phase %s, volumes %v", vm, vmi.Status.Phase, names)
+			for _, st := range vmi.Status.VolumeStatus {
+				t.Logf("  %s: %s %s/%s target=%q pod=%v", st.Name, st.Phase, st.Reason, st.Message, st.Target, st.HotplugVolume)
+			}
+		}
+	})
+}
+
+// anyWritten reports whether the VM's spec or legacy request list names one
+// of the volumes, read live.
+func (s *suite) anyWritten(vm string, vols []string) bool {
+	v, err := s.kv.KubevirtV1().VirtualMachines(s.host.Namespace).Get(context.Background(), vm, metav1.GetOptions{})
+	if err != nil {
+		return false
+	}
+	for _, vol := range vols {
+		if hasVolume(v.Spec.Template.Spec.Volumes, vol) {
+			return true
+		}
+		for _, r := range v.Status.VolumeRequests {
+			if r.AddVolumeOptions != nil && r.AddVolumeOptions.Name == vol {
+				return true
+			}
 		}
 	}
 	return false

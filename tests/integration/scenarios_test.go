@@ -10,6 +10,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -20,6 +21,7 @@ import (
 func (s *suite) concurrentPublishes(t *testing.T) {
 	vm := "cp-vm"
 	s.host.CreateVMs(t, vm)
+	s.dumpOnFailure(t, vm)
 	vols := s.host.CreateVolumes(t, "cp", 20)
 	s.host.Sim.ResetStats()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -63,6 +65,7 @@ func (s *suite) concurrentPublishes(t *testing.T) {
 func (s *suite) storm(t *testing.T) {
 	vms := []string{"st-a", "st-b", "st-c"}
 	s.host.CreateVMs(t, vms...)
+	s.dumpOnFailure(t, vms...)
 	vols := s.host.CreateVolumes(t, "st", 12)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
@@ -106,14 +109,15 @@ func (s *suite) storm(t *testing.T) {
 func (s *suite) cancelBeforeBatch(t *testing.T) {
 	vm := "cb-vm"
 	s.host.CreateVMs(t, vm)
+	s.dumpOnFailure(t, vm)
 	vol := s.host.CreateVolumes(t, "cb", 1)[0]
 	cfg := queueConfig()
 	cfg.BatchWindow = 2 * time.Second
 	s.ctrl.Stop()
-	ctrl := s.host.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: cfg})
+	ctrl := s.host.StartController(s.t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: cfg})
 	defer func() {
 		ctrl.Stop()
-		s.ctrl = s.host.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
+		s.ctrl = s.host.StartController(s.t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
 	}()
 	s.host.Sim.ResetStats()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -144,6 +148,7 @@ func (s *suite) cancelBeforeBatch(t *testing.T) {
 // FailedPrecondition naming the holder, and moves once unpublished.
 func (s *suite) exclusive(t *testing.T) {
 	s.host.CreateVMs(t, "ex-a", "ex-b")
+	s.dumpOnFailure(t, "ex-a", "ex-b")
 	vol := s.host.CreateVolumes(t, "ex", 1)[0]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -171,6 +176,7 @@ func (s *suite) exclusive(t *testing.T) {
 func (s *suite) webhookDenied(t *testing.T) {
 	vm := "wd-vm"
 	s.host.CreateVMs(t, vm)
+	s.dumpOnFailure(t, vm)
 	vols := s.host.CreateVolumes(t, "wd", 5)
 	bad := vols[2]
 	s.host.Sim.DenyVolume(bad, "")
@@ -217,6 +223,7 @@ func (s *suite) webhookDenied(t *testing.T) {
 // gone; then unpublish from it succeeds and the volume attaches elsewhere.
 func (s *suite) deletedVM(t *testing.T) {
 	s.host.CreateVMs(t, "dv-a", "dv-b")
+	s.dumpOnFailure(t, "dv-a", "dv-b")
 	vol := s.host.CreateVolumes(t, "dv", 1)[0]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -251,6 +258,7 @@ func (s *suite) deletedVM(t *testing.T) {
 // and no publish to a second VM let through meanwhile.
 func (s *suite) restartMidBatch(t *testing.T) {
 	s.host.CreateVMs(t, "rs-a", "rs-b")
+	s.dumpOnFailure(t, "rs-a", "rs-b")
 	vols := s.host.CreateVolumes(t, "rs", 10)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -262,25 +270,22 @@ func (s *suite) restartMidBatch(t *testing.T) {
 			first <- err
 		}()
 	}
-	// Kill the controller as soon as KubeVirt saw its first write.
+	// Kill the controller as soon as its first write is visible on the VM.
 	deadline := time.Now().Add(20 * time.Second)
-	for {
-		st := s.host.Sim.Stats()
-		if st.VMSpecWrites+st.AddVolume > 0 {
-			break
-		}
+	for !s.anyWritten("rs-a", vols) {
 		if time.Now().After(deadline) {
 			t.Fatal("the controller never wrote")
 		}
-		time.Sleep(5 * time.Millisecond)
+		time.Sleep(2 * time.Millisecond)
 	}
 	s.ctrl.Stop()
 	for range vols {
-		if err := <-first; err != nil && status.Code(err) == codes.OK {
-			t.Errorf("unexpected answer %v", err)
+		// The cut-off calls must answer something retriable, never OK.
+		if err := <-first; final(status.Code(err)) {
+			t.Errorf("a publish cut off by the restart answered %v", err)
 		}
 	}
-	s.ctrl = s.host.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
+	s.ctrl = s.host.StartController(s.t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
 	// What the dead controller wrote is visible to the new one at once: a
 	// volume it wrote is fenced from rs-b; one it never wrote may go there,
 	// but never to both VMs.
@@ -325,7 +330,10 @@ func (s *suite) restartMidBatch(t *testing.T) {
 		if got := s.attachedTo(vol, "rs-a", "rs-b"); len(got) != 1 || got[0] != "rs-a" {
 			t.Errorf("%s held by %v after the retries, want [rs-a]", vol, got)
 		}
-		v, _ := s.host.Sim.VM(s.host.Namespace, "rs-a")
+		v, err := s.kv.KubevirtV1().VirtualMachines(s.host.Namespace).Get(ctx, "rs-a", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
 		n := 0
 		for _, x := range v.Spec.Template.Spec.Volumes {
 			if x.Name == vol {
