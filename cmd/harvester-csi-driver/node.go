@@ -2,19 +2,70 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
+	"os"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/klog/v2"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodeid"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/sweeper"
 )
 
 // nodeFlags are the node service's settings.
-type nodeFlags struct{}
+type nodeFlags struct {
+	sysfsRoot, byIDDir string
+	sweepInterval      time.Duration
+}
 
-func (n *nodeFlags) register(fs *flag.FlagSet) {}
+func (n *nodeFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&n.sysfsRoot, "sysfs-root", "/sys", "sysfs mount, for MAC addresses and block devices")
+	fs.StringVar(&n.byIDDir, "by-id-dir", "/dev/disk/by-id", "where hot-plugged disks appear")
+	fs.DurationVar(&n.sweepInterval, "sweep-interval", time.Minute, "how often stale staging mounts are looked for (negative: never)")
+}
 
+// service builds the node service. hostClient (nil when --nodeid is given in
+// node mode) lets node ID discovery match MAC addresses against host VMIs.
 func (n *nodeFlags) service(ctx context.Context, o *options, hostClient *host.Client) (csi.NodeServer, error) {
-	return nil, errors.New("the node service is not built into this version yet")
+	opts := driver.NodeOptions{
+		NodeID:        o.nodeID,
+		SysfsRoot:     n.sysfsRoot,
+		ByIDDir:       n.byIDDir,
+		SweepInterval: n.sweepInterval,
+		Events:        guestEvents(ctx),
+	}
+	if hostClient != nil {
+		opts.VMIs = nodeid.KubeVirtSource(hostClient.KubeVirt.KubevirtV1().VirtualMachineInstances(hostClient.Namespace))
+	}
+	return driver.NewNodeService(opts)
+}
+
+// guestEvents records the stale-mount sweeper's Events in the guest cluster
+// when running in a pod there (NODE_NAME from the downward API); elsewhere
+// the sweeper only logs.
+func guestEvents(ctx context.Context) sweeper.EventRecorder {
+	nodeName := os.Getenv("NODE_NAME")
+	cfg, err := rest.InClusterConfig()
+	if err != nil || nodeName == "" {
+		klog.FromContext(ctx).Info("not in a guest pod with NODE_NAME: stale-mount events are logged only")
+		return nil
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "guest client: stale-mount events are logged only")
+		return nil
+	}
+	b := record.NewBroadcaster(record.WithContext(ctx))
+	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
+	rec := b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: driver.Name, Host: nodeName})
+	return sweeper.KubeEvents{Client: client, Recorder: rec, NodeName: nodeName}
 }
