@@ -261,12 +261,12 @@ func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmCli
 	}
 
 	// `helm upgrade --reuse-values` would render with the upstream chart's values.yaml: the chart refuses.
-	err = h.upgrade(loadChart(t), nil, func(u *action.Upgrade) { u.ReuseValues = true })
+	err = h.upgrade(freshChart(t), nil, func(u *action.Upgrade) { u.ReuseValues = true })
 	if err == nil || !strings.Contains(err.Error(), "--reset-then-reuse-values") {
 		t.Fatalf("helm upgrade --reuse-values: got %v, want the chart's explanation", err)
 	}
 	// `helm upgrade --reset-then-reuse-values`: this chart's defaults, the user's upstream values on top.
-	if err := h.upgrade(loadChart(t), nil, func(u *action.Upgrade) { u.ResetThenReuseValues = true }); err != nil {
+	if err := h.upgrade(freshChart(t), nil, func(u *action.Upgrade) { u.ResetThenReuseValues = true }); err != nil {
 		t.Fatalf("helm upgrade from the upstream chart's shape fails: %v", err)
 	}
 	for key, old := range before {
@@ -428,12 +428,24 @@ func (k *kube) checkDefaultStorageClass(ctx context.Context, t *testing.T, h *he
 	if _, err := k.client.StorageV1().StorageClasses().Create(ctx, other, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := h.upgrade(loadChart(t), nil); err != nil {
+	if err := h.upgrade(freshChart(t), nil); err != nil {
 		t.Fatalf("helm upgrade: %v", err)
 	}
 	if got := isDefault(); got != "false" {
 		t.Errorf("with another default StorageClass, harvester default=%q after upgrade, want false", got)
 	}
+}
+
+// freshChart loads the chart anew: Helm's upgrade may rewrite the chart's
+// values in place (--reuse-values does), so actions must not share the
+// cached copy the rendering tests use.
+func freshChart(t *testing.T) *chart.Chart {
+	t.Helper()
+	ch, err := render.Load(render.ChartDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ch
 }
 
 func ptr[T any](v T) *T { return &v }

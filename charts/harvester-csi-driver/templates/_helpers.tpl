@@ -152,3 +152,15 @@ volumeMounts:
   - name: socket-dir
     mountPath: /csi
 {{- end -}}
+
+{{/*
+Stop early when this chart's own values are missing: `helm upgrade --reuse-values` from the upstream chart
+renders with the upstream chart's values.yaml instead of this one's.
+*/}}
+{{- define "hcsi.validate" -}}
+{{- range $key := list "hotplug" "kubeAPI" "metrics" "controller" "node" "storageClass" "volumeSnapshotClass" -}}
+{{- if not (hasKey $.Values $key) -}}
+{{- fail (printf "value %q is missing: upgrading from the upstream chart with --reuse-values keeps the old chart's defaults; use --reset-then-reuse-values or pass your values file instead" $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
