@@ -2,8 +2,11 @@ package driver
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
+	"regexp"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -11,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/klog/v2"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
@@ -27,6 +31,7 @@ const (
 	minVolumeBytes   = 10 << 20 // Longhorn's smallest volume
 	volumeBytesAlign = 2 << 20  // Longhorn sizes volumes in 2 MiB steps
 	defaultMargin    = 2 * time.Second
+	bindWait         = 10 * time.Second
 )
 
 // Hotplug is what the controller needs from the per-VM hotplug queue.
@@ -41,6 +46,7 @@ type HostVolumes interface {
 	CreateVolume(ctx context.Context, spec host.VolumeSpec) (*corev1.PersistentVolumeClaim, error)
 	GetVolume(ctx context.Context, name string) (*corev1.PersistentVolumeClaim, error)
 	DeleteVolume(ctx context.Context, name string) error
+	WaitBound(ctx context.Context, name string) (*corev1.PersistentVolumeClaim, error)
 	StorageClassUsable(ctx context.Context, name string) (bool, error)
 }
 
@@ -97,7 +103,7 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 		return nil, err
 	}
 	params := req.GetParameters()
-	spec := host.VolumeSpec{Name: req.GetName(), Bytes: bytes, Mode: corev1.PersistentVolumeBlock}
+	spec := host.VolumeSpec{Name: hostPVCName(req.GetName()), Bytes: bytes, Mode: corev1.PersistentVolumeBlock}
 	// The guest formats the disk itself, so a single-node volume is a raw
 	// block device on the host unless the class asks for a filesystem.
 	if params[paramHostVolumeMode] == "filesystem" {
@@ -124,6 +130,14 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 	case err != nil:
 		return nil, apiStatus(err, "create host PVC %s", spec.Name)
 	}
+	// Give the host a moment to bind, so a publish right after creation
+	// does not start with an Aborted round trip; an unbound PVC is still a
+	// created volume.
+	waitCtx, cancel := context.WithTimeout(ctx, bindWait)
+	if bound, err := s.volumes.WaitBound(waitCtx, pvc.Name); err == nil {
+		pvc = bound
+	}
+	cancel()
 	capacity := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
 	return &csi.CreateVolumeResponse{Volume: &csi.Volume{
 		VolumeId:      pvc.Name,
@@ -249,6 +263,23 @@ func checkCapabilities(caps []*csi.VolumeCapability) error {
 	}
 	return nil
 }
+
+// hostPVCName is the host PVC (and volume ID) for a CreateVolume name. The
+// external-provisioner's names (pvc-<uid>) are used as they are, as upstream
+// does; any other name is mapped to a valid, stable, collision-free one.
+func hostPVCName(name string) string {
+	if len(validation.IsDNS1123Subdomain(name)) == 0 {
+		return name
+	}
+	sum := sha256.Sum256([]byte(name))
+	clean := strings.Trim(invalidNameChars.ReplaceAllString(strings.ToLower(name), "-"), "-.")
+	if len(clean) > 40 {
+		clean = strings.TrimRight(clean[:40], "-.")
+	}
+	return fmt.Sprintf("vol-%s-%x", clean, sum[:8])
+}
+
+var invalidNameChars = regexp.MustCompile(`[^a-z0-9.-]+`)
 
 // volumeSize applies Longhorn's minimum and 2 MiB granularity to a range.
 func volumeSize(r *csi.CapacityRange) (int64, error) {

@@ -51,5 +51,3 @@ func classify(err error, op hotplug.Op) hotplug.Outcome {
 	}
 	return hotplug.Outcome{Result: r, Err: err}
 }
-
-

@@ -38,7 +38,9 @@ func NewDeclarative(c *Client) *Declarative { return &Declarative{c: c} }
 func (d *Declarative) Name() string { return "declarative" }
 
 // Exists implements hotplug.Backend.
-func (d *Declarative) Exists(ctx context.Context, vm string) (bool, error) { return vmExists(ctx, d.c, vm) }
+func (d *Declarative) Exists(ctx context.Context, vm string) (bool, error) {
+	return vmExists(ctx, d.c, vm)
+}
 
 // Apply implements hotplug.Backend.
 func (d *Declarative) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {

@@ -24,7 +24,9 @@ func NewSubresource(c *Client) *Subresource { return &Subresource{c: c} }
 func (s *Subresource) Name() string { return "subresource" }
 
 // Exists implements hotplug.Backend.
-func (s *Subresource) Exists(ctx context.Context, vm string) (bool, error) { return vmExists(ctx, s.c, vm) }
+func (s *Subresource) Exists(ctx context.Context, vm string) (bool, error) {
+	return vmExists(ctx, s.c, vm)
+}
 
 // Apply implements hotplug.Backend.
 func (s *Subresource) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {

@@ -8,6 +8,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
 )
 
 // VolumeSpec is the shape of a host PVC backing one guest volume.
@@ -114,5 +115,40 @@ func (c *Client) StorageClassUsable(ctx context.Context, name string) (bool, err
 		return false, nil
 	default:
 		return false, err
+	}
+}
+
+// WaitBound watches a host PVC until it is Bound or ctx ends, and returns its
+// last state. Longhorn binds at once; a class that waits for a consumer never
+// binds here, so callers bound ctx and carry on with what they have.
+func (c *Client) WaitBound(ctx context.Context, name string) (*corev1.PersistentVolumeClaim, error) {
+	pvcs := c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace)
+	pvc, err := pvcs.Get(ctx, name, metav1.GetOptions{})
+	if err != nil || pvc.Status.Phase == corev1.ClaimBound {
+		return pvc, err
+	}
+	w, err := pvcs.Watch(ctx, metav1.ListOptions{
+		FieldSelector:   fields.OneTermEqualSelector("metadata.name", name).String(),
+		ResourceVersion: pvc.ResourceVersion,
+	})
+	if err != nil {
+		return pvc, err
+	}
+	defer w.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return pvc, ctx.Err()
+		case ev, ok := <-w.ResultChan():
+			if !ok {
+				return pvc, fmt.Errorf("watch of host PVC %s ended", name)
+			}
+			if p, isPVC := ev.Object.(*corev1.PersistentVolumeClaim); isPVC {
+				pvc = p
+				if pvc.Status.Phase == corev1.ClaimBound {
+					return pvc, nil
+				}
+			}
+		}
 	}
 }
