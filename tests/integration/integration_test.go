@@ -81,6 +81,8 @@ func TestController(t *testing.T) {
 	}
 }
 
+type csiClient = csi.ControllerClient
+
 // attacher mimics the external-attacher: one call at a time per volume, each
 // with its own timeout, retried with backoff while the answer is non-final.
 type attacher struct {
