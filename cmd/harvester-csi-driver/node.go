@@ -7,12 +7,8 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	corev1 "k8s.io/api/core/v1"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
-	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/rest"
-	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
@@ -64,8 +60,5 @@ func guestEvents(ctx context.Context) sweeper.EventRecorder {
 		klog.FromContext(ctx).Error(err, "guest client: stale-mount events are logged only")
 		return nil
 	}
-	b := record.NewBroadcaster(record.WithContext(ctx))
-	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
-	rec := b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: driver.Name, Host: nodeName})
-	return sweeper.KubeEvents{Client: client, Recorder: rec, NodeName: nodeName}
+	return sweeper.NewKubeEvents(ctx, client, nodeName, driver.Name)
 }

@@ -3,8 +3,11 @@ package sweeper
 import (
 	"context"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
 	"k8s.io/client-go/tools/record"
 	"k8s.io/klog/v2"
 )
@@ -38,3 +41,12 @@ func (k KubeEvents) Event(ctx context.Context, volumeID, eventType, reason, mess
 }
 
 var _ EventRecorder = KubeEvents{}
+
+// NewKubeEvents records through an event broadcaster writing to client, as
+// the node plugin does in a guest pod; the broadcaster stops with ctx.
+func NewKubeEvents(ctx context.Context, client kubernetes.Interface, nodeName, component string) KubeEvents {
+	b := record.NewBroadcaster(record.WithContext(ctx))
+	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
+	rec := b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: component, Host: nodeName})
+	return KubeEvents{Client: client, Recorder: rec, NodeName: nodeName}
+}

@@ -1,0 +1,140 @@
+// Package rbac checks that the driver's own guest-cluster API calls fit the
+// permissions list the chart is tested against
+// (charts/harvester-csi-driver/ci/required-guest-permissions.yaml): the calls
+// run on a real kube-apiserver as a user that holds exactly those rules, so
+// a call the list (and so the chart) lacks fails here with 403.
+package rbac
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"sigs.k8s.io/yaml"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/sweeper"
+)
+
+type permission struct {
+	ServiceAccount string   `json:"serviceAccount"`
+	Scope          string   `json:"scope"`
+	APIGroup       string   `json:"apiGroup"`
+	Resource       string   `json:"resource"`
+	Verbs          []string `json:"verbs"`
+	UsedBy         []string `json:"usedBy"`
+}
+
+// rulesFor returns the listed rules of a service account that the driver
+// binary itself uses (sidecars' needs are their releases' business).
+func rulesFor(t *testing.T, sa string) []rbacv1.PolicyRule {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join("..", "..", "charts", "harvester-csi-driver", "ci", "required-guest-permissions.yaml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var list struct {
+		Permissions []permission `json:"permissions"`
+	}
+	if err := yaml.UnmarshalStrict(raw, &list); err != nil {
+		t.Fatal(err)
+	}
+	var rules []rbacv1.PolicyRule
+	for _, p := range list.Permissions {
+		if p.ServiceAccount != sa || !strings.HasPrefix(strings.Join(p.UsedBy, ","), "harvester-csi-driver") {
+			continue
+		}
+		rules = append(rules, rbacv1.PolicyRule{APIGroups: []string{p.APIGroup}, Resources: []string{p.Resource}, Verbs: p.Verbs})
+	}
+	if len(rules) == 0 {
+		t.Fatalf("no rules listed for the driver under service account %q", sa)
+	}
+	return rules
+}
+
+// asUser binds rules to a user and returns a client impersonating it.
+func asUser(t *testing.T, ctx context.Context, admin *rest.Config, user string, rules []rbacv1.PolicyRule) kubernetes.Interface {
+	t.Helper()
+	kube := kubernetes.NewForConfigOrDie(admin)
+	role := &rbacv1.ClusterRole{ObjectMeta: metav1.ObjectMeta{Name: user}, Rules: rules}
+	if _, err := kube.RbacV1().ClusterRoles().Create(ctx, role, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	binding := &rbacv1.ClusterRoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: user},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "ClusterRole", Name: user},
+		Subjects:   []rbacv1.Subject{{Kind: rbacv1.UserKind, APIGroup: rbacv1.GroupName, Name: user}},
+	}
+	if _, err := kube.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := rest.CopyConfig(admin)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: user}
+	return kubernetes.NewForConfigOrDie(cfg)
+}
+
+func TestNodePluginGuestCallsFitTheListedPermissions(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	env, err := testenv.Start(ctx, testenv.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer env.Stop()
+	admin := kubernetes.NewForConfigOrDie(env.Config)
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "guest-node-1"}}
+	if _, err := admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: "pvc-with-pv"},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:               corev1.ResourceList{corev1.ResourceStorage: *resourceQuantity("1Gi")},
+			AccessModes:            []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: driver.Name, VolumeHandle: "pvc-with-pv"}},
+		},
+	}
+	if _, err := admin.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	client := asUser(t, ctx, env.Config, "system:serviceaccount:kube-system:harvester-csi-driver-node", rulesFor(t, "node"))
+	events := sweeper.NewKubeEvents(ctx, client, node.Name, driver.Name)
+	// A volume with a guest PV gets the Event on the PV, one without on the node.
+	events.Event(ctx, "pvc-with-pv", corev1.EventTypeWarning, "StaleStagingMount", "swept for the test")
+	events.Event(ctx, "pvc-without-pv", corev1.EventTypeWarning, "StaleStagingMount", "swept for the test")
+
+	want := map[string]bool{"PersistentVolume/pvc-with-pv": false, "Node/guest-node-1": false}
+	deadline := time.Now().Add(30 * time.Second)
+	for time.Now().Before(deadline) {
+		list, err := admin.CoreV1().Events("").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range list.Items {
+			if e.Reason == "StaleStagingMount" {
+				want[e.InvolvedObject.Kind+"/"+e.InvolvedObject.Name] = true
+			}
+		}
+		if want["PersistentVolume/pvc-with-pv"] && want["Node/guest-node-1"] {
+			return
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Fatalf("events recorded with only the listed permissions: %v (a missing one means the driver needs a permission the list and chart lack)", want)
+}
+
+func resourceQuantity(s string) *resource.Quantity {
+	q := resource.MustParse(s)
+	return &q
+}
