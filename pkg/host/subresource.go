@@ -2,9 +2,11 @@ package host
 
 import (
 	"context"
+	"encoding/json"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
@@ -28,18 +30,21 @@ func (s *Subresource) Exists(ctx context.Context, vm string) (bool, error) {
 	return vmExists(ctx, s.c, vm)
 }
 
+// Refusal implements hotplug.Backend.
+func (s *Subresource) Refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
+	return refusal(vm, volume)
+}
+
 // Apply implements hotplug.Backend.
 func (s *Subresource) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {
 	vms := s.c.KubeVirt.KubevirtV1().VirtualMachines(s.c.Namespace)
 	outs := make([]hotplug.Outcome, len(changes))
 	for i, ch := range changes {
-		var err error
 		if ch.Op == hotplug.Attach {
-			err = vms.AddVolume(ctx, vm, addVolumeOptions(ch.Volume))
+			outs[i] = classify(vms.AddVolume(ctx, vm, addVolumeOptions(ch.Volume)), ch.Op)
 		} else {
-			err = vms.RemoveVolume(ctx, vm, &kubevirtv1.RemoveVolumeOptions{Name: ch.Volume})
+			outs[i] = s.remove(ctx, vm, ch.Volume)
 		}
-		outs[i] = classify(err, ch.Op)
 		if outs[i].Result == hotplug.VMGone {
 			for j := i + 1; j < len(changes); j++ {
 				outs[j] = outs[i]
@@ -48,6 +53,68 @@ func (s *Subresource) Apply(ctx context.Context, vm string, changes []hotplug.Ch
 		}
 	}
 	return outs
+}
+
+// remove takes a volume off the VM. virt-api refuses to remove what is not
+// in the VM spec, yet two states hold a volume that is not there: an add
+// still queued in status.volumeRequests (the legacy controller never applied
+// it, e.g. a webhook denied its spec update, and it blocks every request
+// behind it), and a VMI that took the volume while the VM spec update failed.
+// The first is withdrawn from the request list with the same compare-and-swap
+// virt-api uses, the second is removed through the VMI.
+func (s *Subresource) remove(ctx context.Context, vm, volume string) hotplug.Outcome {
+	vms := s.c.KubeVirt.KubevirtV1().VirtualMachines(s.c.Namespace)
+	o := classify(vms.RemoveVolume(ctx, vm, &kubevirtv1.RemoveVolumeOptions{Name: volume}), hotplug.Detach)
+	if o.Result != hotplug.AlreadyDone {
+		return o
+	}
+	cur, err := vms.Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		return classify(err, hotplug.Detach)
+	}
+	if kept, withdrawn := withoutAdd(cur.Status.VolumeRequests, volume); withdrawn {
+		patch, err := requestsPatch(cur.Status.VolumeRequests, kept)
+		if err != nil {
+			return hotplug.Outcome{Result: hotplug.Failed, Err: err}
+		}
+		_, err = vms.Patch(ctx, vm, types.JSONPatchType, patch, metav1.PatchOptions{}, "status")
+		return classify(err, hotplug.Detach)
+	}
+	vmi, err := s.c.KubeVirt.KubevirtV1().VirtualMachineInstances(s.c.Namespace).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil || !hasVolumeNamed(vmi.Spec.Volumes, volume) {
+		return o // the VMI is gone or never had it: really done
+	}
+	err = s.c.KubeVirt.KubevirtV1().VirtualMachineInstances(s.c.Namespace).RemoveVolume(ctx, vm, &kubevirtv1.RemoveVolumeOptions{Name: volume})
+	return classify(err, hotplug.Detach)
+}
+
+func withoutAdd(reqs []kubevirtv1.VirtualMachineVolumeRequest, volume string) (kept []kubevirtv1.VirtualMachineVolumeRequest, found bool) {
+	kept = []kubevirtv1.VirtualMachineVolumeRequest{}
+	for _, r := range reqs {
+		if r.AddVolumeOptions != nil && r.AddVolumeOptions.Name == volume {
+			found = true
+			continue
+		}
+		kept = append(kept, r)
+	}
+	return kept, found
+}
+
+// requestsPatch replaces status.volumeRequests if it still equals old.
+func requestsPatch(old, updated []kubevirtv1.VirtualMachineVolumeRequest) ([]byte, error) {
+	return json.Marshal([]map[string]any{
+		{"op": "test", "path": "/status/volumeRequests", "value": old},
+		{"op": "replace", "path": "/status/volumeRequests", "value": updated},
+	})
+}
+
+func hasVolumeNamed(vols []kubevirtv1.Volume, name string) bool {
+	for _, v := range vols {
+		if v.Name == name {
+			return true
+		}
+	}
+	return false
 }
 
 func addVolumeOptions(volume string) *kubevirtv1.AddVolumeOptions {

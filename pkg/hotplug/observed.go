@@ -102,7 +102,7 @@ func (o observed) detached(volume string) bool {
 // the set while it settles makes KubeVirt replace its single attachment pod
 // again, and changes faster than a pod start livelock it (kubevirt 16937).
 func (o observed) settling() bool {
-	if o.vm != nil && len(o.vm.Status.VolumeRequests) > 0 {
+	if o.vm != nil && len(o.vm.Status.VolumeRequests) > 0 && !failing(o.vm) {
 		return true
 	}
 	if o.vmi == nil || o.vmi.Status.Phase != kubevirtv1.Running {
@@ -186,6 +186,17 @@ func (o observed) holdState(claim string) string {
 func contains(list []string, s string) bool {
 	for _, x := range list {
 		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+// failing reports whether virt-controller's last pass over the VM failed:
+// its queued requests then do not move until something changes.
+func failing(vm *kubevirtv1.VirtualMachine) bool {
+	for _, c := range vm.Status.Conditions {
+		if c.Type == kubevirtv1.VirtualMachineFailure && c.Status == "True" {
 			return true
 		}
 	}

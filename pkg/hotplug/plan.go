@@ -4,6 +4,8 @@ import (
 	"cmp"
 	"slices"
 	"time"
+
+	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
 // plan is what one look at a VM decided.
@@ -12,6 +14,9 @@ type plan struct {
 	resolve []resolution
 	// changes are to be written now, removals first.
 	changes []Change
+	// cleanup lists volumes whose refused attach must be undone: the queue
+	// takes a detach intent of its own for each.
+	cleanup []string
 	// hold says why changes wait (empty: they don't); wakeAt is when to look
 	// again if no informer event comes first.
 	hold   string
@@ -25,7 +30,7 @@ type resolution struct {
 
 // decide compares a VM's intents with what the informers show and picks what
 // to answer and what to write. It updates w's expectations and settling clock.
-func decide(now time.Time, cfg Config, w *vmWork, o observed) plan {
+func decide(now time.Time, cfg Config, w *vmWork, o observed, refusal func(*kubevirtv1.VirtualMachine, string) error) plan {
 	var p plan
 	for vol, e := range w.expect {
 		if reflected(o, vol, e.op) || now.Sub(e.since) >= cfg.MaxHold {
@@ -51,12 +56,24 @@ func decide(now time.Time, cfg Config, w *vmWork, o observed) plan {
 				p.resolve = append(p.resolve, resolution{it: it, err: ErrVMNotFound})
 			case !o.inVMSpec(vol) && !addReq:
 				adds = append(adds, Change{Volume: vol, Op: Attach})
+			case addReq && !removeReq:
+				// A queued add the host refused blocks every request behind
+				// it: fail this volume and withdraw its request.
+				if err := refusal(o.vm, vol); err != nil {
+					p.resolve = append(p.resolve, resolution{it: it, err: &RejectedError{Volume: vol, VM: it.vm, Op: Attach, Err: err}})
+					p.cleanup = append(p.cleanup, vol)
+					removes = append(removes, Change{Volume: vol, Op: Detach})
+				}
 			}
 		case Detach:
 			switch {
 			case o.detached(vol):
 				p.resolve = append(p.resolve, resolution{it: it})
 			case o.inVMSpec(vol) && !removeReq, addReq && !removeReq:
+				removes = append(removes, Change{Volume: vol, Op: Detach})
+			case o.inVMISpec(vol) && !removeReq && o.vm != nil && !o.settling():
+				// The VMI holds a volume its VM does not: a legacy pass that
+				// patched the VMI and then failed to update the VM.
 				removes = append(removes, Change{Volume: vol, Op: Detach})
 			}
 		}

@@ -64,6 +64,7 @@ func TestDecide(t *testing.T) {
 		gather  time.Time
 		since   time.Time // settling since
 		obs     observed
+		refusal func(*kubevirtv1.VirtualMachine, string) error
 	}
 	cases := []struct {
 		name        string
@@ -133,6 +134,18 @@ func TestDecide(t *testing.T) {
 		in:          in{intents: map[string]Op{"a": Detach}, obs: observed{vm: vmWith(nil, addReq("a")), vmi: vmiWith(nil)}},
 		wantChanges: []Change{{"a", Detach}}, wantHold: "previous change still settling",
 	}, {
+		name: "refused legacy add fails alone and is withdrawn at once",
+		in: in{intents: map[string]Op{"a": Attach, "b": Attach}, since: t0.Add(-time.Second),
+			obs: observed{vm: failedVM(vmWith(nil, addReq("a"), addReq("b"))), vmi: vmiWith(nil)},
+			refusal: func(_ *kubevirtv1.VirtualMachine, v string) error {
+				if v == "a" {
+					return errors.New("denied")
+				}
+				return nil
+			}},
+		wantResolve: map[string]error{"a": errDenied},
+		wantChanges: []Change{{"a", Detach}},
+	}, {
 		name:        "detach of a volume gone from the VM but still on the VMI waits",
 		in:          in{intents: map[string]Op{"a": Detach}, obs: observed{vm: vmWith(nil), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeDetaching})}},
 		wantChanges: nil,
@@ -146,7 +159,10 @@ func TestDecide(t *testing.T) {
 			for v, e := range tc.in.expect {
 				w.expect[v] = e
 			}
-			p := decide(t0, cfg, w, tc.in.obs)
+			if tc.in.refusal == nil {
+				tc.in.refusal = func(*kubevirtv1.VirtualMachine, string) error { return nil }
+			}
+			p := decide(t0, cfg, w, tc.in.obs, tc.in.refusal)
 			if !slices.Equal(p.changes, tc.wantChanges) {
 				t.Errorf("changes = %v, want %v", p.changes, tc.wantChanges)
 			}
@@ -161,6 +177,10 @@ func TestDecide(t *testing.T) {
 				t.Errorf("resolved %v, want %v", got, tc.wantResolve)
 			}
 			for v, want := range tc.wantResolve {
+				var rejected *RejectedError
+				if err, ok := got[v]; ok && want == errDenied && errors.As(err, &rejected) {
+					continue
+				}
 				if err, ok := got[v]; !ok || !errors.Is(err, want) && err != want {
 					t.Errorf("volume %s resolved with %v (resolved: %v), want %v", v, err, ok, want)
 				}
@@ -170,4 +190,14 @@ func TestDecide(t *testing.T) {
 			}
 		})
 	}
+}
+
+// errDenied stands for "any RejectedError" in the table.
+var errDenied = errors.New("rejected")
+
+func failedVM(vm *kubevirtv1.VirtualMachine) *kubevirtv1.VirtualMachine {
+	vm.Status.Conditions = append(vm.Status.Conditions, kubevirtv1.VirtualMachineCondition{
+		Type: kubevirtv1.VirtualMachineFailure, Status: "True", Reason: "FailedUpdateError",
+	})
+	return vm
 }

@@ -21,10 +21,16 @@ func (q *Queue) sync(ctx context.Context, vm string) error {
 		return nil
 	}
 	now := q.now()
-	p := decide(now, q.cfg, w, obs)
+	p := decide(now, q.cfg, w, obs, q.backend.Refusal)
 	for _, r := range p.resolve {
 		logger.V(2).Info("intent done", "volume", r.it.volume, "op", r.it.op, "err", r.err, "after", now.Sub(r.it.created))
 		q.finishLocked(w, r.it, r.err)
+	}
+	for _, vol := range p.cleanup {
+		// Nobody waits on this detach; it keeps the queue at the volume
+		// until nothing of the refused attach is left on the VM or VMI.
+		logger.Info("undoing a refused attach", "volume", vol)
+		w.intents[vol] = &intent{vm: vm, volume: vol, op: Detach, created: now, done: make(chan struct{})}
 	}
 	if !p.wakeAt.IsZero() {
 		q.wq.AddAfter(vm, p.wakeAt.Sub(now))

@@ -13,6 +13,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+
+	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
 // Op is what an intent wants for its volume.
@@ -84,6 +86,11 @@ type Backend interface {
 	Apply(ctx context.Context, vm string, changes []Change) []Outcome
 	// Exists reports whether the VM exists, read live rather than from a cache.
 	Exists(ctx context.Context, vm string) (bool, error)
+	// Refusal reports the host's refusal of a volume change that was
+	// accepted first and failed later, as KubeVirt's legacy controller does
+	// when a webhook denies its VM update: the VM status says so, and every
+	// other queued request waits behind the refused one.
+	Refusal(vm *kubevirtv1.VirtualMachine, volume string) error
 }
 
 // ErrVMNotFound is returned to attach callers when the VM does not exist.
