@@ -7,6 +7,7 @@
 #   ServiceAccount      <sa> in <namespace>                       (the namespace of the guest cluster's VMs)
 #   RoleBinding         <sa> in <namespace> -> ClusterRole harvesterhci.io:cloudprovider
 #   ClusterRoleBinding  <namespace>-<sa>-csi-driver -> ClusterRole harvesterhci.io:csi-driver
+#   Role/RoleBinding    harvester-csi-driver:hotplug-requests: patch virtualmachines/status in <namespace>
 #   Secret              <sa>-token in <namespace>: a long-lived token of the ServiceAccount
 #   (with --kubevirt-read) ClusterRole harvester-csi-driver:kubevirt-reader and its binding
 # and writes a kubeconfig whose context namespace is <namespace>. With --guest-kubeconfig it also stores the
@@ -103,6 +104,35 @@ roleRef:
   apiGroup: rbac.authorization.k8s.io
   kind: ClusterRole
   name: harvesterhci.io:csi-driver
+subjects:
+  - kind: ServiceAccount
+    name: ${sa}
+    namespace: ${namespace}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: harvester-csi-driver:hotplug-requests
+  namespace: ${namespace}
+  labels:
+    app.kubernetes.io/managed-by: harvester-csi-driver-host-rbac
+rules:
+  # Withdraw a legacy add request that a webhook refused: it blocks every later hotplug on the VM.
+  - apiGroups: ["kubevirt.io"]
+    resources: ["virtualmachines/status"]
+    verbs: ["patch"]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  name: ${sa}-hotplug-requests
+  namespace: ${namespace}
+  labels:
+    app.kubernetes.io/managed-by: harvester-csi-driver-host-rbac
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: Role
+  name: harvester-csi-driver:hotplug-requests
 subjects:
   - kind: ServiceAccount
     name: ${sa}
