@@ -288,3 +288,34 @@ func failure(vm *kubevirtv1.VirtualMachine, reason, msgPart string) bool {
 	}
 	return false
 }
+
+// TestV15StuckDetachOnReadd: the optional 1.5 fault, a volume re-added while
+// its entry is still Detaching stays Detaching.
+func TestV15StuckDetachOnReadd(t *testing.T) {
+	t.Parallel()
+	s, ns := testSim(t, Options{Mode: ModeLegacy, Profile: ProfileV15, StuckDetachOnReadd: true, Timings: Timings{PodDelete: 60 * time.Second}})
+	ctx := testCtx(t, 60*time.Second)
+	if _, err := s.CreatePVC(ctx, ns, "pvc-a", "1Gi", false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
+		t.Fatal(err)
+	}
+	expect202(t, addVolume(t, s, ns, "vm1", "pvc-a"))
+	ready(t, s, ns, "vm1", "pvc-a", 20*time.Second)
+	expect202(t, removeVolume(t, s, ns, "vm1", "pvc-a"))
+	err := s.Wait(ctx, ns, "vm1", func(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool {
+		e, _ := FindVolumeStatus(vmi, "pvc-a")
+		return !hasVolume(vm.Spec.Template.Spec.Volumes, "pvc-a") && e.Phase == kubevirtv1.HotplugVolumeDetaching
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	expect202(t, addVolume(t, s, ns, "vm1", "pvc-a")) // within the 3s the old pod takes to go
+	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return hasVolume(vmi.Spec.Volumes, "pvc-a") })
+	time.Sleep(5 * time.Second) // the old pod is long gone by now
+	_, vmi := s.VM(ns, "vm1")
+	if e, _ := FindVolumeStatus(vmi, "pvc-a"); e.Phase != kubevirtv1.HotplugVolumeDetaching {
+		t.Errorf("re-added volume is %s, want stuck in Detaching", e.Phase)
+	}
+}
