@@ -1,26 +1,3 @@
-// Package kubevirtsim simulates the parts of KubeVirt (and a little of
-// Harvester and Longhorn) that volume hotplug depends on, on top of a real
-// kube-apiserver. It implements the simulator contract of the shared
-// reference (kubevirt-hotplug.md §7):
-//
-//   - CRDs for VirtualMachine, VirtualMachineInstance, KubeVirt and
-//     Harvester's Setting, the KubeVirt CR with the hotplug feature gates and
-//     the server-version setting (Install);
-//   - a front proxy that serves the subresources.kubevirt.io addvolume and
-//     removevolume endpoints with virt-api's checks, codes and messages and
-//     passes every other request to the API server, counting what it sees
-//     (ClientConfig, Stats);
-//   - real validating admission webhooks for the VM status validator, the VM
-//     spec validator (snapshot in progress) and a Harvester-like volume
-//     denial switch;
-//   - the legacy volumeRequests controller, the declarative hotplug
-//     controller, the per-VMI volumeStatus machine with its single attachment
-//     pod (including the livelock of kubevirt issue 16937), a fake kubelet for
-//     attachment pods and a host "Longhorn" provisioner that binds PVCs.
-//
-// Nothing runs a scheduler, kubelet or kube-controller-manager: the simulator
-// writes pod and PVC status itself. Its own controllers talk to the API server
-// directly, so only client traffic shows up in Stats.
 package kubevirtsim
 
 import (
