@@ -13,7 +13,6 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -81,25 +80,20 @@ func NewForConfig(cfg *rest.Config, namespace string) (*Client, error) {
 // VMInformer watches the VMs of the host namespace.
 func (c *Client) VMInformer(resync time.Duration) cache.SharedIndexInformer {
 	vms := c.KubeVirt.KubevirtV1().VirtualMachines(c.Namespace)
-	return cache.NewSharedIndexInformer(&cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return vms.List(ctx, o)
-		},
-		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return vms.Watch(ctx, o)
-		},
-	}, &kubevirtv1.VirtualMachine{}, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+	return newInformer(&kubevirtv1.VirtualMachine{}, resync,
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vms.List(ctx, o) },
+		vms.Watch)
 }
 
 // VMIInformer watches the VMIs of the host namespace.
 func (c *Client) VMIInformer(resync time.Duration) cache.SharedIndexInformer {
 	vmis := c.KubeVirt.KubevirtV1().VirtualMachineInstances(c.Namespace)
-	return cache.NewSharedIndexInformer(&cache.ListWatch{
-		ListWithContextFunc: func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) {
-			return vmis.List(ctx, o)
-		},
-		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
-			return vmis.Watch(ctx, o)
-		},
-	}, &kubevirtv1.VirtualMachineInstance{}, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+	return newInformer(&kubevirtv1.VirtualMachineInstance{}, resync,
+		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vmis.List(ctx, o) },
+		vmis.Watch)
+}
+
+func newInformer(obj runtime.Object, resync time.Duration, list cache.ListWithContextFunc, watch cache.WatchFuncWithContext) cache.SharedIndexInformer {
+	return cache.NewSharedIndexInformer(&cache.ListWatch{ListWithContextFunc: list, WatchFuncWithContext: watch},
+		obj, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
 }
