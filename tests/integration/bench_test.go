@@ -32,13 +32,15 @@ func BenchmarkPublishBurst(b *testing.B) {
 			h := framework.StartHost(b, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: scale, BindClasslessPVCs: true})
 			ctrl := h.StartController(b, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
 			kv := kubevirt.NewForConfigOrDie(h.Sim.ClientConfig())
+			runs := 0 // the benchmark function runs more than once: VM names must not repeat
 			for _, mode := range []string{"queued", "baseline"} {
 				b.Run(mode, func(b *testing.B) {
 					var writes, conflicts int
 					var simTime time.Duration
-					for i := range b.N {
+					for range b.N {
 						b.StopTimer()
-						vm := fmt.Sprintf("bench-%s-%d", mode, i)
+						runs++
+						vm := fmt.Sprintf("bench-%s-%d", mode, runs)
 						h.CreateVMs(b, vm)
 						vols := h.CreateVolumes(b, vm, n)
 						h.Sim.ResetStats()

@@ -1,0 +1,121 @@
+// Package e2e drives the whole driver the way Kubernetes does, controller and
+// node together, over the KubeVirt simulator whose hot-plugged disks are real
+// loop devices: what a workload wrote must survive detach and re-attach.
+package e2e
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
+)
+
+func TestMain(m *testing.M) { nodetest.Main(m) }
+
+// guest is one guest node: its VM on the host and its node plugin.
+type guest struct {
+	vm   string
+	node csi.NodeServer
+}
+
+func TestDataSurvivesMoveBetweenNodes(t *testing.T) {
+	nodetest.RequireRealDevices(t)
+	for _, mode := range []kubevirtsim.Mode{kubevirtsim.ModeLegacy, kubevirtsim.ModeDeclarative} {
+		t.Run(string(mode), func(t *testing.T) { moveBetweenNodes(t, mode) })
+	}
+}
+
+func moveBetweenNodes(t *testing.T, mode kubevirtsim.Mode) {
+	work := t.TempDir()
+	var h *framework.Host
+	disks, err := loopdisk.New(loopdisk.Options{
+		BackingDir: filepath.Join(work, "backing"),
+		ByIDRoot:   filepath.Join(work, "by-id"),
+		Size: func(ctx context.Context, claim string) (int64, error) {
+			pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, claim, metav1.GetOptions{})
+			if err != nil {
+				return 0, err
+			}
+			q := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+			return q.Value(), nil
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = disks.Close(context.Background()) })
+	h = framework.StartHost(t, kubevirtsim.Options{Mode: mode, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true, DiskHook: disks})
+	guests := []guest{{vm: "guest-a"}, {vm: "guest-b"}}
+	for i := range guests {
+		h.CreateVMs(t, guests[i].vm)
+		n, err := driver.NewNodeService(driver.NodeOptions{NodeID: guests[i].vm, ByIDDir: disks.ByIDDir(h.Namespace + "/" + guests[i].vm), SweepInterval: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		guests[i].node = n
+	}
+	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 20 * time.Millisecond, MaxHold: 1500 * time.Millisecond}})
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+
+	capability := &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
+	}
+	vol, err := ctrl.Client.CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name: "pvc-e2e-data", VolumeCapabilities: []*csi.VolumeCapability{capability},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := vol.Volume.VolumeId
+
+	var sum string
+	for round, g := range guests {
+		staging := filepath.Join(work, g.vm, "staging")
+		target := filepath.Join(work, g.vm, "target")
+		if _, err := ctrl.Client.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: g.vm, VolumeCapability: capability}); err != nil {
+			t.Fatalf("publish to %s: %v", g.vm, err)
+		}
+		if _, err := g.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: capability}); err != nil {
+			t.Fatalf("stage on %s: %v", g.vm, err)
+		}
+		if _, err := g.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: capability}); err != nil {
+			t.Fatalf("node publish on %s: %v", g.vm, err)
+		}
+		file := filepath.Join(target, "data.bin")
+		if round == 0 {
+			nodetest.WriteRandom(t, file, 8<<20, 42)
+			sum = nodetest.Checksum(t, file)
+		} else if got := nodetest.Checksum(t, file); got != sum {
+			t.Fatalf("data read on %s differs from what %s wrote: %s != %s", g.vm, guests[0].vm, got, sum)
+		}
+		if _, err := g.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
+			t.Fatalf("node unpublish on %s: %v", g.vm, err)
+		}
+		if _, err := g.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+			t.Fatalf("unstage on %s: %v", g.vm, err)
+		}
+		if _, err := ctrl.Client.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: g.vm}); err != nil {
+			t.Fatalf("unpublish from %s: %v", g.vm, err)
+		}
+		if dev, ok := disks.Device(h.Namespace+"/"+g.vm, id); ok {
+			t.Fatalf("unpublish answered OK while %s still has the disk as %s", g.vm, dev)
+		}
+	}
+	if _, err := ctrl.Client.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+		t.Fatalf("delete: %v", err)
+	}
+}
