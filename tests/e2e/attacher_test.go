@@ -1,0 +1,175 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"kubevirt.io/client-go/kubevirt"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
+)
+
+// TestRealExternalAttacher runs the upstream external-attacher against a
+// guest API server and the driver's controller: VolumeAttachments created at
+// once for one node all end attached (each volume Ready on the VM), and
+// deleting them detaches every volume and releases the finalizers.
+func TestRealExternalAttacher(t *testing.T) {
+	for _, mode := range []kubevirtsim.Mode{kubevirtsim.ModeLegacy, kubevirtsim.ModeDeclarative} {
+		t.Run(string(mode), func(t *testing.T) { realAttacher(t, mode) })
+	}
+}
+
+func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
+	const n = 12
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: mode, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true})
+	vm := "guest-node-1"
+	h.CreateVMs(t, vm)
+	vols := h.CreateVolumes(t, "pvc-att", n)
+	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 100 * time.Millisecond, MaxHold: 1500 * time.Millisecond}})
+
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	guestEnv, err := testenv.Start(ctx, testenv.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(guestEnv.Stop)
+	guest := kubernetes.NewForConfigOrDie(guestEnv.Config)
+
+	// The attacher maps a node name to the CSI node ID (the VM name) through
+	// CSINode, as the node-driver-registrar would have registered it.
+	nodeName := "rke2-worker-1"
+	mustCreate(t, func() error {
+		_, err := guest.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{})
+		return err
+	})
+	mustCreate(t, func() error {
+		_, err := guest.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{
+			ObjectMeta: metav1.ObjectMeta{Name: nodeName},
+			Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: vm}}},
+		}, metav1.CreateOptions{})
+		return err
+	})
+	for _, vol := range vols {
+		mustCreate(t, func() error {
+			_, err := guest.CoreV1().PersistentVolumes().Create(ctx, guestPV(vol), metav1.CreateOptions{})
+			return err
+		})
+	}
+	socket := strings.TrimPrefix(ctrl.Endpoint, "unix://")
+	if err := guestEnv.Run("csi-attacher", "--csi-address="+socket, "--kubeconfig="+guestEnv.Kubeconfig,
+		"--timeout=20s", "--worker-threads=50", "--leader-election=false", "--v=2"); err != nil {
+		t.Fatal(err)
+	}
+
+	for _, vol := range vols {
+		mustCreate(t, func() error {
+			_, err := guest.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
+				ObjectMeta: metav1.ObjectMeta{Name: "csi-" + vol},
+				Spec: storagev1.VolumeAttachmentSpec{
+					Attacher: driver.Name, NodeName: nodeName,
+					Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol},
+				},
+			}, metav1.CreateOptions{})
+			return err
+		})
+	}
+	waitFor(t, ctx, "every VolumeAttachment attached", func() (bool, string) {
+		list, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		attached := 0
+		var lastErr string
+		for _, va := range list.Items {
+			if va.Status.Attached {
+				attached++
+			} else if va.Status.AttachError != nil {
+				lastErr = va.Status.AttachError.Message
+			}
+		}
+		return attached == n, fmt.Sprintf("%d/%d attached, last error %q", attached, n, lastErr)
+	})
+	kv := kubevirt.NewForConfigOrDie(h.Env.Config)
+	vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, vol := range vols {
+		if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); !ok || e.Target == "" {
+			t.Errorf("VolumeAttachment of %s says attached but the VMI shows %+v", vol, e)
+		}
+	}
+
+	for _, vol := range vols {
+		if err := guest.StorageV1().VolumeAttachments().Delete(ctx, "csi-"+vol, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	waitFor(t, ctx, "every VolumeAttachment detached and deleted", func() (bool, string) {
+		list, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return len(list.Items) == 0, fmt.Sprintf("%d left", len(list.Items))
+	})
+	vmi, err = kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, vol := range vols {
+		if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); ok {
+			t.Errorf("VolumeAttachment of %s is gone but the VMI still has %+v", vol, e)
+		}
+	}
+}
+
+func guestPV(name string) *corev1.PersistentVolume {
+	return &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:    corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{
+				Driver: driver.Name, VolumeHandle: name, FSType: "ext4",
+			}},
+		},
+	}
+}
+
+func mustCreate(t *testing.T, create func() error) {
+	t.Helper()
+	if err := create(); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+}
+
+func waitFor(t *testing.T, ctx context.Context, what string, cond func() (bool, string)) {
+	t.Helper()
+	var last string
+	for {
+		ok, state := cond()
+		if ok {
+			return
+		}
+		last = state
+		select {
+		case <-ctx.Done():
+			t.Fatalf("timed out waiting for %s: %s", what, last)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
