@@ -3,6 +3,7 @@ package host
 import (
 	"context"
 	"encoding/json"
+	"strings"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -85,6 +86,11 @@ func (s *Subresource) remove(ctx context.Context, vm, volume string) hotplug.Out
 		return o // the VMI is gone or never had it: really done
 	}
 	err = s.c.KubeVirt.KubevirtV1().VirtualMachineInstances(s.c.Namespace).RemoveVolume(ctx, vm, &kubevirtv1.RemoveVolumeOptions{Name: volume})
+	if err != nil && strings.Contains(err.Error(), "is owned by a VM") {
+		// Declarative KubeVirt: the VMI path is closed because its
+		// controller takes the volume off the VMI by itself.
+		return o
+	}
 	return classify(err, hotplug.Detach)
 }
 

@@ -111,13 +111,16 @@ func (p *plan) wake(t time.Time) {
 }
 
 // reflected reports whether the informers show a write this process made.
+// A removal counts as shown once the VMI spec has dropped the volume too (or
+// a legacy remove request is queued): until then KubeVirt is still acting on
+// it, and asking again would only repeat the request.
 func reflected(o observed, vol string, op Op) bool {
 	inSpec := o.inVMSpec(vol)
 	addReq, removeReq := o.requested(vol)
 	if op == Attach {
 		return inSpec || addReq
 	}
-	return (!inSpec && !addReq) || removeReq
+	return (!inSpec && !addReq && !o.inVMISpec(vol)) || removeReq
 }
 
 func sortedKeys[V any](m map[string]V) []string {

@@ -30,7 +30,7 @@ func BenchmarkPublishBurst(b *testing.B) {
 	for _, f := range []flavor{flavors[1], flavors[2]} {
 		b.Run(f.name, func(b *testing.B) {
 			h := framework.StartHost(b, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: scale, BindClasslessPVCs: true})
-			ctrl := h.StartController(b, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
+			ctrl := h.StartController(b, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig()})
 			kv := kubevirt.NewForConfigOrDie(h.Sim.ClientConfig())
 			runs := 0 // the benchmark function runs more than once: VM names must not repeat
 			for _, mode := range []string{"queued", "baseline"} {

@@ -32,13 +32,25 @@ type flavor struct {
 	name    string
 	mode    kubevirtsim.Mode
 	profile kubevirtsim.Profile
-	backend string // what auto-detection must pick
+	backend string // what auto-detection must pick, or what --hotplug-backend forces
+	forced  bool
 }
 
 var flavors = []flavor{
-	{"legacy-v1.5", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV15, host.BackendSubresource},
-	{"legacy-v1.7", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV17, host.BackendSubresource},
-	{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.ProfileV17, host.BackendDeclarative},
+	{"legacy-v1.5", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV15, host.BackendSubresource, false},
+	{"legacy-v1.7", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV17, host.BackendSubresource, false},
+	{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.ProfileV17, host.BackendDeclarative, false},
+	// The flag overrides detection: the VM subresources also serve a
+	// declarative-only KubeVirt (they edit the VM spec there).
+	{"declarative-v1.7-forced-subresource", kubevirtsim.ModeDeclarative, kubevirtsim.ProfileV17, host.BackendSubresource, true},
+}
+
+// backendFlag is what the controller is started with.
+func (f flavor) backendFlag() string {
+	if f.forced {
+		return f.backend
+	}
+	return host.BackendAuto
 }
 
 func queueConfig() hotplug.Config {
@@ -66,9 +78,9 @@ func TestController(t *testing.T) {
 		t.Run(f.name, func(t *testing.T) {
 			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: scale, BindClasslessPVCs: true})
 			s := &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}
-			s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig()})
+			s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig()})
 			if got := s.ctrl.Queue.BackendName(); got != f.backend {
-				t.Fatalf("auto-detected backend %s, want %s", got, f.backend)
+				t.Fatalf("backend %s, want %s (flag %s)", got, f.backend, f.backendFlag())
 			}
 			t.Run("ConcurrentPublishesToOneVM", s.concurrentPublishes)
 			t.Run("StormOnThreeVMs", s.storm)
