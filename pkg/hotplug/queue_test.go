@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -425,5 +426,56 @@ func TestStormOnSeveralVMsConverges(t *testing.T) {
 	}
 	if _, _, maxInflight := f.stats(); maxInflight != 1 {
 		t.Errorf("%d backend calls overlapped on one VM, want 1", maxInflight)
+	}
+}
+
+func TestMetricsFollowTheQueue(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	cfg := fastConfig()
+	cfg.BatchWindow = 400 * time.Millisecond
+	q, reg := startQueue(t, f, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	done := make(chan error, 2)
+	for _, v := range []string{"pvc-a", "pvc-b"} {
+		go func() { done <- q.Attach(ctx, "vm1", v, true) }()
+	}
+	time.Sleep(100 * time.Millisecond) // both queued, the batch window still open
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP harvester_csi_hotplug_queue_depth Pending hotplug intents per VM.
+# TYPE harvester_csi_hotplug_queue_depth gauge
+harvester_csi_hotplug_queue_depth{backend="fake",vm="vm1"} 2
+`), "harvester_csi_hotplug_queue_depth"); err != nil {
+		t.Error(err)
+	}
+	if n := testutil.CollectAndCount(reg, "harvester_csi_hotplug_oldest_intent_age_seconds"); n != 1 {
+		t.Errorf("%d oldest-age series, want 1", n)
+	}
+	for range 2 {
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := testutil.CollectAndCount(reg, "harvester_csi_hotplug_queue_depth"); n != 0 {
+		t.Errorf("%d depth series after completion, want 0", n)
+	}
+	if got := testutil.ToFloat64(q.metrics.writes); got != 1 {
+		t.Errorf("writes = %v, want 1 (one batch)", got)
+	}
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP harvester_csi_hotplug_batch_size Volume changes handed to the backend in one attempt.
+# TYPE harvester_csi_hotplug_batch_size histogram
+harvester_csi_hotplug_batch_size_bucket{backend="fake",le="1"} 0
+harvester_csi_hotplug_batch_size_bucket{backend="fake",le="2"} 1
+harvester_csi_hotplug_batch_size_bucket{backend="fake",le="4"} 1
+harvester_csi_hotplug_batch_size_bucket{backend="fake",le="8"} 1
+harvester_csi_hotplug_batch_size_bucket{backend="fake",le="16"} 1
+harvester_csi_hotplug_batch_size_bucket{backend="fake",le="32"} 1
+harvester_csi_hotplug_batch_size_bucket{backend="fake",le="64"} 1
+harvester_csi_hotplug_batch_size_bucket{backend="fake",le="+Inf"} 1
+harvester_csi_hotplug_batch_size_sum{backend="fake"} 2
+harvester_csi_hotplug_batch_size_count{backend="fake"} 1
+`), "harvester_csi_hotplug_batch_size"); err != nil {
+		t.Error(err)
 	}
 }
