@@ -2,10 +2,13 @@ package host
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
+	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -32,6 +35,20 @@ func NewBackend(ctx context.Context, c *Client, choice string) (hotplug.Backend,
 		return NewSubresource(c), nil
 	case BackendAuto, "":
 		name, why := DetectBackend(ctx, c)
+		// A host API that does not answer at all says nothing about KubeVirt:
+		// ask again for a while before settling for the fallback.
+		for delay := time.Second; name == "" && delay <= 16*time.Second; delay *= 2 {
+			klog.FromContext(ctx).Info("host API unreachable, retrying hotplug backend detection", "reason", why, "in", delay)
+			select {
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-time.After(delay):
+			}
+			name, why = DetectBackend(ctx, c)
+		}
+		if name == "" {
+			name = BackendSubresource
+		}
 		klog.FromContext(ctx).Info("hotplug backend detected", "backend", name, "reason", why)
 		if name == BackendDeclarative {
 			return NewDeclarative(c), nil
@@ -47,7 +64,7 @@ func NewBackend(ctx context.Context, c *Client, choice string) (hotplug.Backend,
 // HotplugVolumes gate (the legacy gate wins when both are on), or, when the
 // CR cannot be read, when Harvester's server-version is v1.8 or later.
 // Anything unknown falls back to the subresource path, which every KubeVirt
-// with hotplug serves.
+// with hotplug serves; an empty name means the API server did not answer.
 func DetectBackend(ctx context.Context, c *Client) (name, reason string) {
 	kvs, err := c.KubeVirt.KubevirtV1().KubeVirts("").List(ctx, metav1.ListOptions{})
 	if err == nil && len(kvs.Items) > 0 {
@@ -72,7 +89,12 @@ func DetectBackend(ctx context.Context, c *Client) (name, reason string) {
 	}
 	setting, serr := c.Dynamic.Resource(settingResource).Get(ctx, "server-version", metav1.GetOptions{})
 	if serr != nil {
-		return BackendSubresource, fmt.Sprintf("no KubeVirt CR readable (%v) and no server-version setting (%v)", err, serr)
+		why := fmt.Sprintf("no KubeVirt CR readable (%v) and no server-version setting (%v)", err, serr)
+		var status apierrors.APIStatus
+		if !errors.As(serr, &status) {
+			return "", why // no answer from the API server at all
+		}
+		return BackendSubresource, why
 	}
 	value, _, _ := unstructured.NestedString(setting.Object, "value")
 	if value == "" {
