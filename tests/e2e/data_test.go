@@ -10,13 +10,10 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -38,24 +35,7 @@ func TestDataSurvivesMoveBetweenNodes(t *testing.T) {
 
 func moveBetweenNodes(t *testing.T, mode kubevirtsim.Mode) {
 	work := t.TempDir()
-	var h *framework.Host
-	disks, err := loopdisk.New(loopdisk.Options{
-		BackingDir: filepath.Join(work, "backing"),
-		ByIDRoot:   filepath.Join(work, "by-id"),
-		Size: func(ctx context.Context, claim string) (int64, error) {
-			pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, claim, metav1.GetOptions{})
-			if err != nil {
-				return 0, err
-			}
-			q := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
-			return q.Value(), nil
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = disks.Close(context.Background()) })
-	h = framework.StartHost(t, kubevirtsim.Options{Mode: mode, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true, DiskHook: disks})
+	h, disks := framework.StartHostWithDisks(t, kubevirtsim.Options{Mode: mode, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true})
 	guests := []guest{{vm: "guest-a"}, {vm: "guest-b"}}
 	for i := range guests {
 		h.CreateVMs(t, guests[i].vm)

@@ -25,6 +25,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
 )
 
 // Host is a simulated Harvester cluster: a real API server, the KubeVirt
@@ -193,4 +194,32 @@ func (c *Controller) Stop() {
 	c.cancel()
 	<-c.done
 	_ = c.Conn.Close()
+}
+
+// StartHostWithDisks starts a host cluster whose hot-plugged disks are real
+// loop devices: one sparse backing file per host PVC, sized from the PVC, and
+// a by-id directory per VM (LoopDisks.ByIDDir("<namespace>/<vm>")).
+func StartHostWithDisks(tb testing.TB, opts kubevirtsim.Options) (*Host, *loopdisk.LoopDisks) {
+	tb.Helper()
+	work := tb.TempDir()
+	var h *Host
+	disks, err := loopdisk.New(loopdisk.Options{
+		BackingDir: filepath.Join(work, "backing"),
+		ByIDRoot:   filepath.Join(work, "by-id"),
+		Size: func(ctx context.Context, claim string) (int64, error) {
+			pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, claim, metav1.GetOptions{})
+			if err != nil {
+				return 0, err
+			}
+			q := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+			return q.Value(), nil
+		},
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = disks.Close(context.Background()) })
+	opts.DiskHook = disks
+	h = StartHost(tb, opts)
+	return h, disks
 }

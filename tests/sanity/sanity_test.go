@@ -4,18 +4,14 @@
 package sanity
 
 import (
-	"context"
 	"path/filepath"
 	"testing"
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -28,26 +24,9 @@ func TestSanity(t *testing.T) {
 	// Node tests stage real filesystems on the hot-plugged loop devices.
 	nodetest.RequireRealDevices(t)
 	work := t.TempDir()
-	var h *framework.Host
-	disks, err := loopdisk.New(loopdisk.Options{
-		BackingDir: filepath.Join(work, "backing"),
-		ByIDRoot:   filepath.Join(work, "by-id"),
-		Size: func(ctx context.Context, claim string) (int64, error) {
-			pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, claim, metav1.GetOptions{})
-			if err != nil {
-				return 0, err
-			}
-			q := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
-			return q.Value(), nil
-		},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = disks.Close(context.Background()) })
-	h = framework.StartHost(t, kubevirtsim.Options{
+	h, disks := framework.StartHostWithDisks(t, kubevirtsim.Options{
 		Mode: kubevirtsim.ModeDeclarative, Profile: kubevirtsim.ProfileV17,
-		Scale: 0.05, BindClasslessPVCs: true, DiskHook: disks,
+		Scale: 0.05, BindClasslessPVCs: true,
 	})
 	h.CreateVMs(t, vmName)
 
