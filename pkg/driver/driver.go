@@ -26,7 +26,6 @@ const gracePeriod = 5 * time.Second
 
 // Driver serves the CSI services enabled by its options.
 type Driver struct {
-	version    string
 	identity   csi.IdentityServer
 	controller csi.ControllerServer // nil when node-only
 	node       csi.NodeServer       // nil when controller-only
@@ -35,7 +34,7 @@ type Driver struct {
 // New assembles a driver from the services it should serve; a nil controller
 // or node service leaves that service unregistered.
 func New(version string, controller csi.ControllerServer, node csi.NodeServer) *Driver {
-	d := &Driver{version: version, controller: controller, node: node}
+	d := &Driver{controller: controller, node: node}
 	d.identity = &identityService{version: version, controller: controller != nil}
 	return d
 }

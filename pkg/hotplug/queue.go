@@ -53,31 +53,21 @@ func DefaultConfig() Config {
 
 func (c Config) withDefaults() Config {
 	d := DefaultConfig()
-	if c.Workers <= 0 {
-		c.Workers = d.Workers
-	}
-	if c.BatchWindow <= 0 {
-		c.BatchWindow = d.BatchWindow
-	}
-	if c.MaxHold <= 0 {
-		c.MaxHold = d.MaxHold
-	}
-	if c.MaxConflictRetries <= 0 {
-		c.MaxConflictRetries = d.MaxConflictRetries
-	}
-	if c.BackoffBase <= 0 {
-		c.BackoffBase = d.BackoffBase
-	}
-	if c.BackoffMax <= 0 {
-		c.BackoffMax = d.BackoffMax
-	}
-	if c.QPS <= 0 {
-		c.QPS = d.QPS
-	}
-	if c.Burst <= 0 {
-		c.Burst = d.Burst
-	}
+	orDefault(&c.Workers, d.Workers)
+	orDefault(&c.BatchWindow, d.BatchWindow)
+	orDefault(&c.MaxHold, d.MaxHold)
+	orDefault(&c.MaxConflictRetries, d.MaxConflictRetries)
+	orDefault(&c.BackoffBase, d.BackoffBase)
+	orDefault(&c.BackoffMax, d.BackoffMax)
+	orDefault(&c.QPS, d.QPS)
+	orDefault(&c.Burst, d.Burst)
 	return c
+}
+
+func orDefault[T int | float64 | time.Duration](v *T, d T) {
+	if *v <= 0 {
+		*v = d
+	}
 }
 
 // Queue is the per-VM hotplug queue. Create it with New, start it with Run.
@@ -400,7 +390,7 @@ func (q *Queue) setIntentLocked(ctx context.Context, w *vmWork, vm, volume strin
 	}
 	now := q.now()
 	idle := len(w.intents) == 0
-	it := &intent{vm: vm, volume: volume, op: op, created: now, done: make(chan struct{})}
+	it := newIntent(vm, volume, op, now)
 	w.intents[volume] = it
 	klog.FromContext(ctx).V(2).Info("intent queued", "vm", vm, "volume", volume, "op", op)
 	if idle && w.gatherUntil.Before(now) {
@@ -410,6 +400,10 @@ func (q *Queue) setIntentLocked(ctx context.Context, w *vmWork, vm, volume strin
 		q.wq.Add(vm)
 	}
 	return it
+}
+
+func newIntent(vm, volume string, op Op, now time.Time) *intent {
+	return &intent{vm: vm, volume: volume, op: op, created: now, done: make(chan struct{})}
 }
 
 // finishLocked answers every caller of it and forgets it.

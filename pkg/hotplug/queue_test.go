@@ -240,7 +240,7 @@ func TestAttachThenDetachBeforeTheBatchCancels(t *testing.T) {
 	f := newFakeKubeVirt(t, "vm1")
 	cfg := fastConfig()
 	cfg.BatchWindow = 300 * time.Millisecond
-	q, reg := startQueue(t, f, cfg)
+	q, _ := startQueue(t, f, cfg)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	attachErr := make(chan error, 1)
@@ -260,7 +260,6 @@ func TestAttachThenDetachBeforeTheBatchCancels(t *testing.T) {
 	if got := testutil.ToFloat64(q.metrics.superseded); got != 1 {
 		t.Errorf("superseded counter = %v, want 1", got)
 	}
-	_ = reg
 }
 
 func TestExclusiveVolumeHeldByAnotherVM(t *testing.T) {

@@ -30,7 +30,7 @@ func (q *Queue) sync(ctx context.Context, vm string) error {
 		// Nobody waits on this detach; it keeps the queue at the volume
 		// until nothing of the refused attach is left on the VM or VMI.
 		logger.Info("undoing a refused attach", "volume", vol)
-		w.intents[vol] = &intent{vm: vm, volume: vol, op: Detach, created: now, done: make(chan struct{})}
+		w.intents[vol] = newIntent(vm, vol, Detach, now)
 	}
 	if !p.wakeAt.IsZero() {
 		q.wq.AddAfter(vm, p.wakeAt.Sub(now))

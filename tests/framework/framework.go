@@ -123,7 +123,6 @@ type Controller struct {
 	Endpoint string
 	Conn     *grpc.ClientConn
 	Client   csi.ControllerClient
-	Host     *host.Client
 	Queue    *hotplug.Queue
 	cancel   context.CancelFunc
 	done     chan struct{}
@@ -157,7 +156,7 @@ func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controlle
 	}
 	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
 	d := driver.New("test", driver.NewControllerService(opts.Driver, q, hc), opts.Node)
-	c := &Controller{Endpoint: endpoint, Host: hc, Queue: q, cancel: cancel, done: make(chan struct{})}
+	c := &Controller{Endpoint: endpoint, Queue: q, cancel: cancel, done: make(chan struct{})}
 	var wg sync.WaitGroup
 	wg.Add(4)
 	go func() { defer wg.Done(); vmInf.RunWithContext(ctx) }()
