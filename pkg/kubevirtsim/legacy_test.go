@@ -306,7 +306,11 @@ func TestV15StuckDetachOnReadd(t *testing.T) {
 	expect202(t, removeVolume(t, s, ns, "vm1", "pvc-a"))
 	err := s.Wait(ctx, ns, "vm1", func(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool {
 		e, _ := FindVolumeStatus(vmi, "pvc-a")
-		return !hasVolume(vm.Spec.Template.Spec.Volumes, "pvc-a") && e.Phase == kubevirtv1.HotplugVolumeDetaching
+		// The VM controller drops the volume from the spec and trims the
+		// request from status in two writes; until the second one lands a new
+		// add is refused as "still being processed", which is not this case.
+		return !hasVolume(vm.Spec.Template.Spec.Volumes, "pvc-a") && len(vm.Status.VolumeRequests) == 0 &&
+			e.Phase == kubevirtv1.HotplugVolumeDetaching
 	})
 	if err != nil {
 		t.Fatal(err)
