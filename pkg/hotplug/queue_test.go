@@ -200,6 +200,26 @@ func startQueue(t *testing.T, f *fakeKubeVirt, cfg Config) (*Queue, *prometheus.
 	return q, reg
 }
 
+// waitPending returns once n intents are queued for vm, so a test acts while
+// they are pending instead of guessing how long the caller takes to get there.
+func waitPending(t *testing.T, q *Queue, vm string, n int) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		q.mu.Lock()
+		got := 0
+		if w := q.work[vm]; w != nil {
+			got = len(w.intents)
+		}
+		q.mu.Unlock()
+		if got >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d intents pending on %s after 5s, want %d", got, vm, n)
+		}
+	}
+}
+
 func fastConfig() Config {
 	return Config{BatchWindow: 50 * time.Millisecond, MaxHold: 2 * time.Second, BackoffBase: time.Millisecond, BackoffMax: 50 * time.Millisecond, QPS: 1000, Burst: 1000}
 }
@@ -245,7 +265,7 @@ func TestAttachThenDetachBeforeTheBatchCancels(t *testing.T) {
 	defer cancel()
 	attachErr := make(chan error, 1)
 	go func() { attachErr <- q.Attach(ctx, "vm1", "pvc-a", true) }()
-	time.Sleep(50 * time.Millisecond) // the attach is queued, its window still open
+	waitPending(t, q, "vm1", 1) // its batch window is still open
 	if err := q.Detach(ctx, "vm1", "pvc-a"); err != nil {
 		t.Fatalf("detach: %v", err)
 	}
@@ -277,7 +297,7 @@ func TestExclusiveVolumeHeldByAnotherVM(t *testing.T) {
 	// Pending (not yet applied) attaches fence too.
 	first := make(chan error, 1)
 	go func() { first <- q.Attach(ctx, "vm1", "pvc-b", true) }()
-	time.Sleep(10 * time.Millisecond)
+	waitPending(t, q, "vm1", 1)
 	if err := q.Attach(ctx, "vm2", "pvc-b", true); !errors.As(err, &held) || held.VM != "vm1" {
 		t.Fatalf("racing attach answered %v, want HeldError naming vm1", err)
 	}
@@ -439,7 +459,7 @@ func TestMetricsFollowTheQueue(t *testing.T) {
 	for _, v := range []string{"pvc-a", "pvc-b"} {
 		go func() { done <- q.Attach(ctx, "vm1", v, true) }()
 	}
-	time.Sleep(100 * time.Millisecond) // both queued, the batch window still open
+	waitPending(t, q, "vm1", 2) // the batch window is still open
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
 # HELP harvester_csi_hotplug_queue_depth Pending hotplug intents per VM.
 # TYPE harvester_csi_hotplug_queue_depth gauge

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	corev1 "k8s.io/api/core/v1"
@@ -124,6 +125,7 @@ type Controller struct {
 	Conn     *grpc.ClientConn
 	Client   csi.ControllerClient
 	Queue    *hotplug.Queue
+	Metrics  *prometheus.Registry
 	cancel   context.CancelFunc
 	done     chan struct{}
 }
@@ -146,7 +148,8 @@ func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controlle
 	vmInf, vmiInf := hc.VMInformer(0), hc.VMIInformer(0)
 	qcfg := opts.Queue
 	qcfg.Namespace = h.Namespace
-	q, err := hotplug.New(qcfg, backend, vmInf, vmiInf, nil)
+	reg := prometheus.NewRegistry()
+	q, err := hotplug.New(qcfg, backend, vmInf, vmiInf, reg)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -156,7 +159,7 @@ func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controlle
 	}
 	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
 	d := driver.New("test", driver.NewControllerService(opts.Driver, q, hc), opts.Node)
-	c := &Controller{Endpoint: endpoint, Queue: q, cancel: cancel, done: make(chan struct{})}
+	c := &Controller{Endpoint: endpoint, Queue: q, Metrics: reg, cancel: cancel, done: make(chan struct{})}
 	var wg sync.WaitGroup
 	wg.Add(4)
 	go func() { defer wg.Done(); vmInf.RunWithContext(ctx) }()
@@ -185,6 +188,36 @@ func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controlle
 	}
 	tb.Cleanup(c.Stop)
 	return c
+}
+
+// WaitQueued returns once n intents are queued for vm, read from the queue's
+// depth gauge as an operator would, so a test can act while they are pending.
+func (c *Controller) WaitQueued(tb testing.TB, vm string, n int) {
+	tb.Helper()
+	got := 0.0
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		got = 0
+		families, err := c.Metrics.Gather()
+		if err != nil {
+			tb.Fatal(err)
+		}
+		for _, f := range families {
+			if f.GetName() != "harvester_csi_hotplug_queue_depth" {
+				continue
+			}
+			for _, m := range f.GetMetric() {
+				for _, l := range m.GetLabel() {
+					if l.GetName() == "vm" && l.GetValue() == vm {
+						got = m.GetGauge().GetValue()
+					}
+				}
+			}
+		}
+		if got >= float64(n) {
+			return
+		}
+	}
+	tb.Fatalf("%v intents queued on %s after 10s, want %d", got, vm, n)
 }
 
 // Stop ends the controller as a crash or a rolling update would: in-flight

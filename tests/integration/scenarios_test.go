@@ -127,7 +127,7 @@ func (s *suite) cancelBeforeBatch(t *testing.T) {
 		_, err := ctrl.Client.ControllerPublishVolume(ctx, publishReq(vm, vol))
 		published <- err
 	}()
-	time.Sleep(300 * time.Millisecond)
+	ctrl.WaitQueued(t, vm, 1)
 	if _, err := ctrl.Client.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: vol, NodeId: vm}); err != nil {
 		t.Fatalf("unpublish: %v", err)
 	}

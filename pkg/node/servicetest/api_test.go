@@ -170,7 +170,7 @@ func TestStageWithoutDiskIsNotFound(t *testing.T) {
 
 // Two operations on one volume: the second is told to come back.
 func TestConcurrentOperationOnVolumeIsAborted(t *testing.T) {
-	ns := plainNode(t, func(o *driver.NodeOptions) { o.DeviceWait = 2 * time.Second })
+	ns := plainNode(t, func(o *driver.NodeOptions) { o.DeviceWait = 5 * time.Second })
 	ctx := testContext(t)
 	staging := t.TempDir()
 	done := make(chan error, 1)
@@ -178,7 +178,7 @@ func TestConcurrentOperationOnVolumeIsAborted(t *testing.T) {
 		_, err := ns.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "pvc-x", StagingTargetPath: staging, VolumeCapability: mountCap("", rwo)})
 		done <- err
 	}()
-	time.Sleep(300 * time.Millisecond)
+	time.Sleep(time.Second) // well inside the stage's 5s wait for the device
 	_, err := ns.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "pvc-x", StagingTargetPath: staging})
 	wantCode(t, err, codes.Aborted, "unstage during stage")
 	wantCode(t, <-done, codes.NotFound, "the stage")

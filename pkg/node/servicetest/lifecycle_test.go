@@ -362,8 +362,9 @@ func TestUnstageRefusesWhileDeviceInUse(t *testing.T) {
 			h := newHarness(t, 64*mib)
 			ctx := testContext(t)
 			vol := "pvc-busy-" + kind
-			// Three re-checks 200ms apart outlast the 0.3s holder below.
-			a := h.node("vm-a", func(o *driver.NodeOptions) { o.InUseRechecks = 3 })
+			// Five re-checks 200ms apart outlast the 0.3s holder below with room
+			// for a loaded machine.
+			a := h.node("vm-a", func(o *driver.NodeOptions) { o.InUseRechecks = 5 })
 			dev := h.plug("vm-a", vol)
 			staging, _ := a.paths(vol, "pod")
 			must(t, a.stage(ctx, vol, staging, c), "stage")
