@@ -47,9 +47,10 @@ image: ## Build the container image (IMAGE=harvester-csi/harvester-csi-driver:<v
 	docker build --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t $(IMAGE) .
 
 .PHONY: lint
-lint: ## gofmt and go vet.
+lint: ## gofmt, go vet, and a tidy go.mod (the main module stays lean).
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { gofmt -l $$(git ls-files '*.go'); exit 1; }
 	$(GO) vet ./...
+	$(GO) mod tidy -diff
 
 .PHONY: lab
 lab: ## Run the local Harvester-in-a-box lab with churn (not implemented yet: see README).

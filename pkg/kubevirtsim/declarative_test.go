@@ -18,7 +18,7 @@ import (
 // controller's status write.
 func TestDeclarativeDirectPatch(t *testing.T) {
 	t.Parallel()
-	s, ns := testSim(t, Options{Mode: ModeDeclarative})
+	s, ns := testSim(t, Options{Mode: ModeDeclarative, Timings: slowPodDelete()})
 	ctx := testCtx(t, 60*time.Second)
 	vols := []string{"pvc-a", "pvc-b", "pvc-c"}
 	for _, c := range vols {
@@ -168,7 +168,7 @@ func TestDeclarativeBadBusAndDenial(t *testing.T) {
 // plugged again only after its previous entry is gone.
 func TestDeclarativeReaddWaitsForUnplug(t *testing.T) {
 	t.Parallel()
-	s, ns := testSim(t, Options{Mode: ModeDeclarative})
+	s, ns := testSim(t, Options{Mode: ModeDeclarative, Timings: slowPodDelete()})
 	ctx := testCtx(t, 60*time.Second)
 	if _, err := s.CreatePVC(ctx, ns, "pvc-a", "1Gi", false); err != nil {
 		t.Fatal(err)

@@ -55,7 +55,7 @@ func (h *hookLog) get() []string {
 func TestLegacyAttachDetachV17(t *testing.T) {
 	t.Parallel()
 	hook := &hookLog{failing: map[string]int{"pvc-a": 1}}
-	s, ns := testSim(t, Options{Mode: ModeLegacy, Profile: ProfileV17, DiskHook: hook})
+	s, ns := testSim(t, Options{Mode: ModeLegacy, Profile: ProfileV17, DiskHook: hook, Timings: slowPodDelete()})
 	hook.s = s
 	ctx := testCtx(t, 60*time.Second)
 	if _, err := s.CreatePVC(ctx, ns, "pvc-a", "1Gi", false); err != nil {
@@ -102,7 +102,7 @@ func TestLegacyAttachDetachV17(t *testing.T) {
 
 func TestLegacyRemovalV15(t *testing.T) {
 	t.Parallel()
-	s, ns := testSim(t, Options{Mode: ModeLegacy, Profile: ProfileV15})
+	s, ns := testSim(t, Options{Mode: ModeLegacy, Profile: ProfileV15, Timings: slowPodDelete()})
 	ctx := testCtx(t, 60*time.Second)
 	for _, c := range []string{"pvc-a", "pvc-b"} {
 		if _, err := s.CreatePVC(ctx, ns, c, "1Gi", false); err != nil {

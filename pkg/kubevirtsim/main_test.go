@@ -222,6 +222,12 @@ type phaseLog struct {
 	phases map[string][]string
 }
 
+// slowPodDelete keeps a deleted attachment pod terminating for a visible while
+// (1s at the tests' scale) in tests that pin the whole phase sequence: when the
+// pod is already gone by the time the VMI is reconciled, KubeVirt drops the
+// entry without ever writing Detaching, and so does the simulator.
+func slowPodDelete() Timings { return Timings{PodDelete: 20 * time.Second} }
+
 func recordPhases(s *Sim, ns, vm string) *phaseLog {
 	l := &phaseLog{phases: map[string][]string{}}
 	note := func(obj any) {
