@@ -258,28 +258,18 @@ func (m *Mounter) Mounts() ([]mountinfo.Mount, error) { return mountinfo.Read(m.
 // can be stacked on one path after retries of a publish). A path that is
 // not mounted, or does not exist, is fine.
 func (m *Mounter) Unmount(ctx context.Context, path string) error {
-	logger := klog.FromContext(ctx)
-	for i := 0; i < m.unmountAttempts; i++ {
-		mounted, err := m.IsMountPoint(path)
-		if err != nil {
-			return err
-		}
-		if !mounted {
-			return nil
-		}
-		if err := unix.Unmount(path, 0); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("unmount %s: %w", path, err)
-		}
-		logger.V(2).Info("unmounted", "path", path)
-	}
-	return fmt.Errorf("%s is still a mount point after %d unmounts", path, m.unmountAttempts)
+	return m.unmountAll(ctx, path, 0)
 }
 
 // LazyUnmount detaches the mount at path now and lets the kernel finish once
 // nothing uses it. It is for mounts whose device is gone, where a normal
 // unmount can hang or fail on I/O errors.
 func (m *Mounter) LazyUnmount(ctx context.Context, path string) error {
-	for i := 0; i < m.unmountAttempts; i++ {
+	return m.unmountAll(ctx, path, unix.MNT_DETACH)
+}
+
+func (m *Mounter) unmountAll(ctx context.Context, path string, flags int) error {
+	for range m.unmountAttempts {
 		mounted, err := m.IsMountPoint(path)
 		if err != nil {
 			return err
@@ -287,22 +277,31 @@ func (m *Mounter) LazyUnmount(ctx context.Context, path string) error {
 		if !mounted {
 			return nil
 		}
-		if err := unix.Unmount(path, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("lazy unmount %s: %w", path, err)
+		if err := unmountOnce(ctx, path, flags); err != nil {
+			return err
 		}
-		klog.FromContext(ctx).V(2).Info("lazily unmounted", "path", path)
 	}
-	return fmt.Errorf("%s is still a mount point after %d lazy unmounts", path, m.unmountAttempts)
+	return fmt.Errorf("%s is still a mount point after %d unmounts", path, m.unmountAttempts)
+}
+
+// unmountOnce removes the topmost mount at path; one that is already gone
+// (EINVAL: not a mount point any more, ENOENT: no path) is not an error.
+func unmountOnce(ctx context.Context, path string, flags int) error {
+	what := "unmount"
+	if flags&unix.MNT_DETACH != 0 {
+		what = "lazy unmount"
+	}
+	if err := unix.Unmount(path, flags); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("%s %s: %w", what, path, err)
+	}
+	klog.FromContext(ctx).V(2).Info(what+" done", "path", path)
+	return nil
 }
 
 // Detach lazily unmounts the topmost mount at path once (see LazyUnmount),
 // for callers that check what they unmount between steps.
 func (m *Mounter) Detach(ctx context.Context, path string) error {
-	if err := unix.Unmount(path, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
-		return fmt.Errorf("lazy unmount %s: %w", path, err)
-	}
-	klog.FromContext(ctx).V(2).Info("lazily unmounted", "path", path)
-	return nil
+	return unmountOnce(ctx, path, unix.MNT_DETACH)
 }
 
 // RemovePath removes a target path left by publish: an empty directory or
