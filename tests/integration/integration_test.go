@@ -88,6 +88,7 @@ func TestController(t *testing.T) {
 			t.Run("ExclusiveVolumeOnSecondVM", s.exclusive)
 			t.Run("WebhookDeniedVolumeFailsAlone", s.webhookDenied)
 			t.Run("DeletedVMReleasesItsVolumes", s.deletedVM)
+			t.Run("StoppedVMReleasesOnUnpublish", s.stoppedVM)
 			t.Run("RestartMidBatch", s.restartMidBatch)
 		})
 	}

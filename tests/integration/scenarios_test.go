@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -254,6 +255,53 @@ func (s *suite) deletedVM(t *testing.T) {
 		t.Fatalf("publish to the new VM: %v", err)
 	}
 	if err := a.unpublish(ctx, "dv-b", vol); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// stoppedVM: a guest node powered off keeps its hot-plugged volume in the VM
+// spec, so the volume stays fenced to it; the attacher's unpublish (after
+// kubelet gives up on the node) takes it out of the stopped VM, the volume
+// attaches elsewhere, and starting the old VM again does not bring it back.
+func (s *suite) stoppedVM(t *testing.T) {
+	s.host.CreateVMs(t, "sv-a", "sv-b")
+	s.dumpOnFailure(t, "sv-a", "sv-b")
+	vol := s.host.CreateVolumes(t, "sv", 1)[0]
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a := newAttacher(s.client)
+	if err := a.publish(ctx, "sv-a", vol); err != nil {
+		t.Fatal(err)
+	}
+	ns := s.host.Namespace
+	if err := s.host.Sim.StopVM(ctx, ns, "sv-a"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.host.Sim.Wait(ctx, ns, "sv-a", func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool {
+		return vmi == nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	_, err := s.client().ControllerPublishVolume(ctx, publishReq("sv-b", vol))
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "sv-a") {
+		t.Errorf("publish while the stopped VM keeps the volume answered %v, want FailedPrecondition naming sv-a", err)
+	}
+	if err := a.unpublish(ctx, "sv-a", vol); err != nil {
+		t.Fatalf("unpublish from the stopped VM: %v", err)
+	}
+	if got := s.attachedTo(vol, "sv-a"); len(got) != 0 {
+		t.Fatalf("unpublish answered OK while %v holds the volume", got)
+	}
+	if err := a.publish(ctx, "sv-b", vol); err != nil {
+		t.Fatalf("publish to the running VM: %v", err)
+	}
+	if err := s.host.Sim.StartVM(ctx, ns, "sv-a"); err != nil {
+		t.Fatal(err)
+	}
+	if got := s.attachedTo(vol, "sv-a"); len(got) != 0 {
+		t.Errorf("the restarted VM took the volume back: %v", got)
+	}
+	if err := a.unpublish(ctx, "sv-b", vol); err != nil {
 		t.Fatal(err)
 	}
 }
