@@ -39,6 +39,7 @@ type Hotplug interface {
 	Attach(ctx context.Context, vm, volume string, exclusive bool) error
 	Detach(ctx context.Context, vm, volume string) error
 	Holders(volume string) []string
+	Published() map[string][]string
 }
 
 // HostVolumes is what the controller needs from the host cluster's PVCs.
@@ -48,6 +49,7 @@ type HostVolumes interface {
 	DeleteVolume(ctx context.Context, name string) error
 	WaitBound(ctx context.Context, name string) (*corev1.PersistentVolumeClaim, error)
 	StorageClassUsable(ctx context.Context, name string) (bool, error)
+	ListVolumes(ctx context.Context) ([]corev1.PersistentVolumeClaim, error)
 }
 
 // ControllerOptions configure the controller service.
@@ -80,6 +82,8 @@ func (s *controllerService) ControllerGetCapabilities(context.Context, *csi.Cont
 	for _, c := range []csi.ControllerServiceCapability_RPC_Type{
 		csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
 		csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
+		csi.ControllerServiceCapability_RPC_LIST_VOLUMES,
+		csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
 	} {
 		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
 			Rpc: &csi.ControllerServiceCapability_RPC{Type: c},

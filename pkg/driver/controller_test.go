@@ -59,6 +59,14 @@ func (f *fakeVolumes) WaitBound(ctx context.Context, name string) (*corev1.Persi
 	return f.GetVolume(ctx, name)
 }
 
+func (f *fakeVolumes) ListVolumes(context.Context) ([]corev1.PersistentVolumeClaim, error) {
+	var out []corev1.PersistentVolumeClaim
+	for _, p := range f.pvcs {
+		out = append(out, *p)
+	}
+	return out, nil
+}
+
 func (f *fakeVolumes) StorageClassUsable(_ context.Context, name string) (bool, error) {
 	return f.classes[name], nil
 }
@@ -66,6 +74,7 @@ func (f *fakeVolumes) StorageClassUsable(_ context.Context, name string) (bool, 
 type fakeHotplug struct {
 	attach, detach func(ctx context.Context, vm, vol string) error
 	holders        map[string][]string
+	published      map[string][]string
 }
 
 func (f *fakeHotplug) Attach(ctx context.Context, vm, vol string, _ bool) error {
@@ -77,6 +86,8 @@ func (f *fakeHotplug) Detach(ctx context.Context, vm, vol string) error {
 }
 
 func (f *fakeHotplug) Holders(vol string) []string { return f.holders[vol] }
+
+func (f *fakeHotplug) Published() map[string][]string { return f.published }
 
 func newTestController(opts ControllerOptions) (*controllerService, *fakeVolumes, *fakeHotplug) {
 	vols := &fakeVolumes{pvcs: map[string]*corev1.PersistentVolumeClaim{}, classes: map[string]bool{"longhorn": true, "fast": true}}

@@ -11,6 +11,13 @@ import (
 	"k8s.io/apimachinery/pkg/fields"
 )
 
+// Host PVCs created by CreateVolume carry this label, so ListVolumes can tell
+// them from the VMs' own disks in the same namespace.
+const (
+	VolumeLabel      = "app.kubernetes.io/managed-by"
+	VolumeLabelValue = "driver.harvesterhci.io"
+)
+
 // VolumeSpec is the shape of a host PVC backing one guest volume.
 type VolumeSpec struct {
 	Name         string
@@ -34,7 +41,10 @@ func (e *ErrVolumeMismatch) Error() string {
 // matches: the provisioner retries CreateVolume after timeouts.
 func (c *Client) CreateVolume(ctx context.Context, spec VolumeSpec) (*corev1.PersistentVolumeClaim, error) {
 	pvc := &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: spec.Name, Namespace: c.Namespace, Annotations: spec.Annotations},
+		ObjectMeta: metav1.ObjectMeta{
+			Name: spec.Name, Namespace: c.Namespace, Annotations: spec.Annotations,
+			Labels: map[string]string{VolumeLabel: VolumeLabelValue},
+		},
 		Spec: corev1.PersistentVolumeClaimSpec{
 			// ReadWriteMany on the host lets the guest's VM live-migrate.
 			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteMany},
@@ -92,6 +102,25 @@ func deref(s *string) string {
 // GetVolume returns the host PVC of a volume.
 func (c *Client) GetVolume(ctx context.Context, name string) (*corev1.PersistentVolumeClaim, error) {
 	return c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace).Get(ctx, name, metav1.GetOptions{})
+}
+
+// ListVolumes returns the host PVCs CreateVolume made that are not being
+// deleted. Volumes an upstream driver created carry no label and are not
+// listed here; the caller adds whatever is hot-plugged.
+func (c *Client) ListVolumes(ctx context.Context) ([]corev1.PersistentVolumeClaim, error) {
+	list, err := c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace).List(ctx, metav1.ListOptions{
+		LabelSelector: VolumeLabel + "=" + VolumeLabelValue,
+	})
+	if err != nil {
+		return nil, err
+	}
+	out := list.Items[:0]
+	for _, p := range list.Items {
+		if p.DeletionTimestamp == nil {
+			out = append(out, p)
+		}
+	}
+	return out, nil
 }
 
 // DeleteVolume deletes the host PVC; a missing one is not an error.

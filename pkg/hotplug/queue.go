@@ -332,6 +332,38 @@ func (q *Queue) Holders(volume string) []string {
 	return out
 }
 
+// Published maps every volume attached to a VM (by the same test a finished
+// attach passes) to the VMs holding it, from the informers. The attacher
+// compares it with its VolumeAttachments and repairs the ones that drifted,
+// such as a VMI that lost a hotplug volume the VolumeAttachment still claims.
+func (q *Queue) Published() map[string][]string {
+	out := map[string][]string{}
+	for _, obj := range q.vmis.List() {
+		vmi, ok := obj.(*kubevirtv1.VirtualMachineInstance)
+		if !ok || (q.cfg.Namespace != "" && vmi.Namespace != q.cfg.Namespace) {
+			continue
+		}
+		// CSI volume IDs are claim names, and this driver (like upstream)
+		// names the hotplug volume after its claim; other hotplugs are not ours.
+		ours := map[string]bool{}
+		for _, v := range vmi.Spec.Volumes {
+			if c := v.PersistentVolumeClaim; c != nil && c.ClaimName == v.Name {
+				ours[v.Name] = true
+			}
+		}
+		o := q.observe(vmi.Name)
+		for _, st := range vmi.Status.VolumeStatus {
+			if st.HotplugVolume != nil && ours[st.Name] && o.attached(st.Name) {
+				out[st.Name] = append(out[st.Name], vmi.Name)
+			}
+		}
+	}
+	for _, vms := range out {
+		slices.Sort(vms)
+	}
+	return out
+}
+
 // supersedeLocked answers an intent's callers that a newer, opposite intent
 // (by) replaced it.
 func (q *Queue) supersedeLocked(ctx context.Context, w *vmWork, it *intent, by Op) {

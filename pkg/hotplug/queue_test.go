@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"sync"
 	"testing"
@@ -496,5 +497,28 @@ harvester_csi_hotplug_batch_size_sum{backend="fake"} 2
 harvester_csi_hotplug_batch_size_count{backend="fake"} 1
 `), "harvester_csi_hotplug_batch_size"); err != nil {
 		t.Error(err)
+	}
+}
+
+func TestPublishedFollowsTheInformers(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1", "vm2")
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, a := range [][2]string{{"vm1", "pvc-a"}, {"vm1", "pvc-b"}, {"vm2", "pvc-c"}} {
+		if err := q.Attach(ctx, a[0], a[1], true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := map[string][]string{"pvc-a": {"vm1"}, "pvc-b": {"vm1"}, "pvc-c": {"vm2"}}
+	if got := q.Published(); !reflect.DeepEqual(got, want) {
+		t.Errorf("published %v, want %v", got, want)
+	}
+	if err := q.Detach(ctx, "vm1", "pvc-a"); err != nil {
+		t.Fatal(err)
+	}
+	delete(want, "pvc-a")
+	if got := q.Published(); !reflect.DeepEqual(got, want) {
+		t.Errorf("after detach: published %v, want %v", got, want)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
@@ -25,7 +26,10 @@ import (
 // TestRealExternalAttacher runs the upstream external-attacher against a
 // guest API server and the driver's controller: VolumeAttachments created at
 // once for one node all end attached (each volume Ready on the VM), and
-// deleting them detaches every volume and releases the finalizers.
+// deleting them detaches every volume and releases the finalizers. With the
+// attacher's reconciler on, a volume that KubeVirt loses behind the
+// VolumeAttachment's back (harvester 10588) is found through ListVolumes and
+// attached again, and volumes that did not drift are left alone.
 func TestRealExternalAttacher(t *testing.T) {
 	for _, mode := range []kubevirtsim.Mode{kubevirtsim.ModeLegacy, kubevirtsim.ModeDeclarative} {
 		t.Run(string(mode), func(t *testing.T) { realAttacher(t, mode) })
@@ -71,7 +75,7 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 	}
 	socket := strings.TrimPrefix(ctrl.Endpoint, "unix://")
 	if err := guestEnv.Run("csi-attacher", "--csi-address="+socket, "--kubeconfig="+guestEnv.Kubeconfig,
-		"--timeout=20s", "--worker-threads=50", "--leader-election=false", "--v=2"); err != nil {
+		"--timeout=20s", "--worker-threads=50", "--leader-election=false", "--reconcile-sync=1s", "--v=2"); err != nil {
 		t.Fatal(err)
 	}
 
@@ -111,6 +115,43 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 	for _, vol := range vols {
 		if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); !ok || e.Target == "" {
 			t.Errorf("VolumeAttachment of %s says attached but the VMI shows %+v", vol, e)
+		}
+	}
+
+	// Someone takes one volume off the VM behind the VolumeAttachment's back.
+	// Only the attacher's reconciler, reading ListVolumes, can notice.
+	lost := vols[0]
+	h.Sim.ResetStats()
+	viaAPI := kubevirt.NewForConfigOrDie(h.Sim.ClientConfig()) // virt-api's subresources live behind the simulator's proxy
+	if err := viaAPI.KubevirtV1().VirtualMachines(h.Namespace).RemoveVolume(ctx, vm, &kubevirtv1.RemoveVolumeOptions{Name: lost}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, ctx, "the lost volume gone from the VMI", func() (bool, string) {
+		vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		e, ok := kubevirtsim.FindVolumeStatus(vmi, lost)
+		return !ok, fmt.Sprintf("%+v", e)
+	})
+	waitFor(t, ctx, "the lost volume attached again", func() (bool, string) {
+		vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		e, ok := kubevirtsim.FindVolumeStatus(vmi, lost)
+		return ok && e.Phase == kubevirtv1.VolumeReady && e.Target != "", fmt.Sprintf("%+v", e)
+	})
+	if st := h.Sim.Stats(); st.RemoveVolume > 1 {
+		t.Errorf("the repair removed volumes: %+v", st)
+	}
+	vmi, err = kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, vol := range vols {
+		if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); !ok || e.Phase != kubevirtv1.VolumeReady {
+			t.Errorf("after the repair %s is %+v", vol, e)
 		}
 	}
 

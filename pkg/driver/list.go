@@ -1,0 +1,76 @@
+package driver
+
+import (
+	"context"
+	"slices"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+)
+
+// listTokenPrefix starts every ListVolumes token; what follows is the last
+// volume ID of the previous page. Pages resume after that ID in sorted order,
+// so volumes created or deleted between pages neither repeat nor shift others.
+const listTokenPrefix = "after:"
+
+// ListVolumes lists the volumes this driver created and every volume attached
+// to a VM, each with the VMs it is attached to. The external-attacher
+// compares the published VMs with its VolumeAttachments and re-attaches
+// where they drifted apart (a VMI that lost a hotplug volume, harvester 10588).
+func (s *controllerService) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	if req.GetMaxEntries() < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "max_entries %d is negative", req.GetMaxEntries())
+	}
+	after := ""
+	if tok := req.GetStartingToken(); tok != "" {
+		var ok bool
+		if after, ok = strings.CutPrefix(tok, listTokenPrefix); !ok || after == "" {
+			return nil, status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", tok)
+		}
+	}
+	pvcs, err := s.volumes.ListVolumes(ctx)
+	if err != nil {
+		return nil, apiStatus(err, "list host PVCs")
+	}
+	published := s.hotplug.Published()
+	byID := make(map[string]*corev1.PersistentVolumeClaim, len(pvcs))
+	ids := make([]string, 0, len(pvcs)+len(published))
+	for i := range pvcs {
+		byID[pvcs[i].Name] = &pvcs[i]
+		ids = append(ids, pvcs[i].Name)
+	}
+	for id := range published {
+		if byID[id] == nil {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+
+	start, _ := slices.BinarySearch(ids, after)
+	if after != "" && start < len(ids) && ids[start] == after {
+		start++
+	}
+	end := len(ids)
+	if n := int(req.GetMaxEntries()); n > 0 && start+n < end {
+		end = start + n
+	}
+	resp := &csi.ListVolumesResponse{}
+	for _, id := range ids[start:end] {
+		vol := &csi.Volume{VolumeId: id}
+		if pvc := byID[id]; pvc != nil {
+			capacity := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+			vol.CapacityBytes = capacity.Value()
+		}
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
+			Volume: vol,
+			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: published[id]},
+		})
+	}
+	if end < len(ids) {
+		resp.NextToken = listTokenPrefix + ids[end-1]
+	}
+	return resp, nil
+}
