@@ -50,6 +50,7 @@ type HostVolumes interface {
 	WaitBound(ctx context.Context, name string) (*corev1.PersistentVolumeClaim, error)
 	StorageClassUsable(ctx context.Context, name string) (bool, error)
 	ListVolumes(ctx context.Context) ([]corev1.PersistentVolumeClaim, error)
+	ExpandVolume(ctx context.Context, name string, bytes int64) (*corev1.PersistentVolumeClaim, error)
 }
 
 // ControllerOptions configure the controller service.
@@ -84,6 +85,7 @@ func (s *controllerService) ControllerGetCapabilities(context.Context, *csi.Cont
 		csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
 		csi.ControllerServiceCapability_RPC_LIST_VOLUMES,
 		csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
+		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
 	} {
 		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
 			Rpc: &csi.ControllerServiceCapability_RPC{Type: c},

@@ -24,6 +24,8 @@ type fakeVolumes struct {
 	pvcs    map[string]*corev1.PersistentVolumeClaim
 	classes map[string]bool
 	created []host.VolumeSpec
+	// expandErr is what the host answers a resize with, if set.
+	expandErr error
 }
 
 var pvcGR = schema.GroupResource{Resource: "persistentvolumeclaims"}
@@ -65,6 +67,21 @@ func (f *fakeVolumes) ListVolumes(context.Context) ([]corev1.PersistentVolumeCla
 		out = append(out, *p)
 	}
 	return out, nil
+}
+
+func (f *fakeVolumes) ExpandVolume(_ context.Context, name string, bytes int64) (*corev1.PersistentVolumeClaim, error) {
+	p, ok := f.pvcs[name]
+	if !ok {
+		return nil, apierrors.NewNotFound(pvcGR, name)
+	}
+	if f.expandErr != nil {
+		return nil, f.expandErr
+	}
+	if cur := p.Spec.Resources.Requests[corev1.ResourceStorage]; cur.Value() < bytes {
+		p.Spec.Resources.Requests[corev1.ResourceStorage] = *resource.NewQuantity(bytes, resource.BinarySI)
+	}
+	p.Status.Capacity = p.Spec.Resources.Requests.DeepCopy()
+	return p, nil
 }
 
 func (f *fakeVolumes) StorageClassUsable(_ context.Context, name string) (bool, error) {

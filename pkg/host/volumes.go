@@ -9,6 +9,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/client-go/util/retry"
 )
 
 // Host PVCs created by CreateVolume carry this label, so ListVolumes can tell
@@ -151,9 +152,44 @@ func (c *Client) StorageClassUsable(ctx context.Context, name string) (bool, err
 // last state. Longhorn binds at once; a class that waits for a consumer never
 // binds here, so callers bound ctx and carry on with what they have.
 func (c *Client) WaitBound(ctx context.Context, name string) (*corev1.PersistentVolumeClaim, error) {
+	return c.waitVolume(ctx, name, func(p *corev1.PersistentVolumeClaim) bool { return p.Status.Phase == corev1.ClaimBound })
+}
+
+// ExpandVolume raises the host PVC's storage request to bytes (never lowers
+// it) and waits until the host reports the new capacity or ctx ends; it
+// returns the claim's last state either way.
+func (c *Client) ExpandVolume(ctx context.Context, name string, bytes int64) (*corev1.PersistentVolumeClaim, error) {
+	pvcs := c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace)
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		pvc, err := pvcs.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if req := pvc.Spec.Resources.Requests[corev1.ResourceStorage]; req.Value() >= bytes {
+			return nil
+		}
+		if pvc.Spec.Resources.Requests == nil {
+			pvc.Spec.Resources.Requests = corev1.ResourceList{}
+		}
+		pvc.Spec.Resources.Requests[corev1.ResourceStorage] = *resource.NewQuantity(bytes, resource.BinarySI)
+		_, err = pvcs.Update(ctx, pvc, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return c.waitVolume(ctx, name, func(p *corev1.PersistentVolumeClaim) bool {
+		got := p.Status.Capacity[corev1.ResourceStorage]
+		return got.Value() >= bytes
+	})
+}
+
+// waitVolume watches a host PVC until done says so or ctx ends, and returns
+// its last state.
+func (c *Client) waitVolume(ctx context.Context, name string, done func(*corev1.PersistentVolumeClaim) bool) (*corev1.PersistentVolumeClaim, error) {
 	pvcs := c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace)
 	pvc, err := pvcs.Get(ctx, name, metav1.GetOptions{})
-	if err != nil || pvc.Status.Phase == corev1.ClaimBound {
+	if err != nil || done(pvc) {
 		return pvc, err
 	}
 	w, err := pvcs.Watch(ctx, metav1.ListOptions{
@@ -174,7 +210,7 @@ func (c *Client) WaitBound(ctx context.Context, name string) (*corev1.Persistent
 			}
 			if p, isPVC := ev.Object.(*corev1.PersistentVolumeClaim); isPVC {
 				pvc = p
-				if pvc.Status.Phase == corev1.ClaimBound {
+				if done(pvc) {
 					return pvc, nil
 				}
 			}

@@ -45,8 +45,11 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 	if pvc.DeletionTimestamp != nil {
 		return 0, s.releasePVC(ctx, pvc)
 	}
-	if pvc.DeletionTimestamp != nil || !s.wantsBinding(pvc) || pvc.Status.Phase == corev1.ClaimBound {
+	if !s.wantsBinding(pvc) {
 		return 0, nil
+	}
+	if pvc.Status.Phase == corev1.ClaimBound {
+		return 0, s.growPVC(ctx, pvc)
 	}
 	now := time.Now()
 	s.mu.Lock()
@@ -136,6 +139,31 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 	s.mu.Unlock()
 	log.V(2).Info("PVC bound", "pv", pvName)
 	return 0, nil
+}
+
+// growPVC plays Longhorn's online expansion and the resize controller: a
+// bound claim whose request grew gets a PV and a status of the new size.
+func (s *Sim) growPVC(ctx context.Context, pvc *corev1.PersistentVolumeClaim) error {
+	want := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+	have := pvc.Status.Capacity[corev1.ResourceStorage]
+	if want.Cmp(have) <= 0 || pvc.Spec.VolumeName == "" {
+		return nil
+	}
+	pv, err := s.kube.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	pv.Spec.Capacity = corev1.ResourceList{corev1.ResourceStorage: want}
+	if _, err := s.kube.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
+		return err
+	}
+	claim := pvc.DeepCopy()
+	claim.Status.Capacity = corev1.ResourceList{corev1.ResourceStorage: want}
+	if _, err := s.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
+		return err
+	}
+	s.log.V(2).Info("PVC expanded", "pvc", pvc.Namespace+"/"+pvc.Name, "size", want.String())
+	return nil
 }
 
 // Finalizers the API server's admission adds and kube-controller-manager
