@@ -248,6 +248,10 @@ func (e *Env) run(name string, args ...string) error {
 	return nil
 }
 
+// Exited reports the first started process that has exited, with where its
+// log is; nil while all of them run.
+func (e *Env) Exited() error { return e.exited() }
+
 func (e *Env) exited() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()

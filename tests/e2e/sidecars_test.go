@@ -1,0 +1,126 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/utils/ptr"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
+)
+
+// TestControllerSidecarsAndExpansion runs the controller pod's attacher and
+// resizer against the driver with the chart's leader election, as the chart
+// deploys them: both must come up and stay up (a sidecar whose capability the
+// driver lacks exits at start, and the pod never gets Ready). Then a guest PVC
+// is grown: the real resizer calls ControllerExpandVolume, the host PVC grows,
+// and the guest PV and PVC show the new size waiting for node expansion.
+func TestControllerSidecarsAndExpansion(t *testing.T) {
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Profile: kubevirtsim.ProfileV17, Scale: 0.05})
+	vol := h.CreateVolumes(t, "pvc-grow", 1)[0]
+	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 100 * time.Millisecond}})
+
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	guestEnv, err := testenv.Start(ctx, testenv.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(guestEnv.Stop)
+	guest := kubernetes.NewForConfigOrDie(guestEnv.Config)
+
+	// What the provisioner and the PV controller would have left behind.
+	const class, ns, claim = "harvester", "default", "data"
+	mustCreate(t, func() error {
+		_, err := guest.StorageV1().StorageClasses().Create(ctx, &storagev1.StorageClass{
+			ObjectMeta: metav1.ObjectMeta{Name: class}, Provisioner: driver.Name, AllowVolumeExpansion: ptr.To(true),
+		}, metav1.CreateOptions{})
+		return err
+	})
+	pvc, err := guest.CoreV1().PersistentVolumeClaims(ns).Create(ctx, &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: claim, Namespace: ns},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce}, StorageClassName: ptr.To(class), VolumeName: vol,
+			Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pvc.Status = corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound, AccessModes: pvc.Spec.AccessModes,
+		Capacity: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}}
+	if _, err := guest.CoreV1().PersistentVolumeClaims(ns).UpdateStatus(ctx, pvc, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pv := guestPV(vol)
+	pv.Spec.StorageClassName = class
+	pv.Spec.ClaimRef = &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: ns, Name: claim, UID: pvc.UID}
+	if pv, err = guest.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pv.Status.Phase = corev1.VolumeBound
+	if _, err := guest.CoreV1().PersistentVolumes().UpdateStatus(ctx, pv, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	socket := strings.TrimPrefix(ctrl.Endpoint, "unix://")
+	common := []string{"--csi-address=" + socket, "--kubeconfig=" + guestEnv.Kubeconfig, "--leader-election",
+		"--leader-election-namespace=kube-system", "--v=2"}
+	if err := guestEnv.Run("csi-attacher", append(common, "--timeout=2m", "--worker-threads=100")...); err != nil {
+		t.Fatal(err)
+	}
+	if err := guestEnv.Run("csi-resizer", append(common, "--timeout=1m50s", "--workers=10")...); err != nil {
+		t.Fatal(err)
+	}
+
+	patch := []byte(`{"spec":{"resources":{"requests":{"storage":"3Gi"}}}}`)
+	if _, err := guest.CoreV1().PersistentVolumeClaims(ns).Patch(ctx, claim, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	want := resource.MustParse("3Gi")
+	waitFor(t, ctx, "the host PVC grown", func() (bool, string) {
+		if err := guestEnv.Exited(); err != nil {
+			t.Fatal(err)
+		}
+		p, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, vol, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		got := p.Status.Capacity[corev1.ResourceStorage]
+		return got.Cmp(want) >= 0, "host capacity " + got.String()
+	})
+	waitFor(t, ctx, "the guest PV grown and the PVC waiting for the node", func() (bool, string) {
+		pv, err := guest.CoreV1().PersistentVolumes().Get(ctx, vol, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		pvc, err := guest.CoreV1().PersistentVolumeClaims(ns).Get(ctx, claim, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		size := pv.Spec.Capacity[corev1.ResourceStorage]
+		pending := false
+		for _, c := range pvc.Status.Conditions {
+			pending = pending || (c.Type == corev1.PersistentVolumeClaimFileSystemResizePending && c.Status == corev1.ConditionTrue)
+		}
+		return size.Cmp(want) == 0 && pending, fmt.Sprintf("PV %s, PVC conditions %v", size.String(), pvc.Status.Conditions)
+	})
+	// Both sidecars still run after a while: no capability check made one exit.
+	time.Sleep(3 * time.Second)
+	if err := guestEnv.Exited(); err != nil {
+		t.Fatal(err)
+	}
+}
