@@ -38,7 +38,10 @@ const (
 	hotplugCycle = 10 * time.Second
 )
 
-var controllerSidecars = []string{"csi-provisioner", "csi-attacher", "csi-resizer", "csi-snapshotter"}
+var controllerSidecars = []string{"csi-provisioner", "csi-attacher", "csi-resizer"}
+
+// optionalSidecars run only when their values enable them.
+var optionalSidecars = []string{"csi-snapshotter"}
 
 func TestLint(t *testing.T) {
 	for _, vs := range valueSets(t) {
@@ -223,7 +226,13 @@ func TestControllerDeployment(t *testing.T) {
 				t.Errorf("serviceAccountName %q, want %q", spec.ServiceAccountName, controllerSA)
 			}
 			names := containerNames(spec.Containers)
-			for _, n := range append([]string{"harvester-csi-driver", "liveness-probe"}, controllerSidecars...) {
+			sidecars := controllerSidecars
+			if nested(t, r.eff, "controller", "snapshotter", "enabled").(bool) {
+				sidecars = append(sidecars, "csi-snapshotter")
+			} else if slices.Contains(names, "csi-snapshotter") {
+				t.Error("csi-snapshotter runs although controller.snapshotter.enabled is false; it exits against a driver without snapshots")
+			}
+			for _, n := range append([]string{"harvester-csi-driver", "liveness-probe"}, sidecars...) {
 				if !slices.Contains(names, n) {
 					t.Errorf("controller pod lacks container %s (has %v)", n, names)
 				}
@@ -259,7 +268,7 @@ func TestControllerDeployment(t *testing.T) {
 			}
 
 			// Sidecars: leader election everywhere, explicit QPS, a timeout, diagnostics with a liveness probe.
-			for _, name := range controllerSidecars {
+			for _, name := range sidecars {
 				c := container(t, spec.Containers, name)
 				for _, f := range []string{"leader-election", "leader-election-namespace", "timeout", "kube-api-qps", "kube-api-burst", "http-endpoint", "csi-address"} {
 					if _, ok := argValue(c.Args, f); !ok {
