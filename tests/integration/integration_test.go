@@ -89,6 +89,7 @@ func TestController(t *testing.T) {
 			t.Run("WebhookDeniedVolumeFailsAlone", s.webhookDenied)
 			t.Run("DeletedVMReleasesItsVolumes", s.deletedVM)
 			t.Run("StoppedVMReleasesOnUnpublish", s.stoppedVM)
+			t.Run("TimedOutPublishThenUnpublish", s.timedOutPublishThenUnpublish)
 			t.Run("RestartMidBatch", s.restartMidBatch)
 		})
 	}

@@ -306,6 +306,53 @@ func (s *suite) stoppedVM(t *testing.T) {
 	}
 }
 
+// timedOutPublishThenUnpublish: a publish whose deadline passes after its
+// write reached KubeVirt, followed by an unpublish (the pod was deleted
+// meanwhile). The unpublish answers OK only once the volume is really gone,
+// and the attach that was still on its way does not land later (GCP PD's
+// orphaned-disk race, reference peers.md).
+func (s *suite) timedOutPublishThenUnpublish(t *testing.T) {
+	vm := "to-vm"
+	s.host.CreateVMs(t, vm)
+	s.dumpOnFailure(t, vm)
+	vol := s.host.CreateVolumes(t, "to", 1)[0]
+	ns := s.host.Namespace
+	s.host.Sim.SetAttachmentPodsStuck(ns, vm, true)
+	released := false
+	defer func() {
+		if !released {
+			s.host.Sim.SetAttachmentPodsStuck(ns, vm, false)
+		}
+	}()
+
+	short, cancelShort := context.WithTimeout(context.Background(), 3*time.Second)
+	_, err := s.client().ControllerPublishVolume(short, publishReq(vm, vol))
+	cancelShort()
+	if code := status.Code(err); code != codes.DeadlineExceeded {
+		t.Fatalf("publish with a stuck attachment pod answered %v, want DeadlineExceeded", err)
+	}
+	if !s.anyWritten(vm, []string{vol}) {
+		t.Fatal("the timed-out publish never reached KubeVirt; the scenario needs the attach in flight")
+	}
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	a := newAttacher(s.client)
+	if err := a.unpublish(ctx, vm, vol); err != nil {
+		t.Fatalf("unpublish: %v", err)
+	}
+	if got := s.attachedTo(vol, vm); len(got) != 0 {
+		t.Fatalf("unpublish answered OK while %v still holds the volume", got)
+	}
+	// The attachment pod may start now: nothing may bring the volume back.
+	s.host.Sim.SetAttachmentPodsStuck(ns, vm, false)
+	released = true
+	time.Sleep(time.Duration(float64(20*time.Second) * scale))
+	if got := s.attachedTo(vol, vm); len(got) != 0 {
+		t.Errorf("the abandoned attach landed after the unpublish: %v", got)
+	}
+}
+
 // restartMidBatch: the controller dies right after its first write to a VM;
 // a new one finishes every publish on retry, with no volume attached twice
 // and no publish to a second VM let through meanwhile.
