@@ -16,6 +16,9 @@ type metrics struct {
 	results    *prometheus.CounterVec
 	completion *prometheus.HistogramVec
 	superseded prometheus.Counter
+	// applyDuration is the latency of the host API calls themselves, apart
+	// from the time KubeVirt then takes (completion).
+	applyDuration prometheus.Histogram
 }
 
 func newMetrics(q *Queue, backend string) *metrics {
@@ -42,6 +45,10 @@ func newMetrics(q *Queue, backend string) *metrics {
 			Name: "harvester_csi_hotplug_intent_duration_seconds", Help: "Time from intent to observed completion.",
 			ConstLabels: constLabels, Buckets: prometheus.ExponentialBuckets(0.25, 2, 12),
 		}, []string{"op"}),
+		applyDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "harvester_csi_hotplug_apply_duration_seconds", Help: "Time of one backend attempt (the VM patch, or the addvolume/removevolume calls).",
+			ConstLabels: constLabels, Buckets: prometheus.ExponentialBuckets(0.01, 2, 12),
+		}),
 		superseded: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "harvester_csi_hotplug_intents_superseded_total", Help: "Intents replaced by a newer opposite intent.",
 			ConstLabels: constLabels,
@@ -50,7 +57,7 @@ func newMetrics(q *Queue, backend string) *metrics {
 }
 
 func (m *metrics) register(reg Registerer) error {
-	for _, c := range []prometheus.Collector{m, m.batchSize, m.writes, m.results, m.completion, m.superseded} {
+	for _, c := range []prometheus.Collector{m, m.batchSize, m.writes, m.results, m.completion, m.superseded, m.applyDuration} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

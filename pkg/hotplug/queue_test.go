@@ -482,6 +482,9 @@ harvester_csi_hotplug_queue_depth{backend="fake",vm="vm1"} 2
 	if got := testutil.ToFloat64(q.metrics.writes); got != 1 {
 		t.Errorf("writes = %v, want 1 (one batch)", got)
 	}
+	if got := histogramCount(t, reg, "harvester_csi_hotplug_apply_duration_seconds"); got != 1 {
+		t.Errorf("%d backend attempts timed, want 1", got)
+	}
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
 # HELP harvester_csi_hotplug_batch_size Volume changes handed to the backend in one attempt.
 # TYPE harvester_csi_hotplug_batch_size histogram
@@ -521,4 +524,18 @@ func TestPublishedFollowsTheInformers(t *testing.T) {
 	if got := q.Published(); !reflect.DeepEqual(got, want) {
 		t.Errorf("after detach: published %v, want %v", got, want)
 	}
+}
+
+func histogramCount(t *testing.T, reg *prometheus.Registry, name string) uint64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == name && len(f.GetMetric()) == 1 {
+			return f.GetMetric()[0].GetHistogram().GetSampleCount()
+		}
+	}
+	return 0
 }

@@ -55,7 +55,9 @@ func (q *Queue) apply(ctx context.Context, vm string, changes []Change) error {
 	for attempt := 0; ; attempt++ {
 		q.metrics.batchSize.Observe(float64(len(pending)))
 		logger.V(2).Info("applying hotplug changes", "backend", q.backend.Name(), "changes", fmtChanges(pending), "attempt", attempt)
+		start := q.now()
 		outs := q.backend.Apply(ctx, vm, pending)
+		q.metrics.applyDuration.Observe(q.now().Sub(start).Seconds())
 		if len(outs) != len(pending) {
 			return fmt.Errorf("backend %s answered %d outcomes for %d changes", q.backend.Name(), len(outs), len(pending))
 		}
