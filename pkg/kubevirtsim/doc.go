@@ -8,9 +8,12 @@
 //   - Install: CRDs for VirtualMachine, VirtualMachineInstance and KubeVirt
 //     (kubevirt.io/v1, status subresource, schemas that preserve unknown
 //     fields so kubevirt.io/api objects round-trip) and Harvester's Setting
-//     (harvesterhci.io/v1beta1, cluster-scoped); the KubeVirt CR with the
-//     feature gates of the mode; the server-version setting; the host
-//     StorageClass.
+//     (harvesterhci.io/v1beta1, cluster-scoped); stand-ins for
+//     external-snapshotter's VolumeSnapshot, VolumeSnapshotContent and
+//     VolumeSnapshotClass CRDs (snapshot.storage.k8s.io/v1); the KubeVirt CR
+//     with the feature gates of the mode; the server-version setting; the host
+//     StorageClass; the VolumeSnapshotClass SnapshotClass and Harvester's
+//     csi-driver-config setting that names it.
 //   - A front proxy (plain HTTP on 127.0.0.1) serving PUT
 //     /apis/subresources.kubevirt.io/v1/namespaces/{ns}/{virtualmachines|virtualmachineinstances}/{name}/{addvolume|removevolume}
 //     with virt-api's checks, order, codes and messages (§1.1), after asking
@@ -34,7 +37,16 @@
 //     attachment-pod livelock of kubevirt issue 16937, and DiskHook calls.
 //   - A fake kubelet that starts (PodStart) and finishes deleting (PodDelete)
 //     attachment pods, and a host provisioner that binds PVCs of the storage
-//     class and plays the PVC/PV protection controllers.
+//     class and plays the PVC/PV protection controllers. A PVC whose data
+//     source is a VolumeSnapshot stays Pending until the snapshot is
+//     readyToUse and no larger than the request, and is restored
+//     (SnapshotHook.Restore) before it binds.
+//   - The snapshot controller and Longhorn's snapshotter in one: a
+//     VolumeSnapshot of a bound PVC gets, after Timings.Snapshot, a
+//     VolumeSnapshotContent (snapcontent-<uid>), a SnapshotHook.Snapshot call
+//     and readyToUse with restoreSize; one that cannot be taken gets
+//     status.error and is retried. Deleting it calls
+//     SnapshotHook.DeleteSnapshot and deletes the content.
 //
 // No scheduler, kubelet or kube-controller-manager is needed. The
 // simulator's own controllers talk to the API server directly, so Stats
@@ -62,7 +74,9 @@
 // SetMigrationInProgress, DenyVolume/AllowVolume, SetFeatureGates and
 // Options.StuckDetachOnReadd (v1.5).
 //
-// Not simulated: DataVolumes (a DataVolume source is treated as a PVC of the
+// Not simulated: pre-provisioned snapshots (spec.source.volumeSnapshotContentName),
+// default snapshot classes, the snapshot source-protection finalizers, backups,
+// DataVolumes (a DataVolume source is treated as a PVC of the
 // same name), the VMI update admitter's hotplug checks, live migration
 // itself, virt-launcher pods, memory dumps, and the 1.9 profile.
 package kubevirtsim

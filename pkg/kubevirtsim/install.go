@@ -71,13 +71,36 @@ func crds() []*apiextv1.CustomResourceDefinition {
 		crdDef("kubevirt.io", "v1", "virtualmachineinstances", "virtualmachineinstance", "VirtualMachineInstance", true, []string{"vmi", "vmis"}, nil),
 		crdDef("kubevirt.io", "v1", "kubevirts", "kubevirt", "KubeVirt", true, []string{"kv", "kvs"}, nil),
 		crdDef("harvesterhci.io", "v1beta1", "settings", "setting", "Setting", false, nil, settingSchema),
+		// Stand-ins for external-snapshotter's CRDs (names, kinds, short
+		// names, scopes and status subresources as there; open schemas).
+		approved(crdDef(snapshotGroup, "v1", "volumesnapshots", "volumesnapshot", "VolumeSnapshot", true, []string{"vs"}, nil)),
+		approved(crdDef(snapshotGroup, "v1", "volumesnapshotcontents", "volumesnapshotcontent", "VolumeSnapshotContent", false, []string{"vsc", "vscs"}, nil)),
+		approved(withoutStatus(crdDef(snapshotGroup, "v1", "volumesnapshotclasses", "volumesnapshotclass", "VolumeSnapshotClass", false, []string{"vsclass", "vsclasses"}, nil))),
 	}
+}
+
+// approved adds the annotation the API server requires of CRDs in the
+// protected *.k8s.io groups, with the approval the real snapshot CRDs cite.
+func approved(c *apiextv1.CustomResourceDefinition) *apiextv1.CustomResourceDefinition {
+	c.Annotations = map[string]string{apiextv1.KubeAPIApprovedAnnotation: "https://github.com/kubernetes-csi/external-snapshotter/pull/814"}
+	return c
+}
+
+// withoutStatus drops the status subresource (a VolumeSnapshotClass has no
+// status).
+func withoutStatus(c *apiextv1.CustomResourceDefinition) *apiextv1.CustomResourceDefinition {
+	for i := range c.Spec.Versions {
+		c.Spec.Versions[i].Subresources = nil
+	}
+	return c
 }
 
 // Install creates the CRDs (keeping existing ones) and waits until they are Established,
 // then writes the KubeVirt CR with the feature gates of the mode (creating its
 // namespace), the Harvester server-version setting (unless
-// Options.SkipServerVersion) and the host StorageClass if it is missing.
+// Options.SkipServerVersion) and the host StorageClass, the
+// VolumeSnapshotClass SnapshotClass and the csi-driver-config setting if
+// they are missing.
 // Start calls it; it is idempotent and safe to run against a cluster another
 // simulator already installed.
 func (s *Sim) Install(ctx context.Context) error {
@@ -122,7 +145,10 @@ func (s *Sim) Install(ctx context.Context) error {
 			return err
 		}
 	}
-	return s.ensureStorageClass(ctx)
+	if err := s.ensureStorageClass(ctx); err != nil {
+		return err
+	}
+	return s.ensureSnapshotConfig(ctx)
 }
 
 func (s *Sim) ensureNamespace(ctx context.Context, name string) error {

@@ -53,6 +53,20 @@ type DiskHook interface {
 	Unplug(ctx context.Context, vm, volume string) error
 }
 
+// SnapshotHook lets a DiskHook keep real data across volume snapshots; the
+// simulator uses it when Options.DiskHook also implements it. snapshot is the
+// VolumeSnapshot's "namespace/name" and claimName a host PVC name, as Plug
+// gets it. Snapshot runs before the VolumeSnapshot turns readyToUse, Restore
+// before a PVC restoring from it is bound, DeleteSnapshot when the
+// VolumeSnapshot is deleted (deletionPolicy Delete). An error is retried with
+// backoff; Snapshot is not called again once the snapshot is ready, Restore
+// may be (until the claim is bound) and DeleteSnapshot may be.
+type SnapshotHook interface {
+	Snapshot(ctx context.Context, claimName, snapshot string) error
+	Restore(ctx context.Context, snapshot, claimName string) error
+	DeleteSnapshot(ctx context.Context, snapshot string) error
+}
+
 // Timings are the simulated latencies of reference §7 items 1 and 21. A zero
 // field takes the default shown; a negative field means "no delay". Every
 // value is multiplied by Options.Scale.
@@ -89,6 +103,10 @@ type Timings struct {
 	// VMIShutdown is how long a VMI outlives the stop or deletion of its VM
 	// (2s).
 	VMIShutdown time.Duration
+	// Snapshot is the time the snapshot controller and Longhorn take from a
+	// VolumeSnapshot whose source claim is bound to its being readyToUse
+	// (1s).
+	Snapshot time.Duration
 	// BackoffBase and BackoffMax bound the VM controller's per-VM exponential
 	// backoff (5ms, 1000s).
 	BackoffBase time.Duration
@@ -110,6 +128,7 @@ func DefaultTimings() Timings {
 		HandlerPoll:  time.Second,
 		Bind:         100 * time.Millisecond,
 		VMIShutdown:  2 * time.Second,
+		Snapshot:     time.Second,
 		BackoffBase:  5 * time.Millisecond,
 		BackoffMax:   1000 * time.Second,
 	}
@@ -147,7 +166,8 @@ type Options struct {
 	// NodeName is the node VMIs run on (default "harvester-node-0").
 	NodeName string
 
-	// DiskHook is called around guest plug and unplug; nil is a no-op.
+	// DiskHook is called around guest plug and unplug; nil is a no-op. If it
+	// also implements SnapshotHook, it is called around volume snapshots.
 	DiskHook DiskHook
 
 	// Timings are the simulated latencies; Scale multiplies all of them
@@ -235,6 +255,7 @@ func (o *Options) setDefaults() error {
 	fill(&t.HandlerPoll, d.HandlerPoll)
 	fill(&t.Bind, d.Bind)
 	fill(&t.VMIShutdown, d.VMIShutdown)
+	fill(&t.Snapshot, d.Snapshot)
 	fill(&t.BackoffBase, d.BackoffBase)
 	fill(&t.BackoffMax, d.BackoffMax)
 	if t.HandlerPoll <= 0 {

@@ -2,6 +2,7 @@ package kubevirtsim
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"time"
@@ -63,6 +64,33 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 		return at.Sub(now), nil
 	}
 	log := s.log.WithValues("pvc", key)
+
+	// external-provisioner's restore: a claim from a VolumeSnapshot waits
+	// until the snapshot is ready and fits (snapshot events requeue it); the
+	// data is restored once, before the claim binds (a pass on a stale cache
+	// must not restore over data written since, nor wait again).
+	if src, ok := restoreSource(pvc); ok && pvc.Spec.VolumeName == "" {
+		s.mu.Lock()
+		done := s.restored[pvc.UID]
+		s.mu.Unlock()
+		if !done {
+			if why := s.restoreBlocked(pvc, src); why != "" {
+				s.setRestoreWait(pvc.UID, why)
+				log.V(2).Info("restore waits for its snapshot", "snapshot", src.namespace+"/"+src.name, "reason", why)
+				return 0, nil
+			}
+			if h := s.snapshotHook(); h != nil {
+				if err := h.Restore(ctx, src.namespace+"/"+src.name, pvc.Name); err != nil {
+					s.setRestoreWait(pvc.UID, "restore failed: "+err.Error())
+					return 0, fmt.Errorf("restore hook: %w", err)
+				}
+			}
+			s.mu.Lock()
+			s.restored[pvc.UID] = true
+			s.mu.Unlock()
+			log.V(2).Info("restored from snapshot", "snapshot", src.namespace+"/"+src.name)
+		}
+	}
 
 	pvName := pvc.Spec.VolumeName
 	if pvName == "" {
@@ -136,9 +164,23 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 	}
 	s.mu.Lock()
 	delete(s.pvcSeen, pvc.UID)
+	delete(s.restoreWait, pvc.UID)
 	s.mu.Unlock()
 	log.V(2).Info("PVC bound", "pv", pvName)
 	return 0, nil
+}
+
+// setRestoreWait notes why a restoring claim is still Pending (what
+// external-provisioner would report in a ProvisioningFailed event) and wakes
+// waiters; tests wait on it to know the gate was reached.
+func (s *Sim) setRestoreWait(uid types.UID, why string) {
+	s.mu.Lock()
+	changed := s.restoreWait[uid] != why
+	s.restoreWait[uid] = why
+	s.mu.Unlock()
+	if changed {
+		s.changed.notify()
+	}
 }
 
 // growPVC plays Longhorn's online expansion and the resize controller: a

@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apiextclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
@@ -40,13 +41,15 @@ type Sim struct {
 
 	vmInf, vmiInf, kvInf cache.SharedIndexInformer
 	podInf, pvcInf       cache.SharedIndexInformer
+	snapInf              cache.SharedIndexInformer // VolumeSnapshots (unstructured)
 	podLister            corelisters.PodLister
 	pvcLister            corelisters.PersistentVolumeClaimLister
 
-	vmQueue  workqueue.TypedRateLimitingInterface[string]
-	vmiQueue workqueue.TypedRateLimitingInterface[string]
-	podQueue workqueue.TypedRateLimitingInterface[string]
-	pvcQueue workqueue.TypedRateLimitingInterface[string]
+	vmQueue   workqueue.TypedRateLimitingInterface[string]
+	vmiQueue  workqueue.TypedRateLimitingInterface[string]
+	podQueue  workqueue.TypedRateLimitingInterface[string]
+	pvcQueue  workqueue.TypedRateLimitingInterface[string]
+	snapQueue workqueue.TypedRateLimitingInterface[string]
 
 	proxy   *proxy
 	webhook *webhookServer
@@ -57,6 +60,12 @@ type Sim struct {
 	vmis    map[types.UID]*vmiMem
 	pods    map[types.UID]*podMem
 	pvcSeen map[types.UID]time.Time
+	// snapStart is when each VolumeSnapshot could first be taken;
+	// restoreWait why each restoring claim is still Pending; restored the
+	// claims restored already.
+	snapStart   map[types.UID]time.Time
+	restoreWait map[types.UID]string
+	restored    map[types.UID]bool
 
 	lifeMu  sync.Mutex
 	started bool
@@ -104,6 +113,10 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 		vmis:    map[types.UID]*vmiMem{},
 		pods:    map[types.UID]*podMem{},
 		pvcSeen: map[types.UID]time.Time{},
+
+		snapStart:   map[types.UID]time.Time{},
+		restoreWait: map[types.UID]string{},
+		restored:    map[types.UID]bool{},
 	}
 	s.faults.init()
 	s.changed.init()
@@ -145,10 +158,10 @@ func (s *Sim) Start(ctx context.Context) error {
 	}
 	s.setupInformers()
 	s.setupQueues()
-	for _, inf := range []cache.SharedIndexInformer{s.vmInf, s.vmiInf, s.kvInf, s.podInf, s.pvcInf} {
+	for _, inf := range []cache.SharedIndexInformer{s.vmInf, s.vmiInf, s.kvInf, s.podInf, s.pvcInf, s.snapInf} {
 		s.goRun(func() { inf.RunWithContext(runCtx) })
 	}
-	if !cache.WaitForCacheSync(ctx.Done(), s.vmInf.HasSynced, s.vmiInf.HasSynced, s.kvInf.HasSynced, s.podInf.HasSynced, s.pvcInf.HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), s.vmInf.HasSynced, s.vmiInf.HasSynced, s.kvInf.HasSynced, s.podInf.HasSynced, s.pvcInf.HasSynced, s.snapInf.HasSynced) {
 		return stopWith(fmt.Errorf("kubevirtsim: caches did not sync: %w", context.Cause(ctx)))
 	}
 
@@ -171,6 +184,7 @@ func (s *Sim) Start(ctx context.Context) error {
 	s.runWorkers(runCtx, s.vmiQueue, 3, s.syncVMI)
 	s.runWorkers(runCtx, s.podQueue, 2, s.syncPod)
 	s.runWorkers(runCtx, s.pvcQueue, 2, s.syncPVC)
+	s.runWorkers(runCtx, s.snapQueue, 2, s.syncSnapshot)
 	s.log.V(1).Info("simulator started", "mode", s.opts.Mode, "profile", s.opts.Profile, "namespace", s.opts.Namespace, "proxy", p.url)
 	return nil
 }
@@ -190,7 +204,7 @@ func (s *Sim) Stop() {
 }
 
 func (s *Sim) shutdown() {
-	for _, q := range []workqueue.TypedRateLimitingInterface[string]{s.vmQueue, s.vmiQueue, s.podQueue, s.pvcQueue} {
+	for _, q := range []workqueue.TypedRateLimitingInterface[string]{s.vmQueue, s.vmiQueue, s.podQueue, s.pvcQueue, s.snapQueue} {
 		if q != nil {
 			q.ShutDown()
 		}
@@ -266,6 +280,7 @@ func (s *Sim) setupInformers() {
 	factory := informers.NewSharedInformerFactoryWithOptions(s.kube, 0, informers.WithNamespace(ns))
 	s.pvcInf = factory.Core().V1().PersistentVolumeClaims().Informer()
 	s.pvcLister = factory.Core().V1().PersistentVolumeClaims().Lister()
+	s.setupSnapshotInformer()
 }
 
 func (s *Sim) setupQueues() {
@@ -278,6 +293,7 @@ func (s *Sim) setupQueues() {
 	s.vmiQueue = newQ("vmi", s.t.BackoffBase, max(s.t.HandlerPoll, s.t.BackoffBase))
 	s.podQueue = newQ("pod", s.t.BackoffBase, max(s.t.HandlerPoll, s.t.BackoffBase))
 	s.pvcQueue = newQ("pvc", s.t.BackoffBase, max(s.t.HandlerPoll, s.t.BackoffBase))
+	s.snapQueue = newQ("snapshot", s.t.BackoffBase, max(s.t.HandlerPoll, s.t.BackoffBase))
 
 	key := func(obj any) string {
 		k, _ := cache.DeletionHandlingMetaNamespaceKeyFunc(obj)
@@ -311,9 +327,37 @@ func (s *Sim) setupQueues() {
 		s.pvcQueue.Add(key(obj))
 		if pvc, ok := obj.(*corev1.PersistentVolumeClaim); ok {
 			s.enqueueVMIsIn(pvc.Namespace)
+			s.enqueueSnapshotsOf(pvc.Namespace, pvc.Name)
 		}
 		s.changed.notify()
 	}))
+	snapEvent := func(obj any) {
+		if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+			obj = t.Obj
+		}
+		vs, ok := obj.(*unstructured.Unstructured)
+		if !ok {
+			return
+		}
+		s.snapQueue.Add(vs.GetNamespace() + "/" + vs.GetName())
+		s.enqueueRestoresOf(vs.GetNamespace(), vs.GetName())
+		s.changed.notify()
+	}
+	_, _ = s.snapInf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    snapEvent,
+		UpdateFunc: func(_, n any) { snapEvent(n) },
+		DeleteFunc: func(obj any) {
+			if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+				obj = t.Obj
+			}
+			if vs, ok := obj.(*unstructured.Unstructured); ok {
+				s.mu.Lock()
+				delete(s.snapStart, vs.GetUID())
+				s.mu.Unlock()
+			}
+			snapEvent(obj)
+		},
+	})
 	_, _ = s.pvcInf.AddEventHandler(cache.ResourceEventHandlerFuncs{DeleteFunc: func(obj any) {
 		if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 			obj = t.Obj
@@ -324,6 +368,8 @@ func (s *Sim) setupQueues() {
 		}
 		s.mu.Lock()
 		delete(s.pvcSeen, pvc.UID)
+		delete(s.restoreWait, pvc.UID)
+		delete(s.restored, pvc.UID)
 		s.mu.Unlock()
 		if pvc.Spec.VolumeName != "" && s.wantsBinding(pvc) {
 			s.pvcQueue.Add(pvDeletePrefix + pvc.Spec.VolumeName)
@@ -400,7 +446,8 @@ func (s *Sim) runWorkers(ctx context.Context, q workqueue.TypedRateLimitingInter
 	}
 }
 
-// notifier wakes every waiter on any VM, VMI, PVC or KubeVirt event.
+// notifier wakes every waiter on any VM, VMI, PVC, VolumeSnapshot or KubeVirt
+// event.
 type notifier struct {
 	mu sync.Mutex
 	ch chan struct{}

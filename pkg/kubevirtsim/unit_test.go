@@ -139,7 +139,7 @@ func TestOptionsDefaultsAndScale(t *testing.T) {
 	if err := o.setDefaults(); err != nil {
 		t.Fatal(err)
 	}
-	if o.Timings.PodStart != 2*time.Second || o.Timings.Mount != 0 || o.Timings.DomainAttach != 500*time.Millisecond {
+	if o.Timings.PodStart != 2*time.Second || o.Timings.Mount != 0 || o.Timings.DomainAttach != 500*time.Millisecond || o.Timings.Snapshot != 500*time.Millisecond {
 		t.Errorf("timings %+v", o.Timings)
 	}
 	if o.Mode != ModeLegacy || o.Profile != ProfileV17 || o.StorageClass != "longhorn" || o.ServerVersion != "v1.7.0" {

@@ -2,7 +2,9 @@
 // KubeVirt simulator and node tests: one sparse backing file per host PVC
 // (kept across unplug and plug, like a Longhorn volume), a loop device per
 // attachment, and the by-id link QEMU's SCSI disk would get, in a per-VM by-id
-// directory. It implements the simulator's DiskHook (Plug/Unplug).
+// directory. It implements the simulator's DiskHook (Plug/Unplug) and
+// SnapshotHook (Snapshot/Restore/DeleteSnapshot): a snapshot is a sparse copy
+// of a claim's backing file, kept next to it.
 package loopdisk
 
 import (
@@ -32,7 +34,8 @@ const DefaultSize int64 = 1 << 30
 
 // Options configures LoopDisks.
 type Options struct {
-	// BackingDir holds one sparse <claim>.img per host PVC.
+	// BackingDir holds one sparse <claim>.img per host PVC and one sparse
+	// *.snap per snapshot (see SnapshotFile).
 	BackingDir string
 	// ByIDRoot holds one by-id directory per VM: <ByIDRoot>/<vm>.
 	ByIDRoot string
@@ -189,9 +192,9 @@ func (l *LoopDisks) Grow(ctx context.Context, claimName string, size int64) erro
 	return nil
 }
 
-// Close unplugs every disk of every VM; it is for test cleanup. VM names may
-// contain a slash (the simulator passes "namespace/name"), so by-id
-// directories are found at any depth.
+// Close unplugs every disk of every VM and removes every snapshot file; it is
+// for test cleanup. VM names may contain a slash (the simulator passes
+// "namespace/name"), so by-id directories are found at any depth.
 func (l *LoopDisks) Close(ctx context.Context) error {
 	var errs []error
 	err := filepath.WalkDir(l.o.ByIDRoot, func(path string, d fs.DirEntry, err error) error {
@@ -212,7 +215,8 @@ func (l *LoopDisks) Close(ctx context.Context) error {
 		errs = append(errs, l.Unplug(ctx, vm, vol))
 		return nil
 	})
-	return errors.Join(append(errs, err)...)
+	errs = append(errs, err, l.removeSnapshots())
+	return errors.Join(errs...)
 }
 
 func ensureSize(file string, size int64) error {
