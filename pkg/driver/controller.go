@@ -51,6 +51,10 @@ type HostVolumes interface {
 	StorageClassUsable(ctx context.Context, name string) (bool, error)
 	ListVolumes(ctx context.Context) ([]corev1.PersistentVolumeClaim, error)
 	ExpandVolume(ctx context.Context, name string, bytes int64) (*corev1.PersistentVolumeClaim, error)
+	CreateSnapshot(ctx context.Context, name, volume string) (*host.Snapshot, error)
+	GetSnapshot(ctx context.Context, name string) (*host.Snapshot, error)
+	DeleteSnapshot(ctx context.Context, name string) error
+	ListSnapshots(ctx context.Context) ([]host.Snapshot, error)
 }
 
 // ControllerOptions configure the controller service.
@@ -86,6 +90,8 @@ func (s *controllerService) ControllerGetCapabilities(context.Context, *csi.Cont
 		csi.ControllerServiceCapability_RPC_LIST_VOLUMES,
 		csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
 		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
+		csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
+		csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
 	} {
 		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
 			Rpc: &csi.ControllerServiceCapability_RPC{Type: c},
@@ -101,9 +107,6 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return nil, err
 	}
-	if req.GetVolumeContentSource() != nil {
-		return nil, status.Error(codes.InvalidArgument, "creating a volume from a snapshot or another volume is not supported yet")
-	}
 	bytes, err := volumeSize(req.GetCapacityRange())
 	if err != nil {
 		return nil, err
@@ -118,6 +121,26 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 	spec.StorageClass = params[paramHostStorageClass]
 	if spec.StorageClass == "" {
 		spec.StorageClass = s.opts.HostStorageClass
+	}
+	if src := req.GetVolumeContentSource(); src != nil {
+		snap, err := s.restoreSource(ctx, src)
+		if err != nil {
+			return nil, err
+		}
+		// A restore is a copy of the source's host volume: same class and
+		// mode, and at least its size.
+		spec.FromSnapshot = snap.Name
+		if snap.StorageClass != "" {
+			spec.StorageClass = snap.StorageClass
+		}
+		if snap.VolumeMode != "" {
+			spec.Mode = snap.VolumeMode
+		}
+		if snap.RestoreBytes > spec.Bytes {
+			if spec.Bytes, err = volumeSize(&csi.CapacityRange{RequiredBytes: snap.RestoreBytes, LimitBytes: req.GetCapacityRange().GetLimitBytes()}); err != nil {
+				return nil, err
+			}
+		}
 	}
 	if spec.StorageClass != "" {
 		ok, err := s.volumes.StorageClassUsable(ctx, spec.StorageClass)
@@ -149,6 +172,7 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 		VolumeId:      pvc.Name,
 		CapacityBytes: capacity.Value(),
 		VolumeContext: params,
+		ContentSource: req.GetVolumeContentSource(),
 	}}, nil
 }
 

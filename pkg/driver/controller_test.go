@@ -26,6 +26,7 @@ type fakeVolumes struct {
 	created []host.VolumeSpec
 	// expandErr is what the host answers a resize with, if set.
 	expandErr error
+	snaps     map[string]*host.Snapshot
 }
 
 var pvcGR = schema.GroupResource{Resource: "persistentvolumeclaims"}
@@ -82,6 +83,46 @@ func (f *fakeVolumes) ExpandVolume(_ context.Context, name string, bytes int64) 
 	}
 	p.Status.Capacity = p.Spec.Resources.Requests.DeepCopy()
 	return p, nil
+}
+
+func (f *fakeVolumes) CreateSnapshot(_ context.Context, name, volume string) (*host.Snapshot, error) {
+	if sn, ok := f.snaps[name]; ok {
+		if sn.SourceVolume != volume {
+			return nil, &host.ErrSnapshotMismatch{Name: name, Source: sn.SourceVolume, Requested: volume}
+		}
+		return sn, nil
+	}
+	p, ok := f.pvcs[volume]
+	if !ok {
+		return nil, apierrors.NewNotFound(pvcGR, volume)
+	}
+	size := p.Spec.Resources.Requests[corev1.ResourceStorage]
+	sn := &host.Snapshot{Name: name, SourceVolume: volume, ReadyToUse: true, RestoreBytes: size.Value(), VolumeMode: corev1.PersistentVolumeBlock}
+	if f.snaps == nil {
+		f.snaps = map[string]*host.Snapshot{}
+	}
+	f.snaps[name] = sn
+	return sn, nil
+}
+
+func (f *fakeVolumes) GetSnapshot(_ context.Context, name string) (*host.Snapshot, error) {
+	if sn, ok := f.snaps[name]; ok {
+		return sn, nil
+	}
+	return nil, apierrors.NewNotFound(schema.GroupResource{Group: "snapshot.storage.k8s.io", Resource: "volumesnapshots"}, name)
+}
+
+func (f *fakeVolumes) DeleteSnapshot(_ context.Context, name string) error {
+	delete(f.snaps, name)
+	return nil
+}
+
+func (f *fakeVolumes) ListSnapshots(context.Context) ([]host.Snapshot, error) {
+	var out []host.Snapshot
+	for _, sn := range f.snaps {
+		out = append(out, *sn)
+	}
+	return out, nil
 }
 
 func (f *fakeVolumes) StorageClassUsable(_ context.Context, name string) (bool, error) {

@@ -24,12 +24,9 @@ func (s *controllerService) ListVolumes(ctx context.Context, req *csi.ListVolume
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Errorf(codes.InvalidArgument, "max_entries %d is negative", req.GetMaxEntries())
 	}
-	after := ""
-	if tok := req.GetStartingToken(); tok != "" {
-		var ok bool
-		if after, ok = strings.CutPrefix(tok, listTokenPrefix); !ok || after == "" {
-			return nil, status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", tok)
-		}
+	after, err := parseListToken(req.GetStartingToken())
+	if err != nil {
+		return nil, err
 	}
 	pvcs, err := s.volumes.ListVolumes(ctx)
 	if err != nil {
@@ -49,15 +46,8 @@ func (s *controllerService) ListVolumes(ctx context.Context, req *csi.ListVolume
 	}
 	slices.Sort(ids)
 
-	start, _ := slices.BinarySearch(ids, after)
-	if after != "" && start < len(ids) && ids[start] == after {
-		start++
-	}
-	end := len(ids)
-	if n := int(req.GetMaxEntries()); n > 0 && start+n < end {
-		end = start + n
-	}
-	resp := &csi.ListVolumesResponse{}
+	start, end, next := page(ids, after, req.GetMaxEntries())
+	resp := &csi.ListVolumesResponse{NextToken: next}
 	for _, id := range ids[start:end] {
 		vol := &csi.Volume{VolumeId: id}
 		if pvc := byID[id]; pvc != nil {
@@ -69,8 +59,33 @@ func (s *controllerService) ListVolumes(ctx context.Context, req *csi.ListVolume
 			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: published[id]},
 		})
 	}
-	if end < len(ids) {
-		resp.NextToken = listTokenPrefix + ids[end-1]
-	}
 	return resp, nil
+}
+
+func parseListToken(tok string) (after string, err error) {
+	if tok == "" {
+		return "", nil
+	}
+	after, ok := strings.CutPrefix(tok, listTokenPrefix)
+	if !ok || after == "" {
+		return "", status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", tok)
+	}
+	return after, nil
+}
+
+// page picks the entries of sorted ids after the token's ID, at most max of
+// them (0: all), and the token for the next page.
+func page(ids []string, after string, max int32) (start, end int, next string) {
+	start, _ = slices.BinarySearch(ids, after)
+	if after != "" && start < len(ids) && ids[start] == after {
+		start++
+	}
+	end = len(ids)
+	if n := int(max); n > 0 && start+n < end {
+		end = start + n
+	}
+	if end < len(ids) {
+		next = listTokenPrefix + ids[end-1]
+	}
+	return start, end, next
 }

@@ -26,6 +26,8 @@ type VolumeSpec struct {
 	Mode         corev1.PersistentVolumeMode
 	StorageClass string // empty: the host's default class
 	Annotations  map[string]string
+	// FromSnapshot names a host VolumeSnapshot to restore the PVC from.
+	FromSnapshot string
 }
 
 // ErrVolumeMismatch reports an existing host PVC whose spec differs from the
@@ -58,6 +60,11 @@ func (c *Client) CreateVolume(ctx context.Context, spec VolumeSpec) (*corev1.Per
 	if spec.StorageClass != "" {
 		pvc.Spec.StorageClassName = &spec.StorageClass
 	}
+	if spec.FromSnapshot != "" {
+		pvc.Spec.DataSource = &corev1.TypedLocalObjectReference{
+			APIGroup: &snapshotResource.Group, Kind: "VolumeSnapshot", Name: spec.FromSnapshot,
+		}
+	}
 	pvcs := c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace)
 	created, err := pvcs.Create(ctx, pvc, metav1.CreateOptions{})
 	if err == nil {
@@ -89,6 +96,9 @@ func mismatch(pvc *corev1.PersistentVolumeClaim, spec VolumeSpec) string {
 	}
 	if spec.StorageClass != "" && (pvc.Spec.StorageClassName == nil || *pvc.Spec.StorageClassName != spec.StorageClass) {
 		return fmt.Sprintf("storage class %v, requested %s", deref(pvc.Spec.StorageClassName), spec.StorageClass)
+	}
+	if src := pvc.Spec.DataSource; (src == nil) != (spec.FromSnapshot == "") || (src != nil && (src.Kind != "VolumeSnapshot" || src.Name != spec.FromSnapshot)) {
+		return fmt.Sprintf("data source %v, requested snapshot %q", src, spec.FromSnapshot)
 	}
 	return ""
 }

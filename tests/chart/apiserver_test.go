@@ -288,8 +288,8 @@ func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmCli
 	if err != nil {
 		t.Fatal(err)
 	}
-	// driver, livenessprobe, provisioner, attacher, resizer (the snapshotter is off by default)
-	if *d.Spec.Replicas != 2 || len(d.Spec.Template.Spec.Containers) < 5 {
+	// driver, livenessprobe, provisioner, attacher, resizer, snapshotter
+	if *d.Spec.Replicas != 2 || len(d.Spec.Template.Spec.Containers) < 6 {
 		t.Errorf("upgraded Deployment: replicas %d, containers %d", *d.Spec.Replicas, len(d.Spec.Template.Spec.Containers))
 	}
 	for _, c := range d.Spec.Template.Spec.Containers {

@@ -230,7 +230,7 @@ func TestControllerDeployment(t *testing.T) {
 			if nested(t, r.eff, "controller", "snapshotter", "enabled").(bool) {
 				sidecars = append(sidecars, "csi-snapshotter")
 			} else if slices.Contains(names, "csi-snapshotter") {
-				t.Error("csi-snapshotter runs although controller.snapshotter.enabled is false; it exits against a driver without snapshots")
+				t.Error("csi-snapshotter runs although controller.snapshotter.enabled is false")
 			}
 			for _, n := range append([]string{"harvester-csi-driver", "liveness-probe"}, sidecars...) {
 				if !slices.Contains(names, n) {

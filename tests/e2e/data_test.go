@@ -14,6 +14,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -64,38 +65,48 @@ func moveBetweenNodes(t *testing.T, mode kubevirtsim.Mode) {
 
 	var sum string
 	for round, g := range guests {
-		staging := filepath.Join(work, g.vm, "staging")
-		target := filepath.Join(work, g.vm, "target")
-		if _, err := ctrl.Client.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: g.vm, VolumeCapability: capability}); err != nil {
-			t.Fatalf("publish to %s: %v", g.vm, err)
-		}
-		if _, err := g.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: capability}); err != nil {
-			t.Fatalf("stage on %s: %v", g.vm, err)
-		}
-		if _, err := g.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: capability}); err != nil {
-			t.Fatalf("node publish on %s: %v", g.vm, err)
-		}
-		file := filepath.Join(target, "data.bin")
-		if round == 0 {
-			nodetest.WriteRandom(t, file, 8<<20, 42)
-			sum = nodetest.Checksum(t, file)
-		} else if got := nodetest.Checksum(t, file); got != sum {
-			t.Fatalf("data read on %s differs from what %s wrote: %s != %s", g.vm, guests[0].vm, got, sum)
-		}
-		if _, err := g.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
-			t.Fatalf("node unpublish on %s: %v", g.vm, err)
-		}
-		if _, err := g.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
-			t.Fatalf("unstage on %s: %v", g.vm, err)
-		}
-		if _, err := ctrl.Client.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: g.vm}); err != nil {
-			t.Fatalf("unpublish from %s: %v", g.vm, err)
-		}
-		if dev, ok := disks.Device(h.Namespace+"/"+g.vm, id); ok {
-			t.Fatalf("unpublish answered OK while %s still has the disk as %s", g.vm, dev)
-		}
+		mountOn(ctx, t, ctrl, disks, h.Namespace, work, g, id, capability, func(dir string) {
+			file := filepath.Join(dir, "data.bin")
+			if round == 0 {
+				nodetest.WriteRandom(t, file, 8<<20, 42)
+				sum = nodetest.Checksum(t, file)
+			} else if got := nodetest.Checksum(t, file); got != sum {
+				t.Fatalf("data read on %s differs from what %s wrote: %s != %s", g.vm, guests[0].vm, got, sum)
+			}
+		})
 	}
 	if _, err := ctrl.Client.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
 		t.Fatalf("delete: %v", err)
+	}
+}
+
+// mountOn attaches the volume to g's VM, stages and publishes it there, runs
+// use on the mounted directory, and undoes it all in kubelet's and the
+// attacher's order, checking the disk really left the VM.
+func mountOn(ctx context.Context, t *testing.T, ctrl *framework.Controller, disks *loopdisk.LoopDisks, ns, work string, g guest, id string, capability *csi.VolumeCapability, use func(dir string)) {
+	t.Helper()
+	staging := filepath.Join(work, g.vm, id, "staging")
+	target := filepath.Join(work, g.vm, id, "target")
+	if _, err := ctrl.Client.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: g.vm, VolumeCapability: capability}); err != nil {
+		t.Fatalf("publish %s to %s: %v", id, g.vm, err)
+	}
+	if _, err := g.node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: capability}); err != nil {
+		t.Fatalf("stage %s on %s: %v", id, g.vm, err)
+	}
+	if _, err := g.node.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: capability}); err != nil {
+		t.Fatalf("node publish %s on %s: %v", id, g.vm, err)
+	}
+	use(target)
+	if _, err := g.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
+		t.Fatalf("node unpublish %s on %s: %v", id, g.vm, err)
+	}
+	if _, err := g.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatalf("unstage %s on %s: %v", id, g.vm, err)
+	}
+	if _, err := ctrl.Client.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: g.vm}); err != nil {
+		t.Fatalf("unpublish %s from %s: %v", id, g.vm, err)
+	}
+	if dev, ok := disks.Device(ns+"/"+g.vm, id); ok {
+		t.Fatalf("unpublish answered OK while %s still has the disk as %s", g.vm, dev)
 	}
 }
