@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the upstream binaries the tests run (kube-apiserver, etcd,
-# kube-controller-manager, csi-attacher, csi-resizer) from the pinned modules under tools/
+# kube-controller-manager and the CSI sidecars) from the pinned modules under tools/
 # and caches them, keyed by the pinned versions and the Go version, so only the
 # first run on a machine pays the multi-minute build.
 # Prints the directory that holds the binaries.
@@ -31,6 +31,7 @@ build kube kube-apiserver ./cmd/kube-apiserver
 build kube kube-controller-manager ./cmd/kube-controller-manager
 build attacher csi-attacher github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
 build resizer csi-resizer github.com/kubernetes-csi/external-resizer/cmd/csi-resizer
+build snapshotter csi-snapshotter github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter
 
 bin=$cache/bin-$(printf '%s\n' "${links[@]}" | sha256sum | cut -c1-16)
 mkdir -p "$bin"

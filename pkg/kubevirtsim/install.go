@@ -8,11 +8,13 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apiextv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
+	apiextclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
@@ -95,31 +97,40 @@ func withoutStatus(c *apiextv1.CustomResourceDefinition) *apiextv1.CustomResourc
 	return c
 }
 
-// Install creates the CRDs (keeping existing ones) and waits until they are Established,
-// then writes the KubeVirt CR with the feature gates of the mode (creating its
-// namespace), the Harvester server-version setting (unless
-// Options.SkipServerVersion) and the host StorageClass, the
-// VolumeSnapshotClass SnapshotClass and the csi-driver-config setting if
-// they are missing.
-// Start calls it; it is idempotent and safe to run against a cluster another
-// simulator already installed.
-func (s *Sim) Install(ctx context.Context) error {
+// InstallSnapshotCRDs installs the snapshot.storage.k8s.io stand-in CRDs on
+// another API server, such as a guest cluster's (RKE2 ships the real ones),
+// and waits until they are served.
+func InstallSnapshotCRDs(ctx context.Context, cfg *rest.Config) error {
+	ext, err := apiextclient.NewForConfig(cfg)
+	if err != nil {
+		return err
+	}
+	var snap []*apiextv1.CustomResourceDefinition
 	for _, c := range crds() {
-		cur, err := s.ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, c.Name, metav1.GetOptions{})
+		if c.Spec.Group == snapshotGroup {
+			snap = append(snap, c)
+		}
+	}
+	return installCRDs(ctx, ext, snap)
+}
+
+// installCRDs creates the CRDs that are missing (keeping existing ones) and
+// waits until all are Established.
+func installCRDs(ctx context.Context, ext apiextclient.Interface, list []*apiextv1.CustomResourceDefinition) error {
+	for _, c := range list {
+		_, err := ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, c.Name, metav1.GetOptions{})
 		switch {
 		case apierrors.IsNotFound(err):
-			if _, err := s.ext.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, c, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			if _, err := ext.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, c, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 				return fmt.Errorf("create CRD %s: %w", c.Name, err)
 			}
 		case err != nil:
 			return fmt.Errorf("get CRD %s: %w", c.Name, err)
-		default:
-			_ = cur // installed already (by another simulator, say): keep it
 		}
 	}
-	for _, c := range crds() {
+	for _, c := range list {
 		err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
-			cur, err := s.ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, c.Name, metav1.GetOptions{})
+			cur, err := ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, c.Name, metav1.GetOptions{})
 			if err != nil {
 				return false, nil //nolint:nilerr // keep polling
 			}
@@ -133,6 +144,21 @@ func (s *Sim) Install(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("CRD %s not established: %w", c.Name, err)
 		}
+	}
+	return nil
+}
+
+// Install creates the CRDs (keeping existing ones) and waits until they are Established,
+// then writes the KubeVirt CR with the feature gates of the mode (creating its
+// namespace), the Harvester server-version setting (unless
+// Options.SkipServerVersion) and the host StorageClass, the
+// VolumeSnapshotClass SnapshotClass and the csi-driver-config setting if
+// they are missing.
+// Start calls it; it is idempotent and safe to run against a cluster another
+// simulator already installed.
+func (s *Sim) Install(ctx context.Context) error {
+	if err := installCRDs(ctx, s.ext, crds()); err != nil {
+		return err
 	}
 	if err := s.ensureNamespace(ctx, s.opts.KubeVirtNamespace); err != nil {
 		return err

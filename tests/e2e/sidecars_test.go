@@ -11,7 +11,10 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
 
@@ -22,12 +25,13 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
-// TestControllerSidecarsAndExpansion runs the controller pod's attacher and
-// resizer against the driver with the chart's leader election, as the chart
+// TestControllerSidecarsAndExpansion runs the controller pod's attacher,
+// resizer and snapshotter against the driver with the chart's leader election, as the chart
 // deploys them: both must come up and stay up (a sidecar whose capability the
 // driver lacks exits at start, and the pod never gets Ready). Then a guest PVC
 // is grown: the real resizer calls ControllerExpandVolume, the host PVC grows,
-// and the guest PV and PVC show the new size waiting for node expansion.
+// and the guest PV and PVC show the new size waiting for node expansion; and a
+// VolumeSnapshotContent is cut by the real snapshotter into a host snapshot.
 func TestControllerSidecarsAndExpansion(t *testing.T) {
 	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Profile: kubevirtsim.ProfileV17, Scale: 0.05})
 	vol := h.CreateVolumes(t, "pvc-grow", 1)[0]
@@ -76,6 +80,9 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	if err := kubevirtsim.InstallSnapshotCRDs(ctx, guestEnv.Config); err != nil {
+		t.Fatal(err)
+	}
 	socket := strings.TrimPrefix(ctrl.Endpoint, "unix://")
 	common := []string{"--csi-address=" + socket, "--kubeconfig=" + guestEnv.Kubeconfig, "--leader-election",
 		"--leader-election-namespace=kube-system", "--v=2"}
@@ -83,6 +90,9 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := guestEnv.Run("csi-resizer", append(common, "--timeout=1m50s", "--workers=10")...); err != nil {
+		t.Fatal(err)
+	}
+	if err := guestEnv.Run("csi-snapshotter", append(common, "--timeout=1m50s", "--worker-threads=10")...); err != nil {
 		t.Fatal(err)
 	}
 
@@ -118,7 +128,51 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 		}
 		return size.Cmp(want) == 0 && pending, fmt.Sprintf("PV %s, PVC conditions %v", size.String(), pvc.Status.Conditions)
 	})
-	// Both sidecars still run after a while: no capability check made one exit.
+	// A snapshot as the snapshot controller hands it to the sidecar: a
+	// VolumeSnapshotContent to cut. The sidecar calls CreateSnapshot until
+	// the host snapshot is ready and records its handle.
+	contents := dynamic.NewForConfigOrDie(guestEnv.Config).Resource(schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotcontents"})
+	content := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotContent",
+		"metadata": map[string]any{"name": "snapcontent-e2e"},
+		"spec": map[string]any{
+			"deletionPolicy": "Delete", "driver": driver.Name, "source": map[string]any{"volumeHandle": vol},
+			"volumeSnapshotClassName": "harvester-snapshot",
+			"volumeSnapshotRef":       map[string]any{"kind": "VolumeSnapshot", "name": "backup", "namespace": ns, "uid": "0e3b6c1c-0000-4000-8000-000000000001"},
+		},
+	}}
+	snapClass := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+		"metadata": map[string]any{"name": "harvester-snapshot"}, "driver": driver.Name, "deletionPolicy": "Delete",
+	}}
+	if _, err := dynamic.NewForConfigOrDie(guestEnv.Config).Resource(schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotclasses"}).
+		Create(ctx, snapClass, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := contents.Create(ctx, content, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, ctx, "the snapshot cut by the real csi-snapshotter", func() (bool, string) {
+		c, err := contents.Get(ctx, "snapcontent-e2e", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		handle, _, _ := unstructured.NestedString(c.Object, "status", "snapshotHandle")
+		ready, _, _ := unstructured.NestedBool(c.Object, "status", "readyToUse")
+		return handle != "" && ready, fmt.Sprintf("status %v", c.Object["status"])
+	})
+	c, _ := contents.Get(ctx, "snapcontent-e2e", metav1.GetOptions{})
+	handle, _, _ := unstructured.NestedString(c.Object, "status", "snapshotHandle")
+	hostSnap, err := dynamic.NewForConfigOrDie(h.Env.Config).Resource(schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}).
+		Namespace(h.Namespace).Get(ctx, handle, metav1.GetOptions{})
+	if err != nil {
+		t.Fatalf("host snapshot %s behind the content: %v", handle, err)
+	}
+	if src, _, _ := unstructured.NestedString(hostSnap.Object, "spec", "source", "persistentVolumeClaimName"); src != vol {
+		t.Errorf("host snapshot %s is of %q, want %s", handle, src, vol)
+	}
+
+	// The sidecars still run after a while: no capability check made one exit.
 	time.Sleep(3 * time.Second)
 	if err := guestEnv.Exited(); err != nil {
 		t.Fatal(err)
