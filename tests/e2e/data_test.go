@@ -36,24 +36,10 @@ func TestDataSurvivesMoveBetweenNodes(t *testing.T) {
 
 func moveBetweenNodes(t *testing.T, mode kubevirtsim.Mode) {
 	work := t.TempDir()
-	h, disks := framework.StartHostWithDisks(t, kubevirtsim.Options{Mode: mode, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true})
-	guests := []guest{{vm: "guest-a"}, {vm: "guest-b"}}
-	for i := range guests {
-		h.CreateVMs(t, guests[i].vm)
-		n, err := driver.NewNodeService(driver.NodeOptions{NodeID: guests[i].vm, ByIDDir: disks.ByIDDir(h.Namespace + "/" + guests[i].vm), SweepInterval: -1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		guests[i].node = n
-	}
-	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 20 * time.Millisecond, MaxHold: 1500 * time.Millisecond}})
+	h, disks, guests, ctrl := twoGuests(t, kubevirtsim.Options{Mode: mode, BindClasslessPVCs: true}, driver.ControllerOptions{})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-
-	capability := &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
+	capability := ext4Capability()
 	vol, err := ctrl.Client.CreateVolume(ctx, &csi.CreateVolumeRequest{
 		Name: "pvc-e2e-data", VolumeCapabilities: []*csi.VolumeCapability{capability},
 		CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
@@ -77,6 +63,33 @@ func moveBetweenNodes(t *testing.T, mode kubevirtsim.Mode) {
 	}
 	if _, err := ctrl.Client.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
 		t.Fatalf("delete: %v", err)
+	}
+}
+
+// twoGuests starts a simulated host whose disks are loop devices, two guest
+// VMs with a node plugin each, and the controller.
+func twoGuests(t *testing.T, opts kubevirtsim.Options, drv driver.ControllerOptions) (*framework.Host, *loopdisk.LoopDisks, []guest, *framework.Controller) {
+	t.Helper()
+	opts.Profile, opts.Scale = kubevirtsim.ProfileV17, 0.05
+	h, disks := framework.StartHostWithDisks(t, opts)
+	guests := []guest{{vm: "guest-a"}, {vm: "guest-b"}}
+	for i := range guests {
+		h.CreateVMs(t, guests[i].vm)
+		n, err := driver.NewNodeService(driver.NodeOptions{NodeID: guests[i].vm, ByIDDir: disks.ByIDDir(h.Namespace + "/" + guests[i].vm), SweepInterval: -1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		guests[i].node = n
+	}
+	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Driver: drv,
+		Queue: hotplug.Config{BatchWindow: 20 * time.Millisecond, MaxHold: 1500 * time.Millisecond}})
+	return h, disks, guests, ctrl
+}
+
+func ext4Capability() *csi.VolumeCapability {
+	return &csi.VolumeCapability{
+		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
 	}
 }
 

@@ -9,10 +9,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
-	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
 // TestSnapshotRestoreKeepsData: what a workload wrote before a snapshot is
@@ -21,25 +19,10 @@ import (
 func TestSnapshotRestoreKeepsData(t *testing.T) {
 	nodetest.RequireRealDevices(t)
 	work := t.TempDir()
-	h, disks := framework.StartHostWithDisks(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Profile: kubevirtsim.ProfileV17, Scale: 0.05})
-	guests := []guest{{vm: "guest-a"}, {vm: "guest-b"}}
-	for i := range guests {
-		h.CreateVMs(t, guests[i].vm)
-		n, err := driver.NewNodeService(driver.NodeOptions{NodeID: guests[i].vm, ByIDDir: disks.ByIDDir(h.Namespace + "/" + guests[i].vm), SweepInterval: -1})
-		if err != nil {
-			t.Fatal(err)
-		}
-		guests[i].node = n
-	}
-	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 20 * time.Millisecond, MaxHold: 1500 * time.Millisecond},
-		Driver: driver.ControllerOptions{HostStorageClass: "longhorn"}})
+	h, disks, guests, ctrl := twoGuests(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative}, driver.ControllerOptions{HostStorageClass: "longhorn"})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-
-	capability := &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER},
-	}
+	capability := ext4Capability()
 	src, err := ctrl.Client.CreateVolume(ctx, &csi.CreateVolumeRequest{
 		Name: "pvc-snap-source", VolumeCapabilities: []*csi.VolumeCapability{capability},
 		CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
