@@ -21,10 +21,7 @@ const listTokenPrefix = "after:"
 // compares the published VMs with its VolumeAttachments and re-attaches
 // where they drifted apart (a VMI that lost a hotplug volume, harvester 10588).
 func (s *controllerService) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
-	if req.GetMaxEntries() < 0 {
-		return nil, status.Errorf(codes.InvalidArgument, "max_entries %d is negative", req.GetMaxEntries())
-	}
-	after, err := parseListToken(req.GetStartingToken())
+	after, err := pageStart(req.GetMaxEntries(), req.GetStartingToken())
 	if err != nil {
 		return nil, err
 	}
@@ -62,7 +59,12 @@ func (s *controllerService) ListVolumes(ctx context.Context, req *csi.ListVolume
 	return resp, nil
 }
 
-func parseListToken(tok string) (after string, err error) {
+// pageStart checks a list request's paging fields and returns the ID the page
+// starts after.
+func pageStart(maxEntries int32, tok string) (after string, err error) {
+	if maxEntries < 0 {
+		return "", status.Errorf(codes.InvalidArgument, "max_entries %d is negative", maxEntries)
+	}
 	if tok == "" {
 		return "", nil
 	}

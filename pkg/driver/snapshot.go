@@ -61,10 +61,7 @@ func (s *controllerService) DeleteSnapshot(ctx context.Context, req *csi.DeleteS
 // ListSnapshots lists this driver's host snapshots, optionally one by ID or
 // those of one volume, in pages like ListVolumes.
 func (s *controllerService) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
-	if req.GetMaxEntries() < 0 {
-		return nil, status.Errorf(codes.InvalidArgument, "max_entries %d is negative", req.GetMaxEntries())
-	}
-	after, err := parseListToken(req.GetStartingToken())
+	after, err := pageStart(req.GetMaxEntries(), req.GetStartingToken())
 	if err != nil {
 		return nil, err
 	}
