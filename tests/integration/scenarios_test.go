@@ -17,13 +17,20 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
+// scene creates a scenario's VMs and its n volumes (named after prefix), and
+// dumps their state if the scenario fails.
+func (s *suite) scene(t *testing.T, prefix string, n int, vms ...string) []string {
+	t.Helper()
+	s.host.CreateVMs(t, vms...)
+	s.dumpOnFailure(t, vms...)
+	return s.host.CreateVolumes(t, prefix, n)
+}
+
 // concurrentPublishes: 20 publishes to one VM at once all succeed, and the
 // declarative backend needs at most 3 VM spec writes for them.
 func (s *suite) concurrentPublishes(t *testing.T) {
 	vm := "cp-vm"
-	s.host.CreateVMs(t, vm)
-	s.dumpOnFailure(t, vm)
-	vols := s.host.CreateVolumes(t, "cp", 20)
+	vols := s.scene(t, "cp", 20, vm)
 	s.host.Sim.ResetStats()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -65,9 +72,7 @@ func (s *suite) concurrentPublishes(t *testing.T) {
 // them, converge with every call answered and nothing left attached.
 func (s *suite) storm(t *testing.T) {
 	vms := []string{"st-a", "st-b", "st-c"}
-	s.host.CreateVMs(t, vms...)
-	s.dumpOnFailure(t, vms...)
-	vols := s.host.CreateVolumes(t, "st", 12)
+	vols := s.scene(t, "st", 12, vms...)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	a := newAttacher(s.client)
@@ -109,9 +114,7 @@ func (s *suite) storm(t *testing.T) {
 // for its batch answers the publish Aborted and writes nothing.
 func (s *suite) cancelBeforeBatch(t *testing.T) {
 	vm := "cb-vm"
-	s.host.CreateVMs(t, vm)
-	s.dumpOnFailure(t, vm)
-	vol := s.host.CreateVolumes(t, "cb", 1)[0]
+	vol := s.scene(t, "cb", 1, vm)[0]
 	cfg := queueConfig()
 	cfg.BatchWindow = 2 * time.Second
 	s.ctrl.Stop()
@@ -148,9 +151,7 @@ func (s *suite) cancelBeforeBatch(t *testing.T) {
 // exclusive: an RWO volume published to one VM is refused on another with
 // FailedPrecondition naming the holder, and moves once unpublished.
 func (s *suite) exclusive(t *testing.T) {
-	s.host.CreateVMs(t, "ex-a", "ex-b")
-	s.dumpOnFailure(t, "ex-a", "ex-b")
-	vol := s.host.CreateVolumes(t, "ex", 1)[0]
+	vol := s.scene(t, "ex", 1, "ex-a", "ex-b")[0]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	a := newAttacher(s.client)
@@ -176,9 +177,7 @@ func (s *suite) exclusive(t *testing.T) {
 // the rest of its batch attaches.
 func (s *suite) webhookDenied(t *testing.T) {
 	vm := "wd-vm"
-	s.host.CreateVMs(t, vm)
-	s.dumpOnFailure(t, vm)
-	vols := s.host.CreateVolumes(t, "wd", 5)
+	vols := s.scene(t, "wd", 5, vm)
 	bad := vols[2]
 	s.host.Sim.DenyVolume(bad, "")
 	defer s.host.Sim.AllowVolume(bad)
@@ -228,9 +227,7 @@ func (s *suite) webhookDenied(t *testing.T) {
 // deletedVM: a VM deleted while holding a volume keeps it until its VMI is
 // gone; then unpublish from it succeeds and the volume attaches elsewhere.
 func (s *suite) deletedVM(t *testing.T) {
-	s.host.CreateVMs(t, "dv-a", "dv-b")
-	s.dumpOnFailure(t, "dv-a", "dv-b")
-	vol := s.host.CreateVolumes(t, "dv", 1)[0]
+	vol := s.scene(t, "dv", 1, "dv-a", "dv-b")[0]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	a := newAttacher(s.client)
@@ -264,9 +261,7 @@ func (s *suite) deletedVM(t *testing.T) {
 // kubelet gives up on the node) takes it out of the stopped VM, the volume
 // attaches elsewhere, and starting the old VM again does not bring it back.
 func (s *suite) stoppedVM(t *testing.T) {
-	s.host.CreateVMs(t, "sv-a", "sv-b")
-	s.dumpOnFailure(t, "sv-a", "sv-b")
-	vol := s.host.CreateVolumes(t, "sv", 1)[0]
+	vol := s.scene(t, "sv", 1, "sv-a", "sv-b")[0]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	a := newAttacher(s.client)
@@ -313,9 +308,7 @@ func (s *suite) stoppedVM(t *testing.T) {
 // orphaned-disk race, reference peers.md).
 func (s *suite) timedOutPublishThenUnpublish(t *testing.T) {
 	vm := "to-vm"
-	s.host.CreateVMs(t, vm)
-	s.dumpOnFailure(t, vm)
-	vol := s.host.CreateVolumes(t, "to", 1)[0]
+	vol := s.scene(t, "to", 1, vm)[0]
 	ns := s.host.Namespace
 	s.host.Sim.SetAttachmentPodsStuck(ns, vm, true)
 	released := false
@@ -357,9 +350,7 @@ func (s *suite) timedOutPublishThenUnpublish(t *testing.T) {
 // a new one finishes every publish on retry, with no volume attached twice
 // and no publish to a second VM let through meanwhile.
 func (s *suite) restartMidBatch(t *testing.T) {
-	s.host.CreateVMs(t, "rs-a", "rs-b")
-	s.dumpOnFailure(t, "rs-a", "rs-b")
-	vols := s.host.CreateVolumes(t, "rs", 10)
+	vols := s.scene(t, "rs", 10, "rs-a", "rs-b")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	s.host.Sim.ResetStats()
