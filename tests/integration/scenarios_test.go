@@ -158,18 +158,29 @@ func (s *suite) exclusive(t *testing.T) {
 	if err := a.publish(ctx, "ex-a", vol); err != nil {
 		t.Fatal(err)
 	}
-	_, err := s.client().ControllerPublishVolume(ctx, publishReq("ex-b", vol))
-	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "ex-a") {
-		t.Fatalf("publish to the second VM answered %v, want FailedPrecondition naming ex-a", err)
-	}
-	if err := a.unpublish(ctx, "ex-a", vol); err != nil {
-		t.Fatal(err)
-	}
-	if err := a.publish(ctx, "ex-b", vol); err != nil {
-		t.Fatalf("publish after the move: %v", err)
-	}
+	s.move(ctx, t, a, vol, "ex-a", "ex-b")
 	if err := a.unpublish(ctx, "ex-b", vol); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// move checks that vol, held by from, is refused to to with
+// FailedPrecondition naming from, then unpublishes it from from (answered OK
+// only once from really let go) and publishes it to to.
+func (s *suite) move(ctx context.Context, t *testing.T, a *attacher, vol, from, to string) {
+	t.Helper()
+	_, err := s.client().ControllerPublishVolume(ctx, publishReq(to, vol))
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), from) {
+		t.Errorf("publish to %s while %s holds the volume answered %v, want FailedPrecondition naming %s", to, from, err, from)
+	}
+	if err := a.unpublish(ctx, from, vol); err != nil {
+		t.Fatalf("unpublish from %s: %v", from, err)
+	}
+	if got := s.attachedTo(vol, from); len(got) != 0 {
+		t.Fatalf("unpublish answered OK while %v holds the volume", got)
+	}
+	if err := a.publish(ctx, to, vol); err != nil {
+		t.Fatalf("publish to %s after the move: %v", to, err)
 	}
 }
 
@@ -238,19 +249,7 @@ func (s *suite) deletedVM(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Right after the delete the VMI still runs with the volume.
-	_, err := s.client().ControllerPublishVolume(ctx, publishReq("dv-b", vol))
-	if status.Code(err) != codes.FailedPrecondition {
-		t.Errorf("publish while the old VMI lives answered %v, want FailedPrecondition", err)
-	}
-	if err := a.unpublish(ctx, "dv-a", vol); err != nil {
-		t.Fatalf("unpublish from the deleted VM: %v", err)
-	}
-	if got := s.attachedTo(vol, "dv-a"); len(got) != 0 {
-		t.Fatalf("unpublish answered OK while %v holds the volume", got)
-	}
-	if err := a.publish(ctx, "dv-b", vol); err != nil {
-		t.Fatalf("publish to the new VM: %v", err)
-	}
+	s.move(ctx, t, a, vol, "dv-a", "dv-b")
 	if err := a.unpublish(ctx, "dv-b", vol); err != nil {
 		t.Fatal(err)
 	}
@@ -277,19 +276,7 @@ func (s *suite) stoppedVM(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	_, err := s.client().ControllerPublishVolume(ctx, publishReq("sv-b", vol))
-	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "sv-a") {
-		t.Errorf("publish while the stopped VM keeps the volume answered %v, want FailedPrecondition naming sv-a", err)
-	}
-	if err := a.unpublish(ctx, "sv-a", vol); err != nil {
-		t.Fatalf("unpublish from the stopped VM: %v", err)
-	}
-	if got := s.attachedTo(vol, "sv-a"); len(got) != 0 {
-		t.Fatalf("unpublish answered OK while %v holds the volume", got)
-	}
-	if err := a.publish(ctx, "sv-b", vol); err != nil {
-		t.Fatalf("publish to the running VM: %v", err)
-	}
+	s.move(ctx, t, a, vol, "sv-a", "sv-b")
 	if err := s.host.Sim.StartVM(ctx, ns, "sv-a"); err != nil {
 		t.Fatal(err)
 	}
