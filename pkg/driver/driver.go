@@ -101,15 +101,10 @@ func Listen(endpoint string) (net.Listener, error) {
 	}
 }
 
-// loggedVolume marks a context whose logger already names the call's volume,
-// so the services do not add it a second time.
-type loggedVolume struct{}
-
 func logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 	logger := klog.FromContext(ctx).WithValues("method", info.FullMethod)
 	if v, ok := req.(interface{ GetVolumeId() string }); ok && v.GetVolumeId() != "" {
 		logger = logger.WithValues("volume", v.GetVolumeId())
-		ctx = context.WithValue(ctx, loggedVolume{}, v.GetVolumeId())
 	}
 	if v, ok := req.(interface{ GetNodeId() string }); ok && v.GetNodeId() != "" {
 		logger = logger.WithValues("vm", v.GetNodeId())

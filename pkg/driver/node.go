@@ -188,10 +188,7 @@ func (s *nodeService) lock(id string) (func(), error) {
 // withVolume puts the volume (and the VM, once known) on every log line of
 // the call.
 func (s *nodeService) withVolume(ctx context.Context, volumeID string) (context.Context, klog.Logger) {
-	logger := klog.FromContext(ctx)
-	if ctx.Value(loggedVolume{}) != volumeID {
-		logger = logger.WithValues("volume", volumeID)
-	}
+	logger := klog.FromContext(ctx).WithValues("volume", volumeID)
 	s.idMu.Lock()
 	if s.nodeID != "" {
 		logger = logger.WithValues("vm", s.nodeID)
