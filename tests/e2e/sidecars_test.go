@@ -131,7 +131,11 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 	// A snapshot as the snapshot controller hands it to the sidecar: a
 	// VolumeSnapshotContent to cut. The sidecar calls CreateSnapshot until
 	// the host snapshot is ready and records its handle.
-	contents := dynamic.NewForConfigOrDie(guestEnv.Config).Resource(schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotcontents"})
+	snapshotAPI := func(resource string) schema.GroupVersionResource {
+		return schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: resource}
+	}
+	guestDyn := dynamic.NewForConfigOrDie(guestEnv.Config)
+	contents := guestDyn.Resource(snapshotAPI("volumesnapshotcontents"))
 	content := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotContent",
 		"metadata": map[string]any{"name": "snapcontent-e2e"},
@@ -145,8 +149,7 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 		"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
 		"metadata": map[string]any{"name": "harvester-snapshot"}, "driver": driver.Name, "deletionPolicy": "Delete",
 	}}
-	if _, err := dynamic.NewForConfigOrDie(guestEnv.Config).Resource(schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotclasses"}).
-		Create(ctx, snapClass, metav1.CreateOptions{}); err != nil {
+	if _, err := guestDyn.Resource(snapshotAPI("volumesnapshotclasses")).Create(ctx, snapClass, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := contents.Create(ctx, content, metav1.CreateOptions{}); err != nil {
@@ -163,8 +166,7 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 	})
 	c, _ := contents.Get(ctx, "snapcontent-e2e", metav1.GetOptions{})
 	handle, _, _ := unstructured.NestedString(c.Object, "status", "snapshotHandle")
-	hostSnap, err := dynamic.NewForConfigOrDie(h.Env.Config).Resource(schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}).
-		Namespace(h.Namespace).Get(ctx, handle, metav1.GetOptions{})
+	hostSnap, err := dynamic.NewForConfigOrDie(h.Env.Config).Resource(snapshotAPI("volumesnapshots")).Namespace(h.Namespace).Get(ctx, handle, metav1.GetOptions{})
 	if err != nil {
 		t.Fatalf("host snapshot %s behind the content: %v", handle, err)
 	}
