@@ -16,10 +16,10 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 

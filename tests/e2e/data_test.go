@@ -11,11 +11,11 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 

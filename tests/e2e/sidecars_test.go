@@ -18,10 +18,10 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 

@@ -8,9 +8,9 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
 )
 
 // TestSnapshotRestoreKeepsData: what a workload wrote before a snapshot is

@@ -16,8 +16,8 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 

@@ -18,9 +18,9 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 

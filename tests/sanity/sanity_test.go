@@ -9,10 +9,10 @@ import (
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 

@@ -11,8 +11,8 @@ import (
 
 	"k8s.io/klog/v2/ktesting"
 
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
+	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
 )
 
 func TestMain(m *testing.M) { nodetest.Main(m) }

@@ -10,10 +10,10 @@ import (
 
 	"k8s.io/klog/v2/ktesting"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/device"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/mounter"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
 )
 
 func TestMain(m *testing.M) { nodetest.Main(m) }

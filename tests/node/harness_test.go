@@ -1,4 +1,4 @@
-package servicetest
+package node
 
 import (
 	"context"
@@ -15,9 +15,9 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2/ktesting"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
 )
 
 func TestMain(m *testing.M) { nodetest.Main(m) }

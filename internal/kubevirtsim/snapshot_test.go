@@ -19,7 +19,7 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/utils/ptr"
 
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
 )
 
 // snapHookLog is a DiskHook that also implements SnapshotHook and records

@@ -1,4 +1,4 @@
-package servicetest
+package node
 
 import (
 	"context"

@@ -1,4 +1,4 @@
-package servicetest
+package node
 
 import (
 	"context"
@@ -10,8 +10,8 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/sweeper"
 )
 

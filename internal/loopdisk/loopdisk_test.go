@@ -13,7 +13,7 @@ import (
 
 	"k8s.io/klog/v2/ktesting"
 
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
 )
 
 func TestMain(m *testing.M) { nodetest.Main(m) }

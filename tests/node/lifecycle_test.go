@@ -1,4 +1,4 @@
-package servicetest
+package node
 
 import (
 	"bytes"
@@ -15,8 +15,8 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodetest"
 )
 
 // The whole life of a filesystem volume: stage, publish, write, unpublish,
