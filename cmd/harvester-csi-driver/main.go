@@ -120,7 +120,7 @@ func run(ctx context.Context, o *options) error {
 	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	g, ctx := errgroup.WithContext(ctx)
 
-	var controller csi.ControllerServer
+	var controller *driver.Controller
 	var node csi.NodeServer
 	var hostClient *host.Client
 	if o.mode != "node" || o.nodeID == "" {
@@ -131,24 +131,14 @@ func run(ctx context.Context, o *options) error {
 		hostClient = c
 	}
 	if o.mode != "node" {
-		backend, err := host.NewBackend(ctx, hostClient, o.backend)
-		if err != nil {
-			return err
-		}
-		vmInf, vmiInf := hostClient.VMInformer(0), hostClient.VMIInformer(0)
-		cfg := o.queue
-		cfg.Namespace = hostClient.Namespace
-		q, err := hotplug.New(cfg, backend, vmInf, vmiInf, reg)
-		if err != nil {
-			return err
-		}
-		g.Go(func() error { vmInf.RunWithContext(ctx); return nil })
-		g.Go(func() error { vmiInf.RunWithContext(ctx); return nil })
-		g.Go(func() error { return q.Run(ctx) })
-		controller = driver.NewControllerService(driver.ControllerOptions{
-			HostStorageClass: o.hostStorageClass,
-			PublishMargin:    o.publishMargin,
-		}, q, hostClient)
+		controller = driver.NewController(driver.ControllerConfig{
+			Host:    hostClient,
+			Backend: o.backend,
+			Queue:   o.queue,
+			Options: driver.ControllerOptions{HostStorageClass: o.hostStorageClass, PublishMargin: o.publishMargin},
+			Metrics: reg,
+		})
+		g.Go(func() error { return controller.Run(ctx) })
 	}
 	if o.mode != "controller" {
 		n, err := o.node.service(ctx, o, hostClient)

@@ -2,11 +2,10 @@ package driver
 
 import (
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
-	"regexp"
-	"strings"
+	"net"
+	"slices"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -14,7 +13,6 @@ import (
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/klog/v2"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
@@ -28,10 +26,11 @@ const (
 )
 
 const (
-	minVolumeBytes   = 10 << 20 // Longhorn's smallest volume
-	volumeBytesAlign = 2 << 20  // Longhorn sizes volumes in 2 MiB steps
-	defaultMargin    = 2 * time.Second
-	bindWait         = 10 * time.Second
+	defaultMargin = 2 * time.Second
+	bindWait      = 10 * time.Second
+	// hostCallTimeout bounds one read of the host API in a CSI call, so a
+	// host that hangs is reported as unavailable instead of as a deadline.
+	hostCallTimeout = 15 * time.Second
 )
 
 // Hotplug is what the controller needs from the per-VM hotplug queue.
@@ -180,6 +179,9 @@ func (s *controllerService) DeleteVolume(ctx context.Context, req *csi.DeleteVol
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
 	}
+	if !validObjectName(req.GetVolumeId()) {
+		return &csi.DeleteVolumeResponse{}, nil // no host object can have that name: nothing to delete
+	}
 	if holders := s.hotplug.Holders(req.GetVolumeId()); len(holders) > 0 {
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still attached to VM %s", req.GetVolumeId(), holders[0])
 	}
@@ -193,11 +195,14 @@ func (s *controllerService) ValidateVolumeCapabilities(ctx context.Context, req 
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
 	}
+	if !validObjectName(req.GetVolumeId()) {
+		return nil, notAVolume(req.GetVolumeId())
+	}
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return nil, err
 	}
-	if _, err := s.volumes.GetVolume(ctx, req.GetVolumeId()); err != nil {
-		return nil, apiStatus(err, "get host PVC %s", req.GetVolumeId())
+	if _, err := s.getVolume(ctx, req.GetVolumeId()); err != nil {
+		return nil, err
 	}
 	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
 		VolumeContext:      req.GetVolumeContext(),
@@ -215,13 +220,26 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 		return nil, status.Error(codes.InvalidArgument, "node ID is required")
 	case req.GetVolumeCapability() == nil:
 		return nil, status.Error(codes.InvalidArgument, "volume capability is required")
+	case !validObjectName(vol):
+		return nil, notAVolume(vol)
+	case !validObjectName(vm):
+		return nil, status.Errorf(codes.NotFound, "node ID %q cannot name a VM of the host", vm)
 	}
 	if err := checkCapabilities([]*csi.VolumeCapability{req.GetVolumeCapability()}); err != nil {
 		return nil, err
 	}
-	pvc, err := s.volumes.GetVolume(ctx, vol)
+	if req.GetReadonly() {
+		// This driver hot-plugs read-write disks only (no PUBLISH_READONLY;
+		// the node mounts read-only when the pod asks). A volume already
+		// published read-write is incompatible with a read-only publish.
+		if slices.Contains(s.hotplug.Published()[vol], vm) {
+			return nil, status.Errorf(codes.AlreadyExists, "volume %s is already published to VM %s read-write, not read-only", vol, vm)
+		}
+		return nil, status.Errorf(codes.InvalidArgument, "volume %s: read-only controller publish is not supported (the capability PUBLISH_READONLY is not offered); publish read-write and mount read-only on the node", vol)
+	}
+	pvc, err := s.getVolume(ctx, vol)
 	if err != nil {
-		return nil, apiStatus(err, "get host PVC %s", vol)
+		return nil, err
 	}
 	if pvc.Status.Phase != corev1.ClaimBound {
 		return nil, status.Errorf(codes.Aborted, "host PVC %s is %s, not Bound yet", vol, pvc.Status.Phase)
@@ -240,6 +258,10 @@ func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *
 	if vol == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
 	}
+	if !validObjectName(vol) || (req.GetNodeId() != "" && !validObjectName(req.GetNodeId())) {
+		// No host object can have that name, so nothing of it is attached.
+		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	}
 	vms := []string{req.GetNodeId()}
 	if req.GetNodeId() == "" {
 		// CSI: no node means "from every node".
@@ -254,6 +276,21 @@ func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *
 		klog.FromContext(ctx).Info("volume detached", "volume", vol, "vm", vm)
 	}
 	return &csi.ControllerUnpublishVolumeResponse{}, nil
+}
+
+// getVolume reads a host PVC within hostCallTimeout and answers in CSI terms.
+func (s *controllerService) getVolume(ctx context.Context, id string) (*corev1.PersistentVolumeClaim, error) {
+	ctx, cancel := context.WithTimeout(ctx, hostCallTimeout)
+	defer cancel()
+	pvc, err := s.volumes.GetVolume(ctx, id)
+	if err != nil {
+		return nil, apiStatus(err, "get host PVC %s", id)
+	}
+	return pvc, nil
+}
+
+func notAVolume(id string) error {
+	return status.Errorf(codes.NotFound, "volume %q does not exist: not a valid host PVC name", id)
 }
 
 // withMargin ends ctx a little before the caller's deadline, so a call still
@@ -294,33 +331,6 @@ func checkCapabilities(caps []*csi.VolumeCapability) error {
 	return nil
 }
 
-// hostPVCName is the host PVC (and volume ID) for a CreateVolume name. The
-// external-provisioner's names (pvc-<uid>) are used as they are, as upstream
-// does; any other name is mapped to a valid, stable, collision-free one.
-func hostPVCName(name string) string {
-	if len(validation.IsDNS1123Subdomain(name)) == 0 {
-		return name
-	}
-	sum := sha256.Sum256([]byte(name))
-	clean := strings.Trim(invalidNameChars.ReplaceAllString(strings.ToLower(name), "-"), "-.")
-	if len(clean) > 40 {
-		clean = strings.TrimRight(clean[:40], "-.")
-	}
-	return fmt.Sprintf("vol-%s-%x", clean, sum[:8])
-}
-
-var invalidNameChars = regexp.MustCompile(`[^a-z0-9.-]+`)
-
-// volumeSize applies Longhorn's minimum and 2 MiB granularity to a range.
-func volumeSize(r *csi.CapacityRange) (int64, error) {
-	want := max(r.GetRequiredBytes(), minVolumeBytes)
-	size := (want + volumeBytesAlign - 1) / volumeBytesAlign * volumeBytesAlign
-	if limit := r.GetLimitBytes(); limit > 0 && size > limit {
-		return 0, status.Errorf(codes.OutOfRange, "volume of at least %d bytes (rounded to %d) exceeds the limit of %d bytes", r.GetRequiredBytes(), size, limit)
-	}
-	return size, nil
-}
-
 func apiStatus(err error, format string, args ...any) error {
 	msg := fmt.Sprintf(format, args...) + ": " + err.Error()
 	switch {
@@ -332,10 +342,19 @@ func apiStatus(err error, format string, args ...any) error {
 		return status.Error(codes.PermissionDenied, msg)
 	case apierrors.IsInvalid(err), apierrors.IsBadRequest(err):
 		return status.Error(codes.InvalidArgument, msg)
-	case apierrors.IsTimeout(err), apierrors.IsServerTimeout(err), apierrors.IsTooManyRequests(err), apierrors.IsServiceUnavailable(err):
+	case apierrors.IsTimeout(err), apierrors.IsServerTimeout(err), apierrors.IsTooManyRequests(err), apierrors.IsServiceUnavailable(err),
+		apierrors.IsInternalError(err), errors.Is(err, context.DeadlineExceeded), isConnectionError(err):
+		// The host did not answer, or not usefully: retrying may help.
 		return status.Error(codes.Unavailable, msg)
 	}
 	return status.Error(codes.Internal, msg)
+}
+
+// isConnectionError reports a host API that could not be reached at all.
+func isConnectionError(err error) bool {
+	var netErr net.Error
+	var opErr *net.OpError
+	return errors.As(err, &netErr) || errors.As(err, &opErr)
 }
 
 // hotplugStatus maps the queue's answers to CSI codes. Only NotFound,
@@ -345,7 +364,17 @@ func hotplugStatus(err error) error {
 	var held *hotplug.HeldError
 	var superseded *hotplug.SupersededError
 	var rejected *hotplug.RejectedError
+	var stalled *hotplug.StalledError
 	switch {
+	case errors.As(err, &stalled):
+		// Still pending, but the host refused or did not answer: say why,
+		// with the code of the cause.
+		if apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) {
+			return status.Error(codes.PermissionDenied, err.Error())
+		}
+		return status.Error(codes.Unavailable, err.Error())
+	case errors.Is(err, hotplug.ErrNotReady):
+		return status.Error(codes.Unavailable, err.Error())
 	case errors.Is(err, hotplug.ErrVMNotFound):
 		return status.Error(codes.NotFound, err.Error())
 	case errors.As(err, &held):

@@ -26,6 +26,8 @@ type fakeVolumes struct {
 	created []host.VolumeSpec
 	// expandErr is what the host answers a resize with, if set.
 	expandErr error
+	// getErr, when set, is what every read of a PVC answers.
+	getErr error
 	snaps     map[string]*host.Snapshot
 }
 
@@ -47,6 +49,9 @@ func (f *fakeVolumes) CreateVolume(_ context.Context, spec host.VolumeSpec) (*co
 }
 
 func (f *fakeVolumes) GetVolume(_ context.Context, name string) (*corev1.PersistentVolumeClaim, error) {
+	if f.getErr != nil {
+		return nil, f.getErr
+	}
 	if p, ok := f.pvcs[name]; ok {
 		return p, nil
 	}

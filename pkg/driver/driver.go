@@ -10,10 +10,14 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
+	"runtime/debug"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 )
 
@@ -29,13 +33,19 @@ type Driver struct {
 	identity   csi.IdentityServer
 	controller csi.ControllerServer // nil when node-only
 	node       csi.NodeServer       // nil when controller-only
+	// ready says why the controller cannot answer yet (nil: it can).
+	ready func() error
 }
 
-// New assembles a driver from the services it should serve; a nil controller
-// or node service leaves that service unregistered.
-func New(version string, controller csi.ControllerServer, node csi.NodeServer) *Driver {
-	d := &Driver{controller: controller, node: node}
-	d.identity = &identityService{version: version, controller: controller != nil}
+// New assembles a driver from the parts it should serve; a nil controller or
+// node service leaves that service unregistered. Until the controller is
+// ready, Probe says not ready and controller calls answer Unavailable.
+func New(version string, controller *Controller, node csi.NodeServer) *Driver {
+	d := &Driver{node: node, ready: func() error { return nil }}
+	if controller != nil {
+		d.controller, d.ready = controller.Service(), controller.Ready
+	}
+	d.identity = &identityService{version: version, controller: controller != nil, ready: d.ready}
 	return d
 }
 
@@ -45,7 +55,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string) error {
 	if err != nil {
 		return err
 	}
-	srv := grpc.NewServer(grpc.UnaryInterceptor(logCalls))
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(logCalls, recoverPanics, d.gateController))
 	d.Register(srv)
 	go func() {
 		<-ctx.Done()
@@ -99,6 +109,32 @@ func Listen(endpoint string) (net.Listener, error) {
 	default:
 		return nil, fmt.Errorf("invalid endpoint %q: scheme must be unix or tcp", endpoint)
 	}
+}
+
+// gateController answers controller calls Unavailable until the controller
+// is ready: an unsynced cache would say "not attached" about every volume,
+// and a detach answered from it would strand the volume on its VM. Only the
+// static capabilities are served before.
+func (d *Driver) gateController(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	if strings.HasPrefix(info.FullMethod, "/csi.v1.Controller/") && info.FullMethod != "/csi.v1.Controller/ControllerGetCapabilities" {
+		if err := d.ready(); err != nil {
+			return nil, status.Error(codes.Unavailable, err.Error())
+		}
+	}
+	return handler(ctx, req)
+}
+
+// recoverPanics turns a panic in a handler into an Internal answer with the
+// stack in the log, so one bad request cannot take down every volume
+// operation of the node or cluster.
+func recoverPanics(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp any, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			klog.FromContext(ctx).Error(fmt.Errorf("panic: %v", r), "handler panicked", "method", info.FullMethod, "stack", string(debug.Stack()))
+			resp, err = nil, status.Errorf(codes.Internal, "internal error in %s: %v", info.FullMethod, r)
+		}
+	}()
+	return handler(ctx, req)
 }
 
 func logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {

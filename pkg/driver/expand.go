@@ -30,6 +30,9 @@ func (s *controllerService) ControllerExpandVolume(ctx context.Context, req *csi
 	if req.GetCapacityRange() == nil {
 		return nil, status.Error(codes.InvalidArgument, "capacity range is required")
 	}
+	if !validObjectName(id) {
+		return nil, notAVolume(id)
+	}
 	if c := req.GetVolumeCapability(); c != nil {
 		if err := checkCapabilities([]*csi.VolumeCapability{c}); err != nil {
 			return nil, err

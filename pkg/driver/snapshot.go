@@ -29,6 +29,9 @@ func (s *controllerService) CreateSnapshot(ctx context.Context, req *csi.CreateS
 	if req.GetSourceVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "source volume ID is required")
 	}
+	if !validObjectName(req.GetSourceVolumeId()) {
+		return nil, notAVolume(req.GetSourceVolumeId())
+	}
 	if t := req.GetParameters()[paramSnapshotType]; t != "" && t != "snapshot" {
 		return nil, status.Errorf(codes.InvalidArgument, "snapshot type %q is not supported yet (only Longhorn snapshots)", t)
 	}
@@ -51,6 +54,9 @@ func (s *controllerService) CreateSnapshot(ctx context.Context, req *csi.CreateS
 func (s *controllerService) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
 	if req.GetSnapshotId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "snapshot ID is required")
+	}
+	if !validObjectName(req.GetSnapshotId()) {
+		return &csi.DeleteSnapshotResponse{}, nil // no host snapshot can have that name
 	}
 	if err := s.volumes.DeleteSnapshot(ctx, req.GetSnapshotId()); err != nil {
 		return nil, apiStatus(err, "delete host snapshot %s", req.GetSnapshotId())
@@ -109,6 +115,9 @@ func (s *controllerService) restoreSource(ctx context.Context, src *csi.VolumeCo
 	id := src.GetSnapshot().GetSnapshotId()
 	if id == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume content source has no snapshot ID")
+	}
+	if !validObjectName(id) {
+		return nil, status.Errorf(codes.NotFound, "snapshot %q does not exist: not a valid host snapshot name", id)
 	}
 	snap, err := s.volumes.GetSnapshot(ctx, id)
 	if apierrors.IsNotFound(err) {

@@ -1,11 +1,9 @@
 package host
 
 import (
-	"errors"
 	"strings"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
@@ -52,47 +50,4 @@ func classify(err error, op hotplug.Op) hotplug.Outcome {
 		r = hotplug.Failed
 	}
 	return hotplug.Outcome{Result: r, Err: err}
-}
-
-// refusal reads a refusal of one volume from the VM's Failure condition: the
-// legacy controller reports a webhook's denial of its spec update there
-// (reason FailedUpdateError), naming the volume in the webhook's message.
-// Temporary, VM-wide refusals are not a volume's fault and are not reported.
-func refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
-	if vm == nil {
-		return nil
-	}
-	for _, c := range vm.Status.Conditions {
-		if c.Type != kubevirtv1.VirtualMachineFailure || c.Status != "True" {
-			continue
-		}
-		if !strings.Contains(c.Message, "denied the request") || !namesVolume(c.Message, volume) {
-			continue
-		}
-		if o := classify(errors.New(c.Message), hotplug.Attach); o.Result != hotplug.Rejected {
-			continue
-		}
-		return errors.New(c.Message)
-	}
-	return nil
-}
-
-// namesVolume reports whether msg mentions volume as a whole word.
-func namesVolume(msg, volume string) bool {
-	for i := strings.Index(msg, volume); i >= 0; {
-		end := i + len(volume)
-		if (i == 0 || !nameChar(msg[i-1])) && (end == len(msg) || !nameChar(msg[end])) {
-			return true
-		}
-		next := strings.Index(msg[i+1:], volume)
-		if next < 0 {
-			break
-		}
-		i += next + 1
-	}
-	return false
-}
-
-func nameChar(b byte) bool {
-	return b >= 'a' && b <= 'z' || b >= '0' && b <= '9' || b == '-' || b == '.'
 }

@@ -6,7 +6,6 @@ import (
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
@@ -57,29 +56,5 @@ func TestAtLeast(t *testing.T) {
 		if got := atLeast(v, 1, 8); got != want {
 			t.Errorf("atLeast(%q, 1.8) = %v, want %v", v, got, want)
 		}
-	}
-}
-
-func TestRefusalFromTheVMCondition(t *testing.T) {
-	vm := &kubevirtv1.VirtualMachine{}
-	vm.Status.Conditions = []kubevirtv1.VirtualMachineCondition{{
-		Type: kubevirtv1.VirtualMachineFailure, Status: "True", Reason: "FailedUpdateError",
-		Message: `Error encountered when trying to update vm according to add volume requests: admission webhook "validator.harvesterhci.io" denied the request: the volume pvc-2 is already used by VM guests/other`,
-	}}
-	if refusal(vm, "pvc-2") == nil {
-		t.Error("the named volume is refused")
-	}
-	for _, other := range []string{"pvc-1", "pvc-20", "vc-2"} {
-		if err := refusal(vm, other); err != nil {
-			t.Errorf("%s is not named but was refused: %v", other, err)
-		}
-	}
-	vm.Status.Conditions[0].Message = `Error encountered when trying to update vm according to add volume requests: admission webhook "virtualmachine-validator.kubevirt.io" denied the request: Cannot update vm disks or volumes until snapshot "pvc-2" completes`
-	if err := refusal(vm, "pvc-2"); err != nil {
-		t.Errorf("a snapshot in progress is temporary, not a refusal: %v", err)
-	}
-	vm.Status.Conditions[0].Status = "False"
-	if err := refusal(vm, "pvc-2"); err != nil {
-		t.Errorf("a cleared condition refuses nothing: %v", err)
 	}
 }

@@ -11,7 +11,6 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
-	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
@@ -37,16 +36,6 @@ func NewDeclarative(c *Client) *Declarative { return &Declarative{c: c} }
 
 // Name implements hotplug.Backend.
 func (d *Declarative) Name() string { return "declarative" }
-
-// Exists implements hotplug.Backend.
-func (d *Declarative) Exists(ctx context.Context, vm string) (bool, error) {
-	return vmExists(ctx, d.c, vm)
-}
-
-// Refusal implements hotplug.Backend.
-func (d *Declarative) Refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
-	return refusal(vm, volume)
-}
 
 // Apply implements hotplug.Backend.
 func (d *Declarative) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {

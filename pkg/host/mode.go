@@ -27,29 +27,37 @@ const (
 var settingResource = schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"}
 
 // NewBackend returns the backend named by choice, detecting it for "auto".
-func NewBackend(ctx context.Context, c *Client, choice string) (hotplug.Backend, error) {
+// Detection never guesses: while the host API does not answer it asks again
+// (every retryMax at most) until it does or ctx ends, and progress reports
+// each failed attempt, so a caller can say why it is not ready yet.
+func NewBackend(ctx context.Context, c *Client, choice string, progress func(reason string)) (hotplug.Backend, error) {
 	switch choice {
 	case BackendDeclarative:
 		return NewDeclarative(c), nil
 	case BackendSubresource:
 		return NewSubresource(c), nil
 	case BackendAuto, "":
-		name, why := DetectBackend(ctx, c)
-		// A host API that does not answer at all says nothing about KubeVirt:
-		// ask again for a while before settling for the fallback.
-		for delay := time.Second; name == "" && delay <= 16*time.Second; delay *= 2 {
-			klog.FromContext(ctx).Info("host API unreachable, retrying hotplug backend detection", "reason", why, "in", delay)
+		logger := klog.FromContext(ctx)
+		detect := func() (string, string) {
+			// A host API that hangs must not hang detection.
+			dctx, cancel := context.WithTimeout(ctx, detectTimeout)
+			defer cancel()
+			return DetectBackend(dctx, c)
+		}
+		name, why := detect()
+		for delay := time.Second; name == ""; delay = min(2*delay, retryMax) {
+			logger.Info("host API unreachable, hotplug backend not detected yet; retrying", "reason", why, "in", delay)
+			if progress != nil {
+				progress("detecting the hotplug backend: " + why)
+			}
 			select {
 			case <-ctx.Done():
 				return nil, ctx.Err()
 			case <-time.After(delay):
 			}
-			name, why = DetectBackend(ctx, c)
+			name, why = detect()
 		}
-		if name == "" {
-			name = BackendSubresource
-		}
-		klog.FromContext(ctx).Info("hotplug backend detected", "backend", name, "reason", why)
+		logger.Info("hotplug backend detected", "backend", name, "reason", why)
 		if name == BackendDeclarative {
 			return NewDeclarative(c), nil
 		}
@@ -58,6 +66,13 @@ func NewBackend(ctx context.Context, c *Client, choice string) (hotplug.Backend,
 		return nil, fmt.Errorf("unknown hotplug backend %q (want auto, declarative or subresource)", choice)
 	}
 }
+
+const (
+	// retryMax bounds the wait between two backend detection attempts.
+	retryMax = 30 * time.Second
+	// detectTimeout bounds one detection attempt.
+	detectTimeout = 10 * time.Second
+)
 
 // DetectBackend picks the backend the host's KubeVirt expects: declarative
 // when the KubeVirt CR enables DeclarativeHotplugVolumes without the legacy

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"strings"
 
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -25,16 +24,6 @@ func NewSubresource(c *Client) *Subresource { return &Subresource{c: c} }
 
 // Name implements hotplug.Backend.
 func (s *Subresource) Name() string { return "subresource" }
-
-// Exists implements hotplug.Backend.
-func (s *Subresource) Exists(ctx context.Context, vm string) (bool, error) {
-	return vmExists(ctx, s.c, vm)
-}
-
-// Refusal implements hotplug.Backend.
-func (s *Subresource) Refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
-	return refusal(vm, volume)
-}
 
 // Apply implements hotplug.Backend.
 func (s *Subresource) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {
@@ -136,17 +125,5 @@ func addVolumeOptions(volume string) *kubevirtv1.AddVolumeOptions {
 				Hotpluggable:                      true,
 			},
 		},
-	}
-}
-
-func vmExists(ctx context.Context, c *Client, vm string) (bool, error) {
-	_, err := c.KubeVirt.KubevirtV1().VirtualMachines(c.Namespace).Get(ctx, vm, metav1.GetOptions{})
-	switch {
-	case err == nil:
-		return true, nil
-	case apierrors.IsNotFound(err):
-		return false, nil
-	default:
-		return false, err
 	}
 }

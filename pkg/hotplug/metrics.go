@@ -87,7 +87,7 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 				oldest = it.created
 			}
 		}
-		ch <- prometheus.MustNewConstMetric(m.depth, prometheus.GaugeValue, float64(len(w.intents)), vm)
-		ch <- prometheus.MustNewConstMetric(m.oldest, prometheus.GaugeValue, now.Sub(oldest).Seconds(), vm)
+		ch <- prometheus.MustNewConstMetric(m.depth, prometheus.GaugeValue, float64(len(w.intents)), vm.Name)
+		ch <- prometheus.MustNewConstMetric(m.oldest, prometheus.GaugeValue, now.Sub(oldest).Seconds(), vm.Name)
 	}
 }

@@ -1,6 +1,8 @@
 package hotplug
 
 import (
+	"slices"
+
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
@@ -170,26 +172,17 @@ func appendClaims(out []string, vols []kubevirtv1.Volume) []string {
 // holdState describes how a VM holds a claim, for FailedPrecondition messages.
 func (o observed) holdState(claim string) string {
 	switch {
-	case o.vm != nil && contains(vmClaims(o.vm), claim) && o.vmi != nil && contains(vmiClaims(o.vmi), claim):
+	case o.vm != nil && slices.Contains(vmClaims(o.vm), claim) && o.vmi != nil && slices.Contains(vmiClaims(o.vmi), claim):
 		if s := o.status(claim); s != nil && s.Phase != kubevirtv1.VolumeReady {
 			return "attaching"
 		}
 		return "attached"
-	case o.vm != nil && contains(vmClaims(o.vm), claim):
+	case o.vm != nil && slices.Contains(vmClaims(o.vm), claim):
 		return "attaching"
-	case o.vmi != nil && contains(vmiClaims(o.vmi), claim):
+	case o.vmi != nil && slices.Contains(vmiClaims(o.vmi), claim):
 		return "still detaching"
 	}
 	return ""
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }
 
 // failing reports whether virt-controller's last pass over the VM failed:

@@ -4,13 +4,12 @@ import (
 	"cmp"
 	"slices"
 	"time"
-
-	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
-// plan is what one look at a VM decided.
+// plan is what one look at a VM decided. decide only returns it; sync
+// applies it to the VM's work.
 type plan struct {
-	// resolve answers intents whose outcome is now observed.
+	// resolve answers intents whose outcome is now known.
 	resolve []resolution
 	// changes are to be written now, removals first.
 	changes []Change
@@ -21,6 +20,11 @@ type plan struct {
 	// again if no informer event comes first.
 	hold   string
 	wakeAt time.Time
+	// expired lists expectations to forget: the informers show the write, or
+	// it went unobserved for MaxHold.
+	expired []string
+	// settlingSince is the VM's settling clock after this look.
+	settlingSince time.Time
 }
 
 type resolution struct {
@@ -28,22 +32,42 @@ type resolution struct {
 	err error
 }
 
-// decide compares a VM's intents with what the informers show and picks what
-// to answer and what to write. It updates w's expectations and settling clock.
-func decide(now time.Time, cfg Config, w *vmWork, o observed, refusal func(*kubevirtv1.VirtualMachine, string) error) plan {
-	var p plan
-	for vol, e := range w.expect {
+// facts is what the worker gathered about a VM besides its own work.
+type facts struct {
+	// o is the VM and VMI as the informers show them.
+	o observed
+	// held has, per exclusive attach intent, why another VM holds the volume
+	// (informers and this process's other work); absent means free.
+	held map[string]error
+	// vmGone says the API server itself confirmed the VM does not exist.
+	// Without it, a VM missing from the informer may only be new.
+	vmGone bool
+}
+
+// vmLookAgain is how soon a VM that the informer does not show yet, but the
+// API server has, is looked at again.
+const vmLookAgain = time.Second
+
+// decide compares a VM's intents with the facts and picks what to answer and
+// what to write. It is a pure function of its arguments and changes nothing.
+func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
+	p := plan{settlingSince: w.settlingSince}
+	o := f.o
+	pending := map[string]bool{} // unexpired expectations
+	for _, vol := range sortedKeys(w.expect) {
+		e := w.expect[vol]
 		if reflected(o, vol, e.op) || now.Sub(e.since) >= cfg.MaxHold {
-			delete(w.expect, vol)
-		} else {
-			p.wake(e.since.Add(cfg.MaxHold))
+			p.expired = append(p.expired, vol)
+			continue
 		}
+		pending[vol] = true
+		p.wake(e.since.Add(cfg.MaxHold))
 	}
 
 	var removes, adds []Change
 	for _, vol := range sortedKeys(w.intents) {
 		it := w.intents[vol]
-		if _, ok := w.expect[vol]; ok {
+		if pending[vol] {
 			continue // our own write is not visible yet: judge nothing
 		}
 		addReq, removeReq := o.requested(vol)
@@ -52,9 +76,16 @@ func decide(now time.Time, cfg Config, w *vmWork, o observed, refusal func(*kube
 			switch {
 			case o.attached(vol):
 				p.resolve = append(p.resolve, resolution{it: it})
-			case o.vm == nil:
+			case o.vm == nil && f.vmGone:
 				p.resolve = append(p.resolve, resolution{it: it, err: ErrVMNotFound})
+			case o.vm == nil:
+				p.hold = "VM not in the informer yet"
+				p.wake(now.Add(vmLookAgain))
 			case !o.inVMSpec(vol) && !addReq:
+				if err := f.held[vol]; err != nil && it.exclusive {
+					p.resolve = append(p.resolve, resolution{it: it, err: err})
+					continue
+				}
 				adds = append(adds, Change{Volume: vol, Op: Attach})
 			case addReq && !removeReq:
 				// A queued add the host refused blocks every request behind
@@ -88,19 +119,19 @@ func decide(now time.Time, cfg Config, w *vmWork, o observed, refusal func(*kube
 		p.wake(w.gatherUntil)
 		return p
 	}
-	if o.settling() || len(w.expect) > 0 {
-		if w.settlingSince.IsZero() {
-			w.settlingSince = now
+	if o.settling() || len(pending) > 0 {
+		if p.settlingSince.IsZero() {
+			p.settlingSince = now
 		}
-		start := w.settlingSince
-		if now.Sub(start) < cfg.MaxHold {
+		if now.Sub(p.settlingSince) < cfg.MaxHold {
 			p.hold = "previous change still settling"
-			p.wake(start.Add(cfg.MaxHold))
+			p.wake(p.settlingSince.Add(cfg.MaxHold))
 			return p
 		}
 	} else {
-		w.settlingSince = time.Time{}
+		p.settlingSince = time.Time{}
 	}
+	p.hold = ""
 	return p
 }
 

@@ -2,6 +2,7 @@ package hotplug
 
 import (
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -64,7 +65,8 @@ func TestDecide(t *testing.T) {
 		gather  time.Time
 		since   time.Time // settling since
 		obs     observed
-		refusal func(*kubevirtv1.VirtualMachine, string) error
+		vmGone  bool
+		held    map[string]error
 	}
 	cases := []struct {
 		name        string
@@ -116,9 +118,23 @@ func TestDecide(t *testing.T) {
 			obs: observed{vm: vmWith(nil), vmi: vmiWith(nil)}},
 		wantResolve: map[string]error{"a": nil},
 	}, {
-		name:        "attach to a missing VM fails",
-		in:          in{intents: map[string]Op{"a": Attach}, obs: observed{}},
+		name:        "attach to a VM the API server says is gone fails",
+		in:          in{intents: map[string]Op{"a": Attach}, obs: observed{}, vmGone: true},
 		wantResolve: map[string]error{"a": ErrVMNotFound},
+	}, {
+		name:     "attach to a VM the informer does not show yet waits for it",
+		in:       in{intents: map[string]Op{"a": Attach}, obs: observed{}},
+		wantHold: "VM not in the informer yet",
+	}, {
+		name: "exclusive attach of a volume another VM holds now is refused, not written",
+		in: in{intents: map[string]Op{"a": Attach, "b": Attach}, obs: observed{vm: vmWith(nil), vmi: vmiWith(nil)},
+			held: map[string]error{"a": &HeldError{Volume: "a", VM: "vm2", State: "attaching"}}},
+		wantResolve: map[string]error{"a": errHeld},
+		wantChanges: []Change{{"b", Attach}},
+	}, {
+		name: "a volume held elsewhere that is already in this VM's spec is left alone",
+		in: in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeMounted})},
+			held: map[string]error{"a": &HeldError{Volume: "a", VM: "vm2", State: "attached"}}},
 	}, {
 		name: "detach waits for a VMI that outlives its VM",
 		in:   in{intents: map[string]Op{"a": Detach}, obs: observed{vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady})}},
@@ -136,13 +152,7 @@ func TestDecide(t *testing.T) {
 	}, {
 		name: "refused legacy add fails alone and is withdrawn at once",
 		in: in{intents: map[string]Op{"a": Attach, "b": Attach}, since: t0.Add(-time.Second),
-			obs: observed{vm: failedVM(vmWith(nil, addReq("a"), addReq("b"))), vmi: vmiWith(nil)},
-			refusal: func(_ *kubevirtv1.VirtualMachine, v string) error {
-				if v == "a" {
-					return errors.New("denied")
-				}
-				return nil
-			}},
+			obs: observed{vm: failedVM(vmWith(nil, addReq("a"), addReq("b")), `admission webhook "x" denied the request: volume a is refused`), vmi: vmiWith(nil)}},
 		wantResolve: map[string]error{"a": errDenied},
 		wantChanges: []Change{{"a", Detach}},
 	}, {
@@ -154,15 +164,16 @@ func TestDecide(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			w := &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, gatherUntil: tc.in.gather, settlingSince: tc.in.since}
 			for v, op := range tc.in.intents {
-				w.intents[v] = &intent{vm: "vm1", volume: v, op: op, created: t0}
+				w.intents[v] = &intent{vm: "vm1", volume: v, op: op, created: t0, exclusive: true}
 			}
 			for v, e := range tc.in.expect {
 				w.expect[v] = e
 			}
-			if tc.in.refusal == nil {
-				tc.in.refusal = func(*kubevirtv1.VirtualMachine, string) error { return nil }
+			before := fmt.Sprint(w.expect, w.settlingSince, w.gatherUntil, len(w.intents))
+			p := decide(t0, cfg, w, facts{o: tc.in.obs, vmGone: tc.in.vmGone, held: tc.in.held})
+			if after := fmt.Sprint(w.expect, w.settlingSince, w.gatherUntil, len(w.intents)); after != before {
+				t.Errorf("decide changed the VM's work: %s -> %s", before, after)
 			}
-			p := decide(t0, cfg, w, tc.in.obs, tc.in.refusal)
 			if !slices.Equal(p.changes, tc.wantChanges) {
 				t.Errorf("changes = %v, want %v", p.changes, tc.wantChanges)
 			}
@@ -181,23 +192,37 @@ func TestDecide(t *testing.T) {
 				if err, ok := got[v]; ok && want == errDenied && errors.As(err, &rejected) {
 					continue
 				}
+				var held *HeldError
+				if err, ok := got[v]; ok && want == errHeld && errors.As(err, &held) {
+					continue
+				}
 				if err, ok := got[v]; !ok || !errors.Is(err, want) && err != want {
 					t.Errorf("volume %s resolved with %v (resolved: %v), want %v", v, err, ok, want)
 				}
 			}
-			if left := sortedKeys(w.expect); !slices.Equal(left, tc.wantExpect) && len(left)+len(tc.wantExpect) > 0 {
+			var left []string
+			for _, v := range sortedKeys(w.expect) {
+				if !slices.Contains(p.expired, v) {
+					left = append(left, v)
+				}
+			}
+			if !slices.Equal(left, tc.wantExpect) && len(left)+len(tc.wantExpect) > 0 {
 				t.Errorf("expectations left %v, want %v", left, tc.wantExpect)
 			}
 		})
 	}
 }
 
-// errDenied stands for "any RejectedError" in the table.
-var errDenied = errors.New("rejected")
+// errDenied and errHeld stand for "any RejectedError" and "any HeldError"
+// in the table.
+var (
+	errDenied = errors.New("rejected")
+	errHeld   = errors.New("held")
+)
 
-func failedVM(vm *kubevirtv1.VirtualMachine) *kubevirtv1.VirtualMachine {
+func failedVM(vm *kubevirtv1.VirtualMachine, msg string) *kubevirtv1.VirtualMachine {
 	vm.Status.Conditions = append(vm.Status.Conditions, kubevirtv1.VirtualMachineCondition{
-		Type: kubevirtv1.VirtualMachineFailure, Status: "True", Reason: "FailedUpdateError",
+		Type: kubevirtv1.VirtualMachineFailure, Status: "True", Reason: "FailedUpdateError", Message: msg,
 	})
 	return vm
 }

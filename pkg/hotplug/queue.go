@@ -1,6 +1,7 @@
 package hotplug
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -18,7 +19,7 @@ import (
 
 // Config tunes the queue. Zero fields take the defaults of DefaultConfig.
 type Config struct {
-	// Namespace of the VMs on the host cluster.
+	// Namespace of the VMs on the host cluster. Required.
 	Namespace string
 	// Workers is how many VMs are worked on at once.
 	Workers int
@@ -35,6 +36,9 @@ type Config struct {
 	// QPS and Burst form the token bucket shared by all VMs' retries.
 	QPS   float64
 	Burst int
+	// RequestTimeout bounds one attempt at the host (a backend Apply, a live
+	// read), so a host API that hangs surfaces as an error within seconds.
+	RequestTimeout time.Duration
 }
 
 // DefaultConfig holds the defaults the command line uses.
@@ -48,6 +52,7 @@ func DefaultConfig() Config {
 		BackoffMax:         time.Minute,
 		QPS:                10,
 		Burst:              20,
+		RequestTimeout:     15 * time.Second,
 	}
 }
 
@@ -61,6 +66,7 @@ func (c Config) withDefaults() Config {
 	orDefault(&c.BackoffMax, d.BackoffMax)
 	orDefault(&c.QPS, d.QPS)
 	orDefault(&c.Burst, d.Burst)
+	orDefault(&c.RequestTimeout, d.RequestTimeout)
 	return c
 }
 
@@ -74,36 +80,49 @@ func orDefault[T int | float64 | time.Duration](v *T, d T) {
 type Queue struct {
 	cfg     Config
 	backend Backend
+	reader  Reader
 	vms     cache.Indexer
 	vmis    cache.Indexer
 	synced  []cache.InformerSynced
-	wq      workqueue.TypedRateLimitingInterface[string]
+	wq      workqueue.TypedRateLimitingInterface[cache.ObjectName]
 	metrics *metrics
 	now     func() time.Time
 
+	// running is closed once the informers have synced and workers run;
 	// stopped is closed when Run returns, releasing every waiting caller.
-	stopped chan struct{}
+	running, stopped chan struct{}
 
 	mu   sync.Mutex
-	work map[string]*vmWork // by VM name; only VMs with intents or expectations
+	work map[cache.ObjectName]*vmWork // only VMs with intents or expectations
 }
 
 // ErrStopped answers callers still waiting when the queue stops; the intent
 // dies with the process, and the caller's retry reaches the next one.
 var ErrStopped = errors.New("hotplug queue stopped")
 
-// vmWork is the queue's memory for one VM. Only intents live here: what is
-// attached where always comes from the informers.
+// vmWork is the queue's memory for one VM. Only intents and this process's
+// own unobserved writes live here: what is attached where always comes from
+// the informers (and, before an exclusive attach is written, the API server).
 type vmWork struct {
 	intents map[string]*intent // by volume
-	// expect holds writes this process made that the informers have not shown
-	// yet; while one is outstanding its volume is neither written nor judged.
+	// expect holds writes this process made, or is making, that the
+	// informers have not shown yet. While one is outstanding its volume is
+	// neither written nor judged here, and counts as held everywhere else.
 	expect map[string]expectation
 	// gatherUntil ends the batching window of the VM's first intent.
 	gatherUntil time.Time
 	// settlingSince starts when the queue writes the VM or first sees it
 	// settling, and bounds how long it is held (MaxHold).
 	settlingSince time.Time
+	// hold says why pending changes wait (empty: they don't).
+	hold string
+	// lastErr is the last failed attempt at the host for this VM (nil after
+	// a success), with when the failures began: callers still waiting get it.
+	lastErr      error
+	failingSince time.Time
+	// failed is closed and replaced when an attempt fails in a way retrying
+	// cannot cure (the host refuses our identity), waking waiting callers.
+	failed chan struct{}
 }
 
 type expectation struct {
@@ -114,19 +133,22 @@ type expectation struct {
 type intent struct {
 	vm, volume string
 	op         Op
-	created    time.Time
-	done       chan struct{} // closed when err is final
-	err        error
+	// exclusive attaches are refused while another VM holds the volume.
+	exclusive bool
+	created   time.Time
+	done      chan struct{} // closed when err is final
+	err       error
 }
 
-const (
-	indexClaim = "claim"
-)
+const indexClaim = "claim"
 
 // New builds a queue over VM and VMI informers of the host namespace. It adds
 // an index to both informers, so call it before they start.
-func New(cfg Config, backend Backend, vmInformer, vmiInformer cache.SharedIndexInformer, reg Registerer) (*Queue, error) {
+func New(cfg Config, backend Backend, reader Reader, vmInformer, vmiInformer cache.SharedIndexInformer, reg Registerer) (*Queue, error) {
 	cfg = cfg.withDefaults()
+	if cfg.Namespace == "" {
+		return nil, errors.New("hotplug: the host namespace is required")
+	}
 	if err := vmInformer.AddIndexers(cache.Indexers{indexClaim: func(obj any) ([]string, error) {
 		vm, ok := obj.(*kubevirtv1.VirtualMachine)
 		if !ok {
@@ -146,19 +168,22 @@ func New(cfg Config, backend Backend, vmInformer, vmiInformer cache.SharedIndexI
 		return nil, fmt.Errorf("add VMI claim index: %w", err)
 	}
 	limiter := workqueue.NewTypedMaxOfRateLimiter(
-		workqueue.NewTypedItemExponentialFailureRateLimiter[string](cfg.BackoffBase, cfg.BackoffMax),
-		&workqueue.TypedBucketRateLimiter[string]{Limiter: rate.NewLimiter(rate.Limit(cfg.QPS), cfg.Burst)},
+		workqueue.NewTypedItemExponentialFailureRateLimiter[cache.ObjectName](cfg.BackoffBase, cfg.BackoffMax),
+		&workqueue.TypedBucketRateLimiter[cache.ObjectName]{Limiter: rate.NewLimiter(rate.Limit(cfg.QPS), cfg.Burst)},
 	)
 	q := &Queue{
 		cfg:     cfg,
 		backend: backend,
+		reader:  reader,
 		vms:     vmInformer.GetIndexer(),
 		vmis:    vmiInformer.GetIndexer(),
 		synced:  []cache.InformerSynced{vmInformer.HasSynced, vmiInformer.HasSynced},
-		wq:      workqueue.NewTypedRateLimitingQueueWithConfig(limiter, workqueue.TypedRateLimitingQueueConfig[string]{Name: "hotplug"}),
+		wq: workqueue.NewTypedRateLimitingQueueWithConfig(limiter,
+			workqueue.TypedRateLimitingQueueConfig[cache.ObjectName]{Name: "hotplug"}),
 		now:     time.Now,
+		running: make(chan struct{}),
 		stopped: make(chan struct{}),
-		work:    map[string]*vmWork{},
+		work:    map[cache.ObjectName]*vmWork{},
 	}
 	q.metrics = newMetrics(q, backend.Name())
 	if reg != nil {
@@ -186,24 +211,25 @@ func (q *Queue) wake(obj any) {
 	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 		obj = d.Obj
 	}
-	var name string
-	switch o := obj.(type) {
-	case *kubevirtv1.VirtualMachine:
-		name = o.Name
-	case *kubevirtv1.VirtualMachineInstance:
-		name = o.Name
-	default:
+	o, ok := obj.(interface {
+		GetNamespace() string
+		GetName() string
+	})
+	if !ok {
 		return
 	}
+	key := cache.ObjectName{Namespace: o.GetNamespace(), Name: o.GetName()}
 	q.mu.Lock()
-	_, busy := q.work[name]
+	_, busy := q.work[key]
 	q.mu.Unlock()
 	if busy {
-		q.wq.Add(name)
+		q.wq.Add(key)
 	}
 }
 
 // Run waits for the informers to sync, then works the queue until ctx ends.
+// No caller is answered before the informers have synced: an empty cache
+// would say "not attached" about every volume.
 func (q *Queue) Run(ctx context.Context) error {
 	defer close(q.stopped)
 	defer q.wq.ShutDown()
@@ -220,10 +246,26 @@ func (q *Queue) Run(ctx context.Context) error {
 			wait.UntilWithContext(ctx, q.worker, time.Second)
 		}()
 	}
+	close(q.running)
 	<-ctx.Done()
 	q.wq.ShutDown()
 	wg.Wait()
 	return nil
+}
+
+// Ready reports whether the informers have synced and the workers run.
+func (q *Queue) Ready() bool {
+	select {
+	case <-q.running:
+		select {
+		case <-q.stopped:
+			return false
+		default:
+			return true
+		}
+	default:
+		return false
+	}
 }
 
 func (q *Queue) worker(ctx context.Context) {
@@ -232,39 +274,36 @@ func (q *Queue) worker(ctx context.Context) {
 }
 
 func (q *Queue) processNext(ctx context.Context) bool {
-	vm, shutdown := q.wq.Get()
+	key, shutdown := q.wq.Get()
 	if shutdown {
 		return false
 	}
-	defer q.wq.Done(vm)
-	logger := klog.FromContext(ctx).WithValues("vm", vm)
-	if err := q.sync(klog.NewContext(ctx, logger), vm); err != nil {
+	defer q.wq.Done(key)
+	logger := klog.FromContext(ctx).WithValues("vm", key.Name)
+	if err := q.sync(klog.NewContext(ctx, logger), key); err != nil {
 		logger.Error(err, "hotplug sync failed, retrying with backoff")
-		q.wq.AddRateLimited(vm)
+		q.wq.AddRateLimited(key)
 		return true
 	}
-	q.wq.Forget(vm)
+	q.wq.Forget(key)
 	return true
 }
+
+// ErrNotReady answers calls that come before the informers have synced.
+var ErrNotReady = errors.New("hotplug queue not ready: the host's VM and VMI caches have not synced yet")
 
 // Attach blocks until the volume is observed attached to the VM, the intent is
 // superseded or rejected, or ctx ends. On ctx's end the intent stays queued,
 // so a retry joins the work in flight. exclusive refuses a volume that another
-// VM holds.
+// VM holds, both now and again right before the attach is written.
 func (q *Queue) Attach(ctx context.Context, vm, volume string, exclusive bool) error {
-	obs := q.observe(vm)
-	if obs.gone() {
-		// The informer may lag a VM created a moment ago: ask the API server.
-		exists, err := q.backend.Exists(ctx, vm)
-		if err != nil {
-			return fmt.Errorf("look up VM %s: %w", vm, err)
-		}
-		if !exists {
-			return ErrVMNotFound
-		}
+	if !q.Ready() {
+		return ErrNotReady
 	}
+	key := q.key(vm)
+	obs := q.observe(key)
 	q.mu.Lock()
-	w := q.vmWork(vm)
+	w := q.vmWork(key)
 	it := w.intents[volume]
 	_, expecting := w.expect[volume]
 	if !expecting && obs.attached(volume) {
@@ -274,42 +313,49 @@ func (q *Queue) Attach(ctx context.Context, vm, volume string, exclusive bool) e
 		} else if it != nil {
 			q.finishLocked(w, it, nil)
 		}
-		q.dropIfIdleLocked(vm)
+		q.dropIfIdleLocked(key)
 		q.mu.Unlock()
 		return nil
 	}
 	if exclusive {
-		if err := q.heldElsewhereLocked(vm, volume); err != nil {
-			q.dropIfIdleLocked(vm)
+		if err := q.heldElsewhereLocked(key, volume); err != nil {
+			q.dropIfIdleLocked(key)
 			q.mu.Unlock()
 			return err
 		}
 	}
-	it = q.setIntentLocked(ctx, w, vm, volume, Attach)
+	it = q.setIntentLocked(ctx, w, key, volume, Attach)
+	it.exclusive = it.exclusive || exclusive
+	failed := w.failed
 	q.mu.Unlock()
-	return q.await(ctx, it)
+	return q.await(ctx, key, it, failed)
 }
 
 // Detach blocks until the volume is observed gone from the VM and its VMI, the
 // intent is superseded or rejected, or ctx ends (the intent stays queued).
 func (q *Queue) Detach(ctx context.Context, vm, volume string) error {
-	obs := q.observe(vm)
+	if !q.Ready() {
+		return ErrNotReady
+	}
+	key := q.key(vm)
+	obs := q.observe(key)
 	q.mu.Lock()
-	w := q.vmWork(vm)
+	w := q.vmWork(key)
 	_, expecting := w.expect[volume]
 	if !expecting && obs.detached(volume) {
 		// Nothing of ours is in flight and nothing is there: cancel a
-		// not-yet-applied attach and answer at once.
+		// not-yet-written attach and answer at once.
 		if it := w.intents[volume]; it != nil {
 			q.supersedeLocked(ctx, w, it, Detach)
 		}
-		q.dropIfIdleLocked(vm)
+		q.dropIfIdleLocked(key)
 		q.mu.Unlock()
 		return nil
 	}
-	it := q.setIntentLocked(ctx, w, vm, volume, Detach)
+	it := q.setIntentLocked(ctx, w, key, volume, Detach)
+	failed := w.failed
 	q.mu.Unlock()
-	return q.await(ctx, it)
+	return q.await(ctx, key, it, failed)
 }
 
 // Holders lists the VMs that hold, are getting or are still releasing the
@@ -340,7 +386,7 @@ func (q *Queue) Published() map[string][]string {
 	out := map[string][]string{}
 	for _, obj := range q.vmis.List() {
 		vmi, ok := obj.(*kubevirtv1.VirtualMachineInstance)
-		if !ok || (q.cfg.Namespace != "" && vmi.Namespace != q.cfg.Namespace) {
+		if !ok {
 			continue
 		}
 		// CSI volume IDs are claim names, and this driver (like upstream)
@@ -351,7 +397,7 @@ func (q *Queue) Published() map[string][]string {
 				ours[v.Name] = true
 			}
 		}
-		o := q.observe(vmi.Name)
+		o := q.observe(cache.MetaObjectToName(vmi))
 		for _, st := range vmi.Status.VolumeStatus {
 			if st.HotplugVolume != nil && ours[st.Name] && o.attached(st.Name) {
 				out[st.Name] = append(out[st.Name], vmi.Name)
@@ -372,48 +418,63 @@ func (q *Queue) supersedeLocked(ctx context.Context, w *vmWork, it *intent, by O
 	q.finishLocked(w, it, &SupersededError{Volume: it.volume, VM: it.vm, By: by})
 }
 
-// heldElsewhereLocked refuses an exclusive attach while another VM holds the
-// volume in its spec, its VMI or a pending attach intent of this process.
-func (q *Queue) heldElsewhereLocked(vm, volume string) error {
+// heldElsewhereLocked refuses an exclusive attach to key while another VM
+// holds the volume: in its spec, its legacy request list or its VMI (as the
+// informers show them), with a write of this process not yet visible in the
+// informers (either way: an unobserved detach still holds it), or with a
+// pending attach intent of this process.
+func (q *Queue) heldElsewhereLocked(key cache.ObjectName, volume string) error {
 	for _, other := range q.Holders(volume) {
-		if other == vm {
+		if other == key.Name {
 			continue
 		}
-		state := q.observe(other).holdState(volume)
+		state := q.observe(q.key(other)).holdState(volume)
 		if state == "" {
 			state = "attached"
 		}
 		return &HeldError{Volume: volume, VM: other, State: state}
 	}
-	for other, w := range q.work {
-		if other == vm {
+	for _, other := range sortedNames(q.work) {
+		if other == key {
 			continue
 		}
+		w := q.work[other]
+		if e, ok := w.expect[volume]; ok {
+			state := "attaching"
+			if e.op == Detach {
+				state = "still detaching"
+			}
+			return &HeldError{Volume: volume, VM: other.Name, State: state}
+		}
 		if it := w.intents[volume]; it != nil && it.op == Attach {
-			return &HeldError{Volume: volume, VM: other, State: "attaching"}
+			return &HeldError{Volume: volume, VM: other.Name, State: "attaching"}
 		}
 	}
 	return nil
 }
 
-func (q *Queue) vmWork(vm string) *vmWork {
-	w := q.work[vm]
+func (q *Queue) key(vm string) cache.ObjectName {
+	return cache.ObjectName{Namespace: q.cfg.Namespace, Name: vm}
+}
+
+func (q *Queue) vmWork(key cache.ObjectName) *vmWork {
+	w := q.work[key]
 	if w == nil {
-		w = &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}}
-		q.work[vm] = w
+		w = &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, failed: make(chan struct{})}
+		q.work[key] = w
 	}
 	return w
 }
 
-func (q *Queue) dropIfIdleLocked(vm string) {
-	if w := q.work[vm]; w != nil && len(w.intents) == 0 && len(w.expect) == 0 {
-		delete(q.work, vm)
+func (q *Queue) dropIfIdleLocked(key cache.ObjectName) {
+	if w := q.work[key]; w != nil && len(w.intents) == 0 && len(w.expect) == 0 {
+		delete(q.work, key)
 	}
 }
 
 // setIntentLocked records the latest intent for (vm, volume): an equal intent
 // is joined, an opposite one is answered as superseded and replaced.
-func (q *Queue) setIntentLocked(ctx context.Context, w *vmWork, vm, volume string, op Op) *intent {
+func (q *Queue) setIntentLocked(ctx context.Context, w *vmWork, key cache.ObjectName, volume string, op Op) *intent {
 	if it := w.intents[volume]; it != nil {
 		if it.op == op {
 			return it
@@ -422,14 +483,14 @@ func (q *Queue) setIntentLocked(ctx context.Context, w *vmWork, vm, volume strin
 	}
 	now := q.now()
 	idle := len(w.intents) == 0
-	it := newIntent(vm, volume, op, now)
+	it := newIntent(key.Name, volume, op, now)
 	w.intents[volume] = it
-	klog.FromContext(ctx).V(2).Info("intent queued", "vm", vm, "volume", volume, "op", op)
+	klog.FromContext(ctx).V(2).Info("intent queued", "vm", key.Name, "volume", volume, "op", op)
 	if idle && w.gatherUntil.Before(now) {
 		w.gatherUntil = now.Add(q.cfg.BatchWindow)
-		q.wq.AddAfter(vm, q.cfg.BatchWindow)
+		q.wq.AddAfter(key, q.cfg.BatchWindow)
 	} else {
-		q.wq.Add(vm)
+		q.wq.Add(key)
 	}
 	return it
 }
@@ -455,27 +516,42 @@ func (q *Queue) finishLocked(w *vmWork, it *intent, err error) {
 	}
 }
 
-func (q *Queue) await(ctx context.Context, it *intent) error {
+// await waits for it to finish. A caller whose deadline comes first, or whose
+// VM's attempts fail in a way retrying cannot cure, gets the VM's last
+// failure as the cause; the intent stays either way, so the retry joins it.
+func (q *Queue) await(ctx context.Context, key cache.ObjectName, it *intent, failed <-chan struct{}) error {
 	select {
 	case <-it.done:
 		return it.err
-	case <-ctx.Done():
-		return fmt.Errorf("%s of volume %s on VM %s still in progress: %w", it.op, it.volume, it.vm, ctx.Err())
 	case <-q.stopped:
 		return fmt.Errorf("%s of volume %s on VM %s: %w", it.op, it.volume, it.vm, ErrStopped)
+	case <-ctx.Done():
+	case <-failed:
 	}
+	select {
+	case <-it.done:
+		return it.err
+	default:
+	}
+	q.mu.Lock()
+	var cause error
+	var since time.Time
+	if w := q.work[key]; w != nil {
+		cause, since = w.lastErr, w.failingSince
+	}
+	q.mu.Unlock()
+	if cause != nil {
+		return &StalledError{Volume: it.volume, VM: it.vm, Op: it.op, Cause: cause, Since: since}
+	}
+	return fmt.Errorf("%s of volume %s on VM %s still in progress: %w", it.op, it.volume, it.vm, ctx.Err())
 }
 
-func (q *Queue) observe(vm string) observed {
+func (q *Queue) observe(key cache.ObjectName) observed {
 	var o observed
-	key := vm
-	if q.cfg.Namespace != "" {
-		key = q.cfg.Namespace + "/" + vm
-	}
-	if obj, ok, _ := q.vms.GetByKey(key); ok {
+	if obj, ok, _ := q.vms.GetByKey(key.String()); ok {
 		o.vm, _ = obj.(*kubevirtv1.VirtualMachine)
 	}
-	if obj, ok, _ := q.vmis.GetByKey(key); ok {
+	if obj, ok, _ := q.vmis.GetByKey(key.String()); ok {
 		o.vmi, _ = obj.(*kubevirtv1.VirtualMachineInstance)
 	}
 	return o
@@ -483,3 +559,12 @@ func (q *Queue) observe(vm string) observed {
 
 // BackendName names the backend in use.
 func (q *Queue) BackendName() string { return q.backend.Name() }
+
+func sortedNames[V any](m map[cache.ObjectName]V) []cache.ObjectName {
+	keys := make([]cache.ObjectName, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.SortFunc(keys, func(a, b cache.ObjectName) int { return cmp.Compare(a.String(), b.String()) })
+	return keys
+}

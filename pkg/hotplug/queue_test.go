@@ -31,6 +31,9 @@ type fakeKubeVirt struct {
 	readyDelay time.Duration
 	// override, when set, answers a change instead of applying it.
 	override func(vm string, c Change) (Outcome, bool)
+	// lag delays every watch event the queue's informers get, as a slow
+	// or partitioned API server connection would.
+	lag time.Duration
 
 	mu          sync.Mutex
 	applies     int
@@ -64,11 +67,25 @@ func (f *fakeKubeVirt) addVM(name string) {
 
 func (f *fakeKubeVirt) Name() string { return "fake" }
 
-func (f *fakeKubeVirt) Refusal(*kubevirtv1.VirtualMachine, string) error { return nil }
-
-func (f *fakeKubeVirt) Exists(ctx context.Context, vm string) (bool, error) {
+func (f *fakeKubeVirt) VMExists(ctx context.Context, vm string) (bool, error) {
 	_, err := f.kv.KubevirtV1().VirtualMachines(ns).Get(ctx, vm, metav1.GetOptions{})
 	return err == nil, nil
+}
+
+func (f *fakeKubeVirt) ListVMs(ctx context.Context) ([]kubevirtv1.VirtualMachine, error) {
+	l, err := f.kv.KubevirtV1().VirtualMachines(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	return l.Items, nil
+}
+
+func (f *fakeKubeVirt) ListVMIs(ctx context.Context) ([]kubevirtv1.VirtualMachineInstance, error) {
+	l, err := f.kv.KubevirtV1().VirtualMachineInstances(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	return l.Items, nil
 }
 
 func (f *fakeKubeVirt) Apply(ctx context.Context, vm string, changes []Change) []Outcome {
@@ -182,20 +199,26 @@ func startQueue(t *testing.T, f *fakeKubeVirt, cfg Config) (*Queue, *prometheus.
 	vmis := f.kv.KubevirtV1().VirtualMachineInstances(ns)
 	vmInf := informer(&kubevirtv1.VirtualMachine{},
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vms.List(ctx, o) },
-		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) { return vms.Watch(ctx, o) })
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			w, err := vms.Watch(ctx, o)
+			return lagged(w, f.lag), err
+		})
 	vmiInf := informer(&kubevirtv1.VirtualMachineInstance{},
 		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vmis.List(ctx, o) },
-		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) { return vmis.Watch(ctx, o) })
+		func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) {
+			w, err := vmis.Watch(ctx, o)
+			return lagged(w, f.lag), err
+		})
 	reg := prometheus.NewRegistry()
 	cfg.Namespace = ns
-	q, err := New(cfg, f, vmInf, vmiInf, reg)
+	q, err := New(cfg, f, f, vmInf, vmiInf, reg)
 	if err != nil {
 		t.Fatal(err)
 	}
 	go vmInf.RunWithContext(ctx)
 	go vmiInf.RunWithContext(ctx)
 	go func() { _ = q.Run(ctx) }()
-	if !cache.WaitForCacheSync(ctx.Done(), vmInf.HasSynced, vmiInf.HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), vmInf.HasSynced, vmiInf.HasSynced, q.Ready) {
 		t.Fatal("informers did not sync")
 	}
 	return q, reg
@@ -208,7 +231,7 @@ func waitPending(t *testing.T, q *Queue, vm string, n int) {
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
 		q.mu.Lock()
 		got := 0
-		if w := q.work[vm]; w != nil {
+		if w := q.work[q.key(vm)]; w != nil {
 			got = len(w.intents)
 		}
 		q.mu.Unlock()
@@ -439,7 +462,7 @@ func TestStormOnSeveralVMsConverges(t *testing.T) {
 	}
 	wg.Wait()
 	for v := range 3 {
-		o := q.observe(fmt.Sprintf("vm%d", v+1))
+		o := q.observe(q.key(fmt.Sprintf("vm%d", v+1)))
 		if n := len(o.vm.Spec.Template.Spec.Volumes); n != 0 {
 			t.Errorf("vm%d still has %d volumes after the storm", v+1, n)
 		}

@@ -2,26 +2,73 @@ package hotplug
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 )
 
-// sync is one worker pass over a VM: answer what the informers show done,
-// then write what is pending unless the VM must be left to settle.
-func (q *Queue) sync(ctx context.Context, vm string) error {
-	logger := klog.FromContext(ctx)
-	obs := q.observe(vm)
+// sync is one worker pass over a VM: answer what is known, then write what
+// is pending unless the VM must be left to settle.
+func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
+	obs := q.observe(key)
 	q.mu.Lock()
-	w := q.work[vm]
+	w := q.work[key]
 	if w == nil {
 		q.mu.Unlock()
 		return nil
 	}
+	askLive := obs.vm == nil && hasAttach(w)
+	q.mu.Unlock()
+
+	f := facts{o: obs}
+	if askLive {
+		// The informer may not show a VM created a moment ago: only the API
+		// server may say it does not exist.
+		rctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
+		exists, err := q.reader.VMExists(rctx, key.Name)
+		cancel()
+		if err != nil {
+			return q.noteFailure(ctx, key, fmt.Errorf("look up VM %s: %w", key.Name, err))
+		}
+		f.vmGone = !exists
+	}
+
+	q.mu.Lock()
+	w = q.work[key]
+	if w == nil {
+		q.mu.Unlock()
+		return nil
+	}
+	f.held = q.heldLocked(key, w)
 	now := q.now()
-	p := decide(now, q.cfg, w, obs, q.backend.Refusal)
+	p := decide(now, q.cfg, w, f)
+	q.applyPlanLocked(ctx, key, w, p, now)
+	if len(p.changes) == 0 || p.hold != "" {
+		if p.hold != "" {
+			klog.FromContext(ctx).V(3).Info("holding changes", "reason", p.hold, "pending", len(p.changes))
+		}
+		q.dropIfIdleLocked(key)
+		q.mu.Unlock()
+		return nil
+	}
+	q.mu.Unlock()
+	return q.write(ctx, key, p.changes)
+}
+
+// applyPlanLocked books what decide returned.
+func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vmWork, p plan, now time.Time) {
+	logger := klog.FromContext(ctx)
+	for _, vol := range p.expired {
+		delete(w.expect, vol)
+	}
+	w.settlingSince = p.settlingSince
+	w.hold = p.hold
 	for _, r := range p.resolve {
 		logger.V(2).Info("intent done", "volume", r.it.volume, "op", r.it.op, "err", r.err, "after", now.Sub(r.it.created))
 		q.finishLocked(w, r.it, r.err)
@@ -30,43 +77,67 @@ func (q *Queue) sync(ctx context.Context, vm string) error {
 		// Nobody waits on this detach; it keeps the queue at the volume
 		// until nothing of the refused attach is left on the VM or VMI.
 		logger.Info("undoing a refused attach", "volume", vol)
-		w.intents[vol] = newIntent(vm, vol, Detach, now)
+		w.intents[vol] = newIntent(key.Name, vol, Detach, now)
 	}
 	if !p.wakeAt.IsZero() {
-		q.wq.AddAfter(vm, p.wakeAt.Sub(now))
+		q.wq.AddAfter(key, p.wakeAt.Sub(now))
 	}
-	if len(p.changes) == 0 || p.hold != "" {
-		if p.hold != "" {
-			logger.V(3).Info("holding changes", "reason", p.hold, "pending", len(p.changes))
-		}
-		q.dropIfIdleLocked(vm)
-		q.mu.Unlock()
-		return nil
-	}
-	q.mu.Unlock()
-	return q.apply(ctx, vm, p.changes)
 }
 
-// apply writes changes, retrying conflicts at once after a fresh read (the
-// backend reads anew on every call) a bounded number of times.
-func (q *Queue) apply(ctx context.Context, vm string, changes []Change) error {
+// heldLocked says, for each exclusive attach intent of the VM, whether
+// another VM holds the volume as far as the informers and this process know.
+func (q *Queue) heldLocked(key cache.ObjectName, w *vmWork) map[string]error {
+	held := map[string]error{}
+	for vol, it := range w.intents {
+		if it.op == Attach && it.exclusive {
+			if err := q.heldElsewhereLocked(key, vol); err != nil {
+				held[vol] = err
+			}
+		}
+	}
+	return held
+}
+
+// write makes the changes, retrying conflicts at once after a fresh read (the
+// backend reads anew on every call) a bounded number of times. Before an
+// exclusive attach goes out, who holds its volume is read from the API
+// server itself: an informer that lags, or a write of another process (a
+// controller that has not noticed it lost its lease), must never let one
+// volume be attached to two VMs.
+func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Change) error {
 	logger := klog.FromContext(ctx)
+	var live map[string][]string
+	if vols := q.exclusiveAdds(key, changes); len(vols) > 0 {
+		h, err := q.liveHolders(ctx, vols)
+		if err != nil {
+			return q.noteFailure(ctx, key, fmt.Errorf("read who holds %v: %w", vols, err))
+		}
+		live = h
+	}
 	pending := changes
 	for attempt := 0; ; attempt++ {
+		q.mu.Lock()
+		pending = q.confirmLocked(ctx, key, pending, live)
+		q.mu.Unlock()
+		if len(pending) == 0 {
+			return nil
+		}
 		q.metrics.batchSize.Observe(float64(len(pending)))
 		logger.V(2).Info("applying hotplug changes", "backend", q.backend.Name(), "changes", fmtChanges(pending), "attempt", attempt)
 		start := q.now()
-		outs := q.backend.Apply(ctx, vm, pending)
+		actx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
+		outs := q.backend.Apply(actx, key.Name, pending)
+		cancel()
 		q.metrics.applyDuration.Observe(q.now().Sub(start).Seconds())
 		if len(outs) != len(pending) {
 			return fmt.Errorf("backend %s answered %d outcomes for %d changes", q.backend.Name(), len(outs), len(pending))
 		}
-		retry, failed := q.record(ctx, vm, pending, outs)
+		retry, failed := q.record(ctx, key, pending, outs)
 		if failed != nil {
-			return failed
+			return q.noteFailure(ctx, key, failed)
 		}
 		if len(retry) == 0 {
-			q.wq.AddAfter(vm, q.cfg.MaxHold) // in case no informer event ever shows the result
+			q.wq.AddAfter(key, q.cfg.MaxHold) // in case no informer event ever shows the result
 			return nil
 		}
 		if attempt+1 >= q.cfg.MaxConflictRetries {
@@ -83,13 +154,106 @@ func (q *Queue) apply(ctx context.Context, vm string, changes []Change) error {
 	}
 }
 
-// record books the backend's outcomes: expectations for what was written,
-// final answers for rejected volumes, and what to retry.
-func (q *Queue) record(ctx context.Context, vm string, changes []Change, outs []Outcome) (retry []Change, failed error) {
+// exclusiveAdds lists the volumes of changes that exclusive attach intents
+// of the VM are about to add.
+func (q *Queue) exclusiveAdds(key cache.ObjectName, changes []Change) []string {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	w := q.work[key]
+	if w == nil {
+		return nil
+	}
+	var vols []string
+	for _, c := range changes {
+		if it := w.intents[c.Volume]; c.Op == Attach && it != nil && it.op == Attach && it.exclusive {
+			vols = append(vols, c.Volume)
+		}
+	}
+	return vols
+}
+
+// liveHolders reads from the API server which VMs hold each volume: in the
+// VM spec, a queued legacy request, the VMI spec or its volume status.
+func (q *Queue) liveHolders(ctx context.Context, vols []string) (map[string][]string, error) {
+	ctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
+	defer cancel()
+	vms, err := q.reader.ListVMs(ctx)
+	if err != nil {
+		return nil, err
+	}
+	vmis, err := q.reader.ListVMIs(ctx)
+	if err != nil {
+		return nil, err
+	}
+	want := map[string]bool{}
+	for _, v := range vols {
+		want[v] = true
+	}
+	out := map[string][]string{}
+	add := func(claims []string, vm string) {
+		for _, c := range claims {
+			if want[c] && !slices.Contains(out[c], vm) {
+				out[c] = append(out[c], vm)
+			}
+		}
+	}
+	for i := range vms {
+		add(vmClaims(&vms[i]), vms[i].Name)
+	}
+	for i := range vmis {
+		add(vmiClaims(&vmis[i]), vmis[i].Name)
+	}
+	return out, nil
+}
+
+// confirmLocked runs right before each attempt: it drops changes whose
+// intent was answered or superseded since it was planned, refuses exclusive
+// attaches whose volume another VM holds now (informers, this process's
+// unobserved writes and pending intents, and the live read), and registers
+// the rest as expected before they are written, so that no caller can be
+// told "detached" and no other VM can take the volume while the write is on
+// its way.
+func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes []Change, live map[string][]string) []Change {
+	w := q.vmWork(key)
+	now := q.now()
+	out := changes[:0:0]
+	for _, c := range changes {
+		it := w.intents[c.Volume]
+		if it == nil || it.op != c.Op {
+			delete(w.expect, c.Volume)
+			continue
+		}
+		if c.Op == Attach && it.exclusive {
+			err := q.heldElsewhereLocked(key, c.Volume)
+			if err == nil {
+				for _, other := range live[c.Volume] {
+					if other != key.Name {
+						err = &HeldError{Volume: c.Volume, VM: other, State: "attached or attaching (read from the API server)"}
+						break
+					}
+				}
+			}
+			if err != nil {
+				klog.FromContext(ctx).Info("exclusive attach refused right before writing it", "volume", c.Volume, "err", err)
+				delete(w.expect, c.Volume)
+				q.finishLocked(w, it, err)
+				continue
+			}
+		}
+		w.expect[c.Volume] = expectation{op: c.Op, since: now}
+		out = append(out, c)
+	}
+	q.dropIfIdleLocked(key)
+	return out
+}
+
+// record books the backend's outcomes: expectations for what was (or may
+// have been) written, final answers for rejected volumes, and what to retry.
+func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Change, outs []Outcome) (retry []Change, failed error) {
 	logger := klog.FromContext(ctx)
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	w := q.vmWork(vm)
+	w := q.vmWork(key)
 	now := q.now()
 	wrote := false
 	for i, c := range changes {
@@ -107,17 +271,24 @@ func (q *Queue) record(ctx context.Context, vm string, changes []Change, outs []
 				logger.V(2).Info("hotplug change already under way", "volume", c.Volume, "op", c.Op, "result", o.Result, "detail", errString(o.Err))
 			}
 		case Conflict:
+			delete(w.expect, c.Volume)
 			retry = append(retry, c)
 		case Rejected:
+			delete(w.expect, c.Volume)
 			logger.Info("hotplug change rejected", "volume", c.Volume, "op", c.Op, "err", o.Err)
 			if it != nil {
-				q.finishLocked(w, it, &RejectedError{Volume: c.Volume, VM: vm, Op: c.Op, Err: o.Err})
+				q.finishLocked(w, it, &RejectedError{Volume: c.Volume, VM: key.Name, Op: c.Op, Err: o.Err})
 			}
 		case VMGone:
+			delete(w.expect, c.Volume)
 			if it != nil && it.op == Attach {
 				q.finishLocked(w, it, ErrVMNotFound)
 			}
 		case Failed:
+			if refused(o.Err) {
+				// The host answered and did nothing.
+				delete(w.expect, c.Volume)
+			} // else the write may have landed: keep expecting it
 			if failed == nil {
 				failed = fmt.Errorf("%s of volume %s: %w", c.Op, c.Volume, o.Err)
 			}
@@ -127,8 +298,60 @@ func (q *Queue) record(ctx context.Context, vm string, changes []Change, outs []
 		w.settlingSince = now
 		q.metrics.writes.Inc()
 	}
-	q.dropIfIdleLocked(vm)
+	if failed == nil {
+		w.lastErr, w.failingSince = nil, time.Time{}
+	}
+	q.dropIfIdleLocked(key)
 	return retry, failed
+}
+
+// noteFailure remembers a failed attempt at the host as the VM's last error,
+// wakes the VM's waiting callers when retrying cannot help, and returns err
+// for the worker's backoff.
+func (q *Queue) noteFailure(ctx context.Context, key cache.ObjectName, err error) error {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	w := q.work[key]
+	if w == nil {
+		return err
+	}
+	if w.lastErr == nil {
+		w.failingSince = q.now()
+	}
+	w.lastErr = err
+	if permanent(err) {
+		close(w.failed)
+		w.failed = make(chan struct{})
+	}
+	klog.FromContext(ctx).Info("attempt at the host failed", "err", err, "failingSince", w.failingSince, "pending", len(w.intents))
+	return err
+}
+
+// permanent reports an error retrying cannot cure until an operator acts:
+// the host refuses the driver's identity.
+func permanent(err error) bool {
+	return apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err)
+}
+
+// refused reports an answer from the API server that says the request was
+// not carried out; anything else (a timeout, a dropped connection, a 5xx)
+// may have been.
+func refused(err error) bool {
+	var status apierrors.APIStatus
+	if !errors.As(err, &status) {
+		return false
+	}
+	code := status.Status().Code
+	return code >= 400 && code < 500
+}
+
+func hasAttach(w *vmWork) bool {
+	for _, it := range w.intents {
+		if it.op == Attach {
+			return true
+		}
+	}
+	return false
 }
 
 func fmtChanges(cs []Change) []string {

@@ -13,6 +13,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
@@ -77,20 +78,23 @@ type Outcome struct {
 
 // Backend writes hotplug changes to one VM. Implementations make one attempt
 // per call, starting from a fresh (uncached) read, so that a Conflict can be
-// retried simply by calling Apply again.
+// retried simply by calling Apply again. Only the queue's workers call it.
 type Backend interface {
 	// Name identifies the backend in logs and metrics.
 	Name() string
 	// Apply returns one Outcome per change, in order. Removals come first in
 	// changes; a backend that issues one call per change keeps that order.
 	Apply(ctx context.Context, vm string, changes []Change) []Outcome
-	// Exists reports whether the VM exists, read live rather than from a cache.
-	Exists(ctx context.Context, vm string) (bool, error)
-	// Refusal reports the host's refusal of a volume change that was
-	// accepted first and failed later, as KubeVirt's legacy controller does
-	// when a webhook denies its VM update: the VM status says so, and every
-	// other queued request waits behind the refused one.
-	Refusal(vm *kubevirtv1.VirtualMachine, volume string) error
+}
+
+// Reader reads the host namespace's VMs and VMIs from the API server itself,
+// bypassing the informers, for the two decisions a stale cache must never
+// make: that a VM does not exist, and that no other VM holds a volume at the
+// moment an exclusive attach is written. Only the queue's workers call it.
+type Reader interface {
+	VMExists(ctx context.Context, vm string) (bool, error)
+	ListVMs(ctx context.Context) ([]kubevirtv1.VirtualMachine, error)
+	ListVMIs(ctx context.Context) ([]kubevirtv1.VirtualMachineInstance, error)
 }
 
 // ErrVMNotFound is returned to attach callers when the VM does not exist.
@@ -131,3 +135,21 @@ func (e *RejectedError) Error() string {
 }
 
 func (e *RejectedError) Unwrap() error { return e.Err }
+
+// StalledError answers a caller whose intent is still pending while the VM's
+// last attempt at the host failed: the cause (a refused identity, a host API
+// that does not answer) is what an operator must see, not only "in progress".
+// Unwrap gives the host's error, so API status checks see through it.
+type StalledError struct {
+	Volume, VM string
+	Op         Op
+	Cause      error
+	Since      time.Time
+}
+
+func (e *StalledError) Error() string {
+	return fmt.Sprintf("%s of volume %s on VM %s is not done: the host refused or did not answer the last attempt (failing since %s): %v",
+		e.Op, e.Volume, e.VM, e.Since.UTC().Format(time.RFC3339), e.Cause)
+}
+
+func (e *StalledError) Unwrap() error { return e.Cause }

@@ -136,35 +136,22 @@ type Controller struct {
 func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controller {
 	tb.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	cfg := h.Sim.ClientConfig()
-	hc, err := host.NewForConfig(cfg, h.Namespace)
+	hc, err := host.NewForConfig(h.Sim.ClientConfig(), h.Namespace)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	backend, err := host.NewBackend(ctx, hc, opts.Backend)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	vmInf, vmiInf := hc.VMInformer(0), hc.VMIInformer(0)
-	qcfg := opts.Queue
-	qcfg.Namespace = h.Namespace
 	reg := prometheus.NewRegistry()
-	q, err := hotplug.New(qcfg, backend, vmInf, vmiInf, reg)
-	if err != nil {
-		tb.Fatal(err)
-	}
+	ctrl := driver.NewController(driver.ControllerConfig{Host: hc, Backend: opts.Backend, Queue: opts.Queue, Options: opts.Driver, Metrics: reg})
 	dir, err := os.MkdirTemp("", "hcsi-") // unix socket paths must stay short
 	if err != nil {
 		tb.Fatal(err)
 	}
 	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
-	d := driver.New("test", driver.NewControllerService(opts.Driver, q, hc), opts.Node)
-	c := &Controller{Endpoint: endpoint, Queue: q, Metrics: reg, cancel: cancel, done: make(chan struct{})}
+	d := driver.New("test", ctrl, opts.Node)
+	c := &Controller{Endpoint: endpoint, Metrics: reg, cancel: cancel, done: make(chan struct{})}
 	var wg sync.WaitGroup
-	wg.Add(4)
-	go func() { defer wg.Done(); vmInf.RunWithContext(ctx) }()
-	go func() { defer wg.Done(); vmiInf.RunWithContext(ctx) }()
-	go func() { defer wg.Done(); _ = q.Run(ctx) }()
+	wg.Add(2)
+	go func() { defer wg.Done(); _ = ctrl.Run(ctx) }()
 	go func() { defer wg.Done(); _ = d.Serve(ctx, endpoint) }()
 	go func() { wg.Wait(); os.RemoveAll(dir); close(c.done) }()
 	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -172,20 +159,22 @@ func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controlle
 		tb.Fatal(err)
 	}
 	c.Conn, c.Client = conn, csi.NewControllerClient(conn)
-	// Wait until the informers synced and the socket answers.
+	// Wait until the socket answers and Probe says ready (informers synced),
+	// as the sidecars do.
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		probeCtx, pc := context.WithTimeout(ctx, time.Second)
-		_, err := csi.NewIdentityClient(conn).Probe(probeCtx, &csi.ProbeRequest{})
+		resp, err := csi.NewIdentityClient(conn).Probe(probeCtx, &csi.ProbeRequest{})
 		pc()
-		if err == nil && vmInf.HasSynced() && vmiInf.HasSynced() {
+		if err == nil && resp.GetReady().GetValue() {
 			break
 		}
 		if time.Now().After(deadline) {
-			tb.Fatalf("controller did not come up: %v", err)
+			tb.Fatalf("controller did not come up: %v (ready: %v)", err, ctrl.Ready())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	c.Queue = ctrl.Queue()
 	tb.Cleanup(c.Stop)
 	return c
 }

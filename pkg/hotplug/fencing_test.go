@@ -1,0 +1,252 @@
+package hotplug
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/watch"
+	"k8s.io/client-go/tools/cache"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// lagged delivers a watch's events d late (in order), as an informer behind
+// a slow connection sees them.
+func lagged(w watch.Interface, d time.Duration) watch.Interface {
+	if w == nil || d <= 0 {
+		return w
+	}
+	out := make(chan watch.Event)
+	stop := make(chan struct{})
+	lw := &lagWatch{inner: w, out: out, stop: stop}
+	go func() {
+		defer close(out)
+		for ev := range w.ResultChan() {
+			select {
+			case <-time.After(d):
+			case <-stop:
+				return
+			}
+			select {
+			case out <- ev:
+			case <-stop:
+				return
+			}
+		}
+	}()
+	return lw
+}
+
+type lagWatch struct {
+	inner watch.Interface
+	out   chan watch.Event
+	stop  chan struct{}
+	once  sync.Once
+}
+
+func (l *lagWatch) Stop() {
+	l.once.Do(func() { close(l.stop); l.inner.Stop() })
+}
+
+func (l *lagWatch) ResultChan() <-chan watch.Event { return l.out }
+
+// specHolders lists, from the fake API server itself, the VMs whose spec
+// holds the volume.
+func (f *fakeKubeVirt) specHolders(volume string) []string {
+	l, err := f.kv.KubevirtV1().VirtualMachines(ns).List(context.Background(), metav1.ListOptions{})
+	if err != nil {
+		f.t.Fatal(err)
+	}
+	var out []string
+	for i := range l.Items {
+		if (observed{vm: &l.Items[i]}).inVMSpec(volume) {
+			out = append(out, l.Items[i].Name)
+		}
+	}
+	return out
+}
+
+// watchDoubleAttach fails the test if the volume is ever in two VMs' specs,
+// polling the fake API server (not the lagging informers) until the test ends.
+func watchDoubleAttach(t *testing.T, f *fakeKubeVirt, volume string) {
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	t.Cleanup(func() { cancel(); <-done })
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			if h := f.specHolders(volume); len(h) > 1 {
+				t.Errorf("volume %s is in the spec of %v at once", volume, h)
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}()
+}
+
+func TestCallsBeforeTheCachesSyncAreRefused(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	vms := f.kv.KubevirtV1().VirtualMachines(ns)
+	vm, _ := vms.Get(context.Background(), "vm1", metav1.GetOptions{})
+	vm.Spec.Template.Spec = vmWith([]string{"pvc-a"}).Spec.Template.Spec
+	if _, err := vms.Update(context.Background(), vm, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// Informers that never sync: the queue must not take their empty cache
+	// for "nothing is attached".
+	vmInf := cache.NewSharedIndexInformer(&cache.ListWatch{}, &kubevirtv1.VirtualMachine{}, 0, cache.Indexers{})
+	vmiInf := cache.NewSharedIndexInformer(&cache.ListWatch{}, &kubevirtv1.VirtualMachineInstance{}, 0, cache.Indexers{})
+	q, err := New(Config{Namespace: ns}, f, f, vmInf, vmiInf, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	go func() { _ = q.Run(ctx) }()
+	if err := q.Detach(ctx, "vm1", "pvc-a"); !errors.Is(err, ErrNotReady) {
+		t.Errorf("detach before sync answered %v, want ErrNotReady", err)
+	}
+	if err := q.Attach(ctx, "vm1", "pvc-b", true); !errors.Is(err, ErrNotReady) {
+		t.Errorf("attach before sync answered %v, want ErrNotReady", err)
+	}
+	if q.Ready() {
+		t.Error("queue reports ready before its informers synced")
+	}
+	if applies, _, _ := f.stats(); applies != 0 {
+		t.Errorf("%d backend calls before sync, want 0", applies)
+	}
+}
+
+// An attach written but not yet visible in the informers, superseded by a
+// detach, must still fence the volume: the write may land at any moment.
+func TestUnobservedWriteFencesTheVolume(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1", "vm2")
+	f.lag = 500 * time.Millisecond
+	f.readyDelay = 100 * time.Millisecond
+	q, _ := startQueue(t, f, fastConfig())
+	watchDoubleAttach(t, f, "pvc-a")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+
+	attached := make(chan error, 1)
+	go func() { attached <- q.Attach(ctx, "vm1", "pvc-a", true) }()
+	for deadline := time.Now().Add(5 * time.Second); !slices.Contains(f.specHolders("pvc-a"), "vm1"); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the attach to vm1 was never written")
+		}
+	}
+	detached := make(chan error, 1)
+	go func() { detached <- q.Detach(ctx, "vm1", "pvc-a") }()
+	waitIntent(t, q, "vm1", "pvc-a", Detach)
+
+	var held *HeldError
+	if err := q.Attach(ctx, "vm2", "pvc-a", true); !errors.As(err, &held) || held.VM != "vm1" {
+		t.Fatalf("attach to vm2 while vm1's write is unobserved answered %v, want a HeldError naming vm1", err)
+	}
+	if err := <-detached; err != nil {
+		t.Fatalf("detach from vm1: %v", err)
+	}
+	var superseded *SupersededError
+	if err := <-attached; !errors.As(err, &superseded) {
+		t.Fatalf("first attach answered %v, want superseded", err)
+	}
+	if err := q.Attach(ctx, "vm2", "pvc-a", true); err != nil {
+		t.Fatalf("attach to vm2 once vm1 let go: %v", err)
+	}
+}
+
+// Another writer (a controller that lost its lease and does not know yet)
+// puts the volume on vm2; our informers have not seen it. The attach to vm1
+// must be refused from the API server's answer, right before the write.
+func TestExclusiveAttachIsCheckedAgainstTheAPIServerBeforeTheWrite(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1", "vm2")
+	f.lag = time.Second
+	q, _ := startQueue(t, f, fastConfig())
+	watchDoubleAttach(t, f, "pvc-a")
+	vms := f.kv.KubevirtV1().VirtualMachines(ns)
+	vm2, _ := vms.Get(context.Background(), "vm2", metav1.GetOptions{})
+	vm2.Spec.Template.Spec = vmWith([]string{"pvc-a"}).Spec.Template.Spec
+	if _, err := vms.Update(context.Background(), vm2, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	var held *HeldError
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); !errors.As(err, &held) || held.VM != "vm2" {
+		t.Fatalf("attach to vm1 answered %v, want a HeldError naming vm2", err)
+	}
+	if h := f.specHolders("pvc-a"); !slices.Equal(h, []string{"vm2"}) {
+		t.Fatalf("volume held by %v, want only vm2", h)
+	}
+}
+
+// A host that refuses the driver's identity must reach the caller as that
+// refusal, at once, not as "still in progress" at the deadline.
+func TestPermanentFailureReachesTheCaller(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	forbidden := apierrors.NewForbidden(schema.GroupResource{Group: "kubevirt.io", Resource: "virtualmachines"}, "vm1",
+		errors.New(`User "system:serviceaccount:guests:csi" cannot patch resource "virtualmachines"`))
+	f.override = func(string, Change) (Outcome, bool) { return Outcome{Result: Failed, Err: forbidden}, true }
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	start := time.Now()
+	err := q.Attach(ctx, "vm1", "pvc-a", true)
+	var stalled *StalledError
+	if !errors.As(err, &stalled) || !apierrors.IsForbidden(err) {
+		t.Fatalf("attach answered %v, want a StalledError carrying the host's Forbidden", err)
+	}
+	if ctx.Err() != nil || time.Since(start) > 30*time.Second {
+		t.Fatalf("answered only after %v (ctx: %v): a refusal that retrying cannot cure must not wait for the deadline", time.Since(start), ctx.Err())
+	}
+	// The intent stays for the retry, which gets the same answer.
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); !apierrors.IsForbidden(err) {
+		t.Fatalf("retry answered %v, want Forbidden", err)
+	}
+}
+
+// A transient failure (the host API does not answer) is retried; a caller
+// whose deadline comes first learns why it waited.
+func TestDeadlineAnswerNamesTheLastFailure(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	f.override = func(string, Change) (Outcome, bool) {
+		return Outcome{Result: Failed, Err: fmt.Errorf("dial tcp 10.0.0.1:6443: connect: connection refused")}, true
+	}
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	err := q.Attach(ctx, "vm1", "pvc-a", true)
+	var stalled *StalledError
+	if !errors.As(err, &stalled) || !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		t.Fatalf("attach answered %v, want a StalledError at the deadline", err)
+	}
+	if want := "connection refused"; !strings.Contains(err.Error(), want) {
+		t.Fatalf("answer %q does not name the cause %q", err, want)
+	}
+}
+
+func waitIntent(t *testing.T, q *Queue, vm, volume string, op Op) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		q.mu.Lock()
+		var got *intent
+		if w := q.work[q.key(vm)]; w != nil {
+			got = w.intents[volume]
+		}
+		q.mu.Unlock()
+		if got != nil && got.op == op {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s intent for %s on %s after 5s", op, volume, vm)
+		}
+	}
+}
