@@ -28,7 +28,7 @@ type fakeVolumes struct {
 	expandErr error
 	// getErr, when set, is what every read of a PVC answers.
 	getErr error
-	snaps     map[string]*host.Snapshot
+	snaps  map[string]*host.Snapshot
 }
 
 var pvcGR = schema.GroupResource{Resource: "persistentvolumeclaims"}

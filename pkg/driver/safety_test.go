@@ -175,7 +175,9 @@ func TestHostFailuresKeepTheirCause(t *testing.T) {
 }
 
 // panicky is a controller service whose handler panics.
-type panicky struct{ csi.UnimplementedControllerServer }
+type panicky struct {
+	csi.UnimplementedControllerServer
+}
 
 func (panicky) ControllerPublishVolume(context.Context, *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
 	var m map[string]int
