@@ -83,10 +83,14 @@ func (o observed) requested(volume string) (add, remove bool) {
 }
 
 // attached is the only test for a finished attach: volume and disk in the VM
-// spec, and the VMI reports the hotplug volume Ready with a target device.
+// spec, no legacy removal queued for it, and the VMI reports the hotplug
+// volume Ready with a target device.
 func (o observed) attached(volume string) bool {
 	if !o.inVMSpec(volume) || !o.diskInVMSpec(volume) {
 		return false
+	}
+	if _, removing := o.requested(volume); removing {
+		return false // going away: the legacy controller has not applied it yet
 	}
 	s := o.status(volume)
 	return s != nil && s.HotplugVolume != nil && s.Phase == kubevirtv1.VolumeReady && s.Target != ""

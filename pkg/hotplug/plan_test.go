@@ -56,6 +56,10 @@ func addReq(name string) kubevirtv1.VirtualMachineVolumeRequest {
 	return kubevirtv1.VirtualMachineVolumeRequest{AddVolumeOptions: &kubevirtv1.AddVolumeOptions{Name: name}}
 }
 
+func removeReq(name string) kubevirtv1.VirtualMachineVolumeRequest {
+	return kubevirtv1.VirtualMachineVolumeRequest{RemoveVolumeOptions: &kubevirtv1.RemoveVolumeOptions{Name: name}}
+}
+
 func TestDecide(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	cfg := Config{MaxHold: 30 * time.Second}
@@ -142,6 +146,10 @@ func TestDecide(t *testing.T) {
 		name:        "detach from a gone VM and VMI is done",
 		in:          in{intents: map[string]Op{"a": Detach}, obs: observed{}},
 		wantResolve: map[string]error{"a": nil},
+	}, {
+		name: "attach of a Ready volume whose legacy removal is queued is not done: it waits for the removal",
+		in: in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith([]string{"a"}, removeReq("a")),
+			vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady})}},
 	}, {
 		name: "legacy add request queued: attach waits",
 		in:   in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith(nil, addReq("a")), vmi: vmiWith(nil)}},

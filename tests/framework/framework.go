@@ -117,6 +117,9 @@ type ControllerOptions struct {
 	Driver  driver.ControllerOptions
 	// Node, when set, is served beside the controller (sanity needs both).
 	Node csi.NodeServer
+	// InformerLag delays every watch event the controller's informers get;
+	// its live reads and writes are not delayed.
+	InformerLag time.Duration
 }
 
 // Controller is a running controller service.
@@ -136,7 +139,11 @@ type Controller struct {
 func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controller {
 	tb.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	hc, err := host.NewForConfig(h.Sim.ClientConfig(), h.Namespace)
+	cfg := h.Sim.ClientConfig()
+	if opts.InformerLag > 0 {
+		cfg = withInformerLag(tb, cfg, opts.InformerLag)
+	}
+	hc, err := host.NewForConfig(cfg, h.Namespace)
 	if err != nil {
 		tb.Fatal(err)
 	}

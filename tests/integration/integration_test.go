@@ -91,6 +91,7 @@ func TestController(t *testing.T) {
 			t.Run("StoppedVMReleasesOnUnpublish", s.stoppedVM)
 			t.Run("TimedOutPublishThenUnpublish", s.timedOutPublishThenUnpublish)
 			t.Run("RestartMidBatch", s.restartMidBatch)
+			t.Run("FencingUnderInformerLagAndRestarts", s.fencingUnderLag)
 		})
 	}
 }
