@@ -151,7 +151,7 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 		}
 	}
 	pvc, err := s.volumes.CreateVolume(ctx, spec)
-	var mismatch *host.ErrVolumeMismatch
+	var mismatch *host.VolumeMismatchError
 	switch {
 	case errors.As(err, &mismatch):
 		return nil, status.Error(codes.AlreadyExists, err.Error())

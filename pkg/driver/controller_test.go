@@ -37,7 +37,7 @@ func (f *fakeVolumes) CreateVolume(_ context.Context, spec host.VolumeSpec) (*co
 	f.created = append(f.created, spec)
 	if p, ok := f.pvcs[spec.Name]; ok {
 		if got := p.Spec.Resources.Requests[corev1.ResourceStorage]; got.Value() != spec.Bytes {
-			return nil, &host.ErrVolumeMismatch{Name: spec.Name, Why: "size"}
+			return nil, &host.VolumeMismatchError{Name: spec.Name, Why: "size"}
 		}
 		return p, nil
 	}
@@ -93,7 +93,7 @@ func (f *fakeVolumes) ExpandVolume(_ context.Context, name string, bytes int64) 
 func (f *fakeVolumes) CreateSnapshot(_ context.Context, name, volume string) (*host.Snapshot, error) {
 	if sn, ok := f.snaps[name]; ok {
 		if sn.SourceVolume != volume {
-			return nil, &host.ErrSnapshotMismatch{Name: name, Source: sn.SourceVolume, Requested: volume}
+			return nil, &host.SnapshotMismatchError{Name: name, Source: sn.SourceVolume, Requested: volume}
 		}
 		return sn, nil
 	}

@@ -36,7 +36,7 @@ func (s *controllerService) CreateSnapshot(ctx context.Context, req *csi.CreateS
 		return nil, status.Errorf(codes.InvalidArgument, "snapshot type %q is not supported yet (only Longhorn snapshots)", t)
 	}
 	snap, err := s.volumes.CreateSnapshot(ctx, hostPVCName(req.GetName()), req.GetSourceVolumeId())
-	var mismatch *host.ErrSnapshotMismatch
+	var mismatch *host.SnapshotMismatchError
 	switch {
 	case errors.As(err, &mismatch):
 		return nil, status.Error(codes.AlreadyExists, err.Error())

@@ -42,11 +42,11 @@ type Snapshot struct {
 	Deleting     bool
 }
 
-// ErrSnapshotMismatch reports an existing host snapshot of another volume
+// SnapshotMismatchError reports an existing host snapshot of another volume
 // under the requested name, which CSI calls ALREADY_EXISTS.
-type ErrSnapshotMismatch struct{ Name, Source, Requested string }
+type SnapshotMismatchError struct{ Name, Source, Requested string }
 
-func (e *ErrSnapshotMismatch) Error() string {
+func (e *SnapshotMismatchError) Error() string {
 	return fmt.Sprintf("host snapshot %s already exists for volume %s, not %s", e.Name, e.Source, e.Requested)
 }
 
@@ -58,7 +58,7 @@ func (c *Client) CreateSnapshot(ctx context.Context, name, volume string) (*Snap
 	if existing, err := snaps.Get(ctx, name, metav1.GetOptions{}); err == nil {
 		s := snapshotFrom(existing)
 		if s.SourceVolume != volume {
-			return nil, &ErrSnapshotMismatch{Name: name, Source: s.SourceVolume, Requested: volume}
+			return nil, &SnapshotMismatchError{Name: name, Source: s.SourceVolume, Requested: volume}
 		}
 		return s, nil
 	} else if !apierrors.IsNotFound(err) {

@@ -30,13 +30,13 @@ type VolumeSpec struct {
 	FromSnapshot string
 }
 
-// ErrVolumeMismatch reports an existing host PVC whose spec differs from the
+// VolumeMismatchError reports an existing host PVC whose spec differs from the
 // request, which CSI calls ALREADY_EXISTS.
-type ErrVolumeMismatch struct {
+type VolumeMismatchError struct {
 	Name, Why string
 }
 
-func (e *ErrVolumeMismatch) Error() string {
+func (e *VolumeMismatchError) Error() string {
 	return fmt.Sprintf("host PVC %s already exists with a different spec: %s", e.Name, e.Why)
 }
 
@@ -78,7 +78,7 @@ func (c *Client) CreateVolume(ctx context.Context, spec VolumeSpec) (*corev1.Per
 		return nil, err
 	}
 	if why := mismatch(existing, spec); why != "" {
-		return nil, &ErrVolumeMismatch{Name: spec.Name, Why: why}
+		return nil, &VolumeMismatchError{Name: spec.Name, Why: why}
 	}
 	return existing, nil
 }
