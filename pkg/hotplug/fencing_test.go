@@ -250,3 +250,17 @@ func waitIntent(t *testing.T, q *Queue, vm, volume string, op Op) {
 		}
 	}
 }
+
+// A caller whose deadline comes while KubeVirt is still at work learns what
+// the volume waits for, and for how long, not only "in progress".
+func TestDeadlineAnswerSaysWhatItWaitsFor(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	f.readyDelay = time.Hour // the VMI never follows
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	err := q.Attach(ctx, "vm1", "pvc-a", true)
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "waiting for KubeVirt to plug the volume") {
+		t.Fatalf("attach answered %v, want a deadline that says it waits for KubeVirt to plug the volume", err)
+	}
+}

@@ -65,6 +65,22 @@ func (o observed) status(volume string) *kubevirtv1.VolumeStatus {
 	return nil
 }
 
+// phase describes the VMI's entry for the volume for a person.
+func (o observed) phase(volume string) string {
+	switch s := o.status(volume); {
+	case o.vmi == nil:
+		return "no VMI"
+	case s == nil && o.inVMISpec(volume):
+		return "in the VMI spec, no status yet"
+	case s == nil:
+		return "not in the VMI"
+	case s.Reason != "" || s.Message != "":
+		return "VMI phase " + string(s.Phase) + ": " + s.Reason + " " + s.Message
+	default:
+		return "VMI phase " + string(s.Phase)
+	}
+}
+
 // requested reports whether status.volumeRequests (legacy hotplug) holds an
 // add or a remove for the volume that virt-controller has not processed yet.
 func (o observed) requested(volume string) (add, remove bool) {

@@ -25,6 +25,9 @@ type plan struct {
 	expired []string
 	// settlingSince is the VM's settling clock after this look.
 	settlingSince time.Time
+	// waits says, per volume with an intent that is neither answered nor
+	// written now, what it waits for.
+	waits map[string]string
 }
 
 type resolution struct {
@@ -51,7 +54,7 @@ const vmLookAgain = time.Second
 // decide compares a VM's intents with the facts and picks what to answer and
 // what to write. It is a pure function of its arguments and changes nothing.
 func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
-	p := plan{settlingSince: w.settlingSince}
+	p := plan{settlingSince: w.settlingSince, waits: map[string]string{}}
 	o := f.o
 	pending := map[string]bool{} // unexpired expectations
 	for _, vol := range sortedKeys(w.expect) {
@@ -68,6 +71,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	for _, vol := range sortedKeys(w.intents) {
 		it := w.intents[vol]
 		if pending[vol] {
+			p.waits[vol] = "waiting for the host to show the change this driver wrote"
 			continue // our own write is not visible yet: judge nothing
 		}
 		addReq, removeReq := o.requested(vol)
@@ -80,10 +84,20 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 				p.resolve = append(p.resolve, resolution{it: it, err: ErrVMNotFound})
 			case o.vm == nil:
 				p.hold = "VM not in the informer yet"
+				p.waits[vol] = "waiting for the VM to appear in the driver's cache"
 				p.wake(now.Add(vmLookAgain))
 			case !o.inVMSpec(vol) && !addReq:
 				if err := f.held[vol]; err != nil && it.exclusive {
 					p.resolve = append(p.resolve, resolution{it: it, err: err})
+					continue
+				}
+				if o.inVMISpec(vol) || o.status(vol) != nil {
+					// The VMI still holds the previous attachment. Adding the
+					// volume again before KubeVirt dropped it can leave the
+					// entry stuck for good in KubeVirt before 1.8.2 (a
+					// terminating attachment pod taken for the current one),
+					// so this waits for the entry to go, however long.
+					p.waits[vol] = "waiting for the VMI to drop the previous attachment of the volume (" + o.phase(vol) + ")"
 					continue
 				}
 				adds = append(adds, Change{Volume: vol, Op: Attach})
@@ -94,7 +108,11 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 					p.resolve = append(p.resolve, resolution{it: it, err: &RejectedError{Volume: vol, VM: it.vm, Op: Attach, Err: err}})
 					p.cleanup = append(p.cleanup, vol)
 					removes = append(removes, Change{Volume: vol, Op: Detach})
+					continue
 				}
+				p.waits[vol] = "waiting for KubeVirt's VM controller to take the queued add request"
+			default:
+				p.waits[vol] = "waiting for KubeVirt to plug the volume into the VM (" + o.phase(vol) + ")"
 			}
 		case Detach:
 			switch {
@@ -106,6 +124,8 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 				// The VMI holds a volume its VM does not: a legacy pass that
 				// patched the VMI and then failed to update the VM.
 				removes = append(removes, Change{Volume: vol, Op: Detach})
+			default:
+				p.waits[vol] = "waiting for KubeVirt to unplug the volume (" + o.phase(vol) + ")"
 			}
 		}
 	}
@@ -117,6 +137,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	if now.Before(w.gatherUntil) {
 		p.hold = "gathering a batch"
 		p.wake(w.gatherUntil)
+		p.waitAll("queued: gathering a batch")
 		return p
 	}
 	if o.settling() || len(pending) > 0 {
@@ -126,6 +147,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 		if now.Sub(p.settlingSince) < cfg.MaxHold {
 			p.hold = "previous change still settling"
 			p.wake(p.settlingSince.Add(cfg.MaxHold))
+			p.waitAll("queued behind the VM's previous change, which KubeVirt is still carrying out")
 			return p
 		}
 	} else {
@@ -133,6 +155,13 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	}
 	p.hold = ""
 	return p
+}
+
+// waitAll marks every change of the plan as waiting for why.
+func (p *plan) waitAll(why string) {
+	for _, c := range p.changes {
+		p.waits[c.Volume] = why
+	}
 }
 
 func (p *plan) wake(t time.Time) {

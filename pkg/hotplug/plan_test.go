@@ -3,6 +3,7 @@ package hotplug
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"slices"
 	"testing"
 	"time"
@@ -79,6 +80,7 @@ func TestDecide(t *testing.T) {
 		wantResolve map[string]error // volume -> err (nil: success)
 		wantHold    string
 		wantExpect  []string // expectations left
+		wantWait    map[string]string // volume -> substring of what it waits for
 	}{{
 		name:        "attach already observed Ready resolves",
 		in:          in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady})}},
@@ -151,6 +153,17 @@ func TestDecide(t *testing.T) {
 		in: in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith([]string{"a"}, removeReq("a")),
 			vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady})}},
 	}, {
+		name: "re-add while the VMI still has the old entry detaching waits for it to go",
+		in: in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith(nil),
+			vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeDetaching})}},
+		wantWait: map[string]string{"a": "drop the previous attachment of the volume (VMI phase Detaching"},
+	}, {
+		name: "re-add waits for an old entry however long, never forced by max hold",
+		in: in{intents: map[string]Op{"a": Attach, "b": Attach}, since: t0.Add(-time.Hour), obs: observed{vm: vmWith(nil),
+			vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeUnMounted})}},
+		wantChanges: []Change{{"b", Attach}},
+		wantWait:    map[string]string{"a": "UnMountedFromPod"},
+	}, {
 		name: "legacy add request queued: attach waits",
 		in:   in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith(nil, addReq("a")), vmi: vmiWith(nil)}},
 	}, {
@@ -206,6 +219,11 @@ func TestDecide(t *testing.T) {
 				}
 				if err, ok := got[v]; !ok || !errors.Is(err, want) && err != want {
 					t.Errorf("volume %s resolved with %v (resolved: %v), want %v", v, err, ok, want)
+				}
+			}
+			for v, want := range tc.wantWait {
+				if !strings.Contains(p.waits[v], want) {
+					t.Errorf("volume %s waits for %q, want it to mention %q", v, p.waits[v], want)
 				}
 			}
 			var left []string

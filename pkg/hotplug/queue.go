@@ -39,6 +39,9 @@ type Config struct {
 	// RequestTimeout bounds one attempt at the host (a backend Apply, a live
 	// read), so a host API that hangs surfaces as an error within seconds.
 	RequestTimeout time.Duration
+	// SlowAfter is how long an intent may wait for the same thing before the
+	// queue says so in its log at the default level.
+	SlowAfter time.Duration
 }
 
 // DefaultConfig holds the defaults the command line uses.
@@ -53,6 +56,7 @@ func DefaultConfig() Config {
 		QPS:                10,
 		Burst:              20,
 		RequestTimeout:     15 * time.Second,
+		SlowAfter:          time.Minute,
 	}
 }
 
@@ -67,6 +71,7 @@ func (c Config) withDefaults() Config {
 	orDefault(&c.QPS, d.QPS)
 	orDefault(&c.Burst, d.Burst)
 	orDefault(&c.RequestTimeout, d.RequestTimeout)
+	orDefault(&c.SlowAfter, d.SlowAfter)
 	return c
 }
 
@@ -116,6 +121,8 @@ type vmWork struct {
 	settlingSince time.Time
 	// hold says why pending changes wait (empty: they don't).
 	hold string
+	// waiting says, per volume, what its intent waits for and since when.
+	waiting map[string]waitState
 	// lastErr is the last failed attempt at the host for this VM (nil after
 	// a success), with when the failures began: callers still waiting get it.
 	lastErr      error
@@ -123,6 +130,12 @@ type vmWork struct {
 	// failed is closed and replaced when an attempt fails in a way retrying
 	// cannot cure (the host refuses our identity), waking waiting callers.
 	failed chan struct{}
+}
+
+type waitState struct {
+	why    string
+	since  time.Time
+	logged bool // said in the log at the default level
 }
 
 type expectation struct {
@@ -460,7 +473,7 @@ func (q *Queue) key(vm string) cache.ObjectName {
 func (q *Queue) vmWork(key cache.ObjectName) *vmWork {
 	w := q.work[key]
 	if w == nil {
-		w = &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, failed: make(chan struct{})}
+		w = &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, waiting: map[string]waitState{}, failed: make(chan struct{})}
 		q.work[key] = w
 	}
 	return w
@@ -536,12 +549,18 @@ func (q *Queue) await(ctx context.Context, key cache.ObjectName, it *intent, fai
 	q.mu.Lock()
 	var cause error
 	var since time.Time
+	var wait waitState
 	if w := q.work[key]; w != nil {
-		cause, since = w.lastErr, w.failingSince
+		cause, since, wait = w.lastErr, w.failingSince, w.waiting[it.volume]
 	}
+	now := q.now()
 	q.mu.Unlock()
 	if cause != nil {
 		return &StalledError{Volume: it.volume, VM: it.vm, Op: it.op, Cause: cause, Since: since}
+	}
+	if wait.why != "" {
+		return fmt.Errorf("%s of volume %s on VM %s still in progress, %s for %s: %w",
+			it.op, it.volume, it.vm, wait.why, now.Sub(wait.since).Round(time.Second), ctx.Err())
 	}
 	return fmt.Errorf("%s of volume %s on VM %s still in progress: %w", it.op, it.volume, it.vm, ctx.Err())
 }

@@ -79,8 +79,43 @@ func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vm
 		logger.Info("undoing a refused attach", "volume", vol)
 		w.intents[vol] = newIntent(key.Name, vol, Detach, now)
 	}
+	q.noteWaitsLocked(ctx, key, w, p.waits, now)
 	if !p.wakeAt.IsZero() {
 		q.wq.AddAfter(key, p.wakeAt.Sub(now))
+	}
+}
+
+// noteWaitsLocked keeps, per volume, what its intent waits for and since
+// when, and says in the log when a wait has lasted SlowAfter: a KubeVirt
+// entry stuck in one phase must not go unnoticed.
+func (q *Queue) noteWaitsLocked(ctx context.Context, key cache.ObjectName, w *vmWork, waits map[string]string, now time.Time) {
+	for vol := range w.waiting {
+		if _, ok := waits[vol]; !ok {
+			delete(w.waiting, vol)
+		}
+	}
+	var next time.Time
+	for vol, why := range waits {
+		st, ok := w.waiting[vol]
+		if !ok || st.why != why {
+			st = waitState{why: why, since: now}
+		}
+		if !st.logged {
+			if now.Sub(st.since) >= q.cfg.SlowAfter {
+				op := ""
+				if it := w.intents[vol]; it != nil {
+					op = it.op.String()
+				}
+				klog.FromContext(ctx).Info("hotplug request waiting long", "volume", vol, "op", op, "waitingFor", why, "since", st.since, "for", now.Sub(st.since).Round(time.Second))
+				st.logged = true
+			} else if at := st.since.Add(q.cfg.SlowAfter); next.IsZero() || at.Before(next) {
+				next = at
+			}
+		}
+		w.waiting[vol] = st
+	}
+	if !next.IsZero() {
+		q.wq.AddAfter(key, next.Sub(now))
 	}
 }
 
