@@ -3,8 +3,8 @@ package hotplug
 import (
 	"errors"
 	"fmt"
-	"strings"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -79,7 +79,7 @@ func TestDecide(t *testing.T) {
 		wantChanges []Change
 		wantResolve map[string]error // volume -> err (nil: success)
 		wantHold    string
-		wantExpect  []string // expectations left
+		wantExpect  []string          // expectations left
 		wantWait    map[string]string // volume -> substring of what it waits for
 	}{{
 		name:        "attach already observed Ready resolves",
