@@ -365,7 +365,12 @@ func hotplugStatus(err error) error {
 	var superseded *hotplug.SupersededError
 	var rejected *hotplug.RejectedError
 	var stalled *hotplug.StalledError
+	var claim *hotplug.ClaimNotReadyError
 	switch {
+	case errors.As(err, &claim) && claim.Phase == "":
+		return status.Error(codes.NotFound, err.Error())
+	case errors.As(err, &claim):
+		return status.Error(codes.Aborted, err.Error())
 	case errors.As(err, &stalled):
 		// Still pending, but the host refused or did not answer: say why,
 		// with the code of the cause.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"net"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -159,6 +160,8 @@ func TestHostFailuresKeepTheirCause(t *testing.T) {
 		{&hotplug.StalledError{Volume: "v", VM: "vm1", Cause: forbidden}, codes.PermissionDenied},
 		{&hotplug.StalledError{Volume: "v", VM: "vm1", Cause: &net.OpError{Op: "dial", Err: errors.New("connection refused")}}, codes.Unavailable},
 		{hotplug.ErrNotReady, codes.Unavailable},
+		{&hotplug.ClaimNotReadyError{Volume: "v", VM: "vm1"}, codes.NotFound},
+		{&hotplug.ClaimNotReadyError{Volume: "v", VM: "vm1", Phase: "Pending"}, codes.Aborted},
 		{fmt.Errorf("wrapped: %w", &hotplug.HeldError{Volume: "v", VM: "vm2", State: "attached"}), codes.FailedPrecondition},
 	} {
 		err := hotplugStatus(tc.err)
@@ -194,7 +197,15 @@ func serveTest(t *testing.T, d *Driver) *grpc.ClientConn {
 	done := make(chan error, 1)
 	go func() { done <- d.Serve(ctx, endpoint) }()
 	t.Cleanup(func() { cancel(); <-done })
-	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		if _, err := os.Stat(dir + "/csi.sock"); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the driver never listened")
+		}
+	}
+	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithDefaultCallOptions(grpc.WaitForReady(true)))
 	if err != nil {
 		t.Fatal(err)
 	}

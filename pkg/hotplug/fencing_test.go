@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
@@ -262,5 +263,40 @@ func TestDeadlineAnswerSaysWhatItWaitsFor(t *testing.T) {
 	err := q.Attach(ctx, "vm1", "pvc-a", true)
 	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "waiting for KubeVirt to plug the volume") {
 		t.Fatalf("attach answered %v, want a deadline that says it waits for KubeVirt to plug the volume", err)
+	}
+}
+
+// A claim that is gone or not Bound when its attach is about to be written is
+// never written: KubeVirt would stall every new volume of the VM on it. The
+// other volumes of the batch go on.
+func TestClaimsThatAreNotBoundAreNeverHotplugged(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	f.claims = map[string]corev1.PersistentVolumeClaimPhase{"pvc-gone": "", "pvc-pending": corev1.ClaimPending}
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	errs := make(chan error, 3)
+	for _, vol := range []string{"pvc-gone", "pvc-pending", "pvc-ok"} {
+		go func() { errs <- q.Attach(ctx, "vm1", vol, true) }()
+	}
+	var notReady, ok int
+	for range 3 {
+		var cnr *ClaimNotReadyError
+		switch err := <-errs; {
+		case err == nil:
+			ok++
+		case errors.As(err, &cnr):
+			notReady++
+		default:
+			t.Errorf("unexpected answer %v", err)
+		}
+	}
+	if ok != 1 || notReady != 2 {
+		t.Fatalf("%d attached, %d refused as not ready; want 1 and 2", ok, notReady)
+	}
+	for _, vol := range []string{"pvc-gone", "pvc-pending"} {
+		if h := f.specHolders(vol); len(h) > 0 {
+			t.Errorf("%s was written to %v", vol, h)
+		}
 	}
 }

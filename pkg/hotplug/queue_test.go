@@ -12,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/watch"
@@ -31,6 +32,8 @@ type fakeKubeVirt struct {
 	readyDelay time.Duration
 	// override, when set, answers a change instead of applying it.
 	override func(vm string, c Change) (Outcome, bool)
+	// claims overrides the phase of claims (""; gone); others are Bound.
+	claims map[string]corev1.PersistentVolumeClaimPhase
 	// lag delays every watch event the queue's informers get, as a slow
 	// or partitioned API server connection would.
 	lag time.Duration
@@ -70,6 +73,16 @@ func (f *fakeKubeVirt) Name() string { return "fake" }
 func (f *fakeKubeVirt) VMExists(ctx context.Context, vm string) (bool, error) {
 	_, err := f.kv.KubevirtV1().VirtualMachines(ns).Get(ctx, vm, metav1.GetOptions{})
 	return err == nil, nil
+}
+
+// ClaimPhase says every claim is Bound unless f.claims says otherwise.
+func (f *fakeKubeVirt) ClaimPhase(_ context.Context, claim string) (corev1.PersistentVolumeClaimPhase, bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if phase, ok := f.claims[claim]; ok {
+		return phase, phase != "", nil
+	}
+	return corev1.ClaimBound, true, nil
 }
 
 func (f *fakeKubeVirt) ListVMs(ctx context.Context) ([]kubevirtv1.VirtualMachine, error) {

@@ -8,6 +8,7 @@ import (
 	"slices"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
@@ -149,10 +150,14 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 		}
 		live = h
 	}
+	claims, err := q.claimPhases(ctx, changes)
+	if err != nil {
+		return q.noteFailure(ctx, key, err)
+	}
 	pending := changes
 	for attempt := 0; ; attempt++ {
 		q.mu.Lock()
-		pending = q.confirmLocked(ctx, key, pending, live)
+		pending = q.confirmLocked(ctx, key, pending, live, claims)
 		q.mu.Unlock()
 		if len(pending) == 0 {
 			return nil
@@ -207,6 +212,31 @@ func (q *Queue) exclusiveAdds(key cache.ObjectName, changes []Change) []string {
 	return vols
 }
 
+// claimState is a host PVC's phase as read right before its attach.
+type claimState struct {
+	phase  corev1.PersistentVolumeClaimPhase
+	exists bool
+}
+
+// claimPhases reads, from the API server, the claim of every volume changes
+// add.
+func (q *Queue) claimPhases(ctx context.Context, changes []Change) (map[string]claimState, error) {
+	ctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
+	defer cancel()
+	out := map[string]claimState{}
+	for _, c := range changes {
+		if c.Op != Attach {
+			continue
+		}
+		phase, exists, err := q.reader.ClaimPhase(ctx, c.Volume)
+		if err != nil {
+			return nil, fmt.Errorf("read host PVC %s: %w", c.Volume, err)
+		}
+		out[c.Volume] = claimState{phase: phase, exists: exists}
+	}
+	return out, nil
+}
+
 // liveHolders reads from the API server which VMs hold each volume: in the
 // VM spec, a queued legacy request, the VMI spec or its volume status.
 func (q *Queue) liveHolders(ctx context.Context, vols []string) (map[string][]string, error) {
@@ -242,13 +272,15 @@ func (q *Queue) liveHolders(ctx context.Context, vols []string) (map[string][]st
 }
 
 // confirmLocked runs right before each attempt: it drops changes whose
-// intent was answered or superseded since it was planned, refuses exclusive
+// intent was answered or superseded since it was planned, refuses attaches
+// of claims that are gone or not Bound (they would stall every new volume
+// of the VM in KubeVirt), refuses exclusive
 // attaches whose volume another VM holds now (informers, this process's
 // unobserved writes and pending intents, and the live read), and registers
 // the rest as expected before they are written, so that no caller can be
 // told "detached" and no other VM can take the volume while the write is on
 // its way.
-func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes []Change, live map[string][]string) []Change {
+func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes []Change, live map[string][]string, claims map[string]claimState) []Change {
 	w := q.vmWork(key)
 	now := q.now()
 	out := changes[:0:0]
@@ -256,6 +288,16 @@ func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes
 		it := w.intents[c.Volume]
 		if it == nil || it.op != c.Op {
 			delete(w.expect, c.Volume)
+			continue
+		}
+		if cl, ok := claims[c.Volume]; c.Op == Attach && ok && (!cl.exists || cl.phase != corev1.ClaimBound) {
+			err := &ClaimNotReadyError{Volume: c.Volume, VM: key.Name}
+			if cl.exists {
+				err.Phase = cl.phase
+			}
+			klog.FromContext(ctx).Info("attach refused right before writing it", "volume", c.Volume, "err", err)
+			delete(w.expect, c.Volume)
+			q.finishLocked(w, it, err)
 			continue
 		}
 		if c.Op == Attach && it.exclusive {

@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
@@ -93,6 +94,9 @@ type Backend interface {
 // moment an exclusive attach is written. Only the queue's workers call it.
 type Reader interface {
 	VMExists(ctx context.Context, vm string) (bool, error)
+	// ClaimPhase reads a host PVC's phase; exists is false when it is gone
+	// (or being deleted).
+	ClaimPhase(ctx context.Context, claim string) (phase corev1.PersistentVolumeClaimPhase, exists bool, err error)
 	ListVMs(ctx context.Context) ([]kubevirtv1.VirtualMachine, error)
 	ListVMIs(ctx context.Context) ([]kubevirtv1.VirtualMachineInstance, error)
 }
@@ -135,6 +139,22 @@ func (e *RejectedError) Error() string {
 }
 
 func (e *RejectedError) Unwrap() error { return e.Err }
+
+// ClaimNotReadyError refuses to hot-plug a claim that is gone or not Bound:
+// KubeVirt would put it into the VM's attachment pod anyway, the pod would
+// never start, and no other new volume of that VM would get attached.
+type ClaimNotReadyError struct {
+	Volume, VM string
+	// Phase is the claim's phase; empty when the claim does not exist.
+	Phase corev1.PersistentVolumeClaimPhase
+}
+
+func (e *ClaimNotReadyError) Error() string {
+	if e.Phase == "" {
+		return fmt.Sprintf("volume %s cannot be attached to VM %s: its host PVC does not exist (or is being deleted)", e.Volume, e.VM)
+	}
+	return fmt.Sprintf("volume %s cannot be attached to VM %s yet: its host PVC is %s, not Bound", e.Volume, e.VM, e.Phase)
+}
 
 // StalledError answers a caller whose intent is still pending while the VM's
 // last attempt at the host failed: the cause (a refused identity, a host API
