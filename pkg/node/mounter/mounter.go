@@ -153,6 +153,11 @@ func (m *Mounter) DiskFormat(ctx context.Context, dev string) (string, error) {
 // filesystem is mounted whatever it is. formatted reports whether mkfs ran.
 func (m *Mounter) FormatAndMount(ctx context.Context, dev, target, fsType string, options []string) (formatted bool, err error) {
 	logger := klog.FromContext(ctx)
+	// A target that cannot be mounted on (a symlink) fails before the disk
+	// is touched.
+	if err := EnsureDir(target); err != nil {
+		return false, err
+	}
 	have, err := m.DiskFormat(ctx, dev)
 	if err != nil {
 		return false, err

@@ -172,6 +172,9 @@ func TestSymlinksAreNeverFollowed(t *testing.T) {
 	if _, err := m.FormatAndMount(ctx, dev, link, "ext4", nil); !errors.As(err, &se) {
 		t.Fatalf("mount onto a symlink: %v", err)
 	}
+	if f, err := m.DiskFormat(ctx, dev); err != nil || f != "" {
+		t.Fatalf("a refused mount formatted the disk: %q %v", f, err)
+	}
 	src := filepath.Join(root, "src")
 	mustMkdir(t, src)
 	if err := m.BindMount(ctx, src, link, false, nil); !errors.As(err, &se) {
