@@ -145,9 +145,7 @@ func run(ctx context.Context, o *options) error {
 		if err != nil {
 			return err
 		}
-		if r, ok := n.(driver.Runner); ok {
-			g.Go(func() error { r.Run(ctx); return nil })
-		}
+		g.Go(func() error { n.Run(ctx); return nil })
 		node = n
 	}
 	if o.metricsAddr != "" {

@@ -6,36 +6,38 @@ import (
 	"os"
 	"time"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/device"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodeid"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/sweeper"
 )
 
 // nodeFlags are the node service's settings.
 type nodeFlags struct {
-	sysfsRoot, byIDDir string
-	sweepInterval      time.Duration
+	sysfsRoot, byIDDir, kubeletRoot string
+	sweepInterval                   time.Duration
 }
 
 func (n *nodeFlags) register(fs *flag.FlagSet) {
-	fs.StringVar(&n.sysfsRoot, "sysfs-root", "/sys", "sysfs mount, for MAC addresses and block devices")
-	fs.StringVar(&n.byIDDir, "by-id-dir", "/dev/disk/by-id", "where hot-plugged disks appear")
+	fs.StringVar(&n.sysfsRoot, "sysfs-root", device.DefaultSysfsRoot, "sysfs mount, for MAC addresses and block devices")
+	fs.StringVar(&n.byIDDir, "by-id-dir", device.DefaultByIDDir, "where hot-plugged disks appear")
+	fs.StringVar(&n.kubeletRoot, "kubelet-root-dir", sweeper.DefaultKubeletRoot, "kubelet's root directory; the stale staging sweeper touches nothing outside its plugins/kubernetes.io/csi")
 	fs.DurationVar(&n.sweepInterval, "sweep-interval", time.Minute, "how often stale staging mounts are looked for (negative: never)")
 }
 
 // service builds the node service. hostClient (nil when --nodeid is given in
 // node mode) lets node ID discovery match MAC addresses against host VMIs.
-func (n *nodeFlags) service(ctx context.Context, o *options, hostClient *host.Client) (csi.NodeServer, error) {
+func (n *nodeFlags) service(ctx context.Context, o *options, hostClient *host.Client) (*driver.NodeService, error) {
 	opts := driver.NodeOptions{
 		NodeID:        o.nodeID,
 		SysfsRoot:     n.sysfsRoot,
 		ByIDDir:       n.byIDDir,
+		KubeletRoot:   n.kubeletRoot,
 		SweepInterval: n.sweepInterval,
 		Events:        guestEvents(ctx),
 	}

@@ -35,7 +35,7 @@ func Main(m *testing.M) {
 	}
 	_ = os.Setenv("TMPDIR", root)
 	code := m.Run()
-	if leaks := waitNoLeaks(root, 10*time.Second); len(leaks) > 0 {
+	if leaks := waitNoLeaks(root, patience); len(leaks) > 0 {
 		fmt.Fprintf(os.Stderr, "nodetest: the tests left these behind:\n  %s\n", strings.Join(leaks, "\n  "))
 		if code == 0 {
 			code = 1
@@ -46,8 +46,28 @@ func Main(m *testing.M) {
 	os.Exit(code)
 }
 
-// waitNoLeaks polls a moment: a loop device with autoclear is released by
-// the kernel just after its last user goes.
+// patience bounds every wait for observable state in node tests. It is
+// generous on purpose: a wait ends as soon as the state is there, and on a
+// machine running two test suites at once a lazily unmounted filesystem can
+// take many seconds to let its loop device go.
+const patience = 2 * time.Minute
+
+// Eventually polls cond until it holds, failing t with what after patience.
+// Tests wait this way for state they can observe (a loop device released, a
+// mount gone), never for a fixed time.
+func Eventually(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(patience)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", patience, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// waitNoLeaks polls: a loop device with autoclear is released by the kernel
+// only after its last user goes.
 func waitNoLeaks(root string, wait time.Duration) []string {
 	deadline := time.Now().Add(wait)
 	for {

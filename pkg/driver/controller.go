@@ -307,30 +307,6 @@ func (s *controllerService) withMargin(ctx context.Context) (context.Context, co
 	return context.WithDeadline(ctx, deadline.Add(-margin))
 }
 
-// checkCapabilities accepts single-node access; multi-node (RWX) volumes are
-// not served by this version.
-func checkCapabilities(caps []*csi.VolumeCapability) error {
-	if len(caps) == 0 {
-		return status.Error(codes.InvalidArgument, "volume capabilities are required")
-	}
-	for _, c := range caps {
-		if c.GetBlock() == nil && c.GetMount() == nil {
-			return status.Error(codes.InvalidArgument, "volume capability must be block or mount")
-		}
-		switch mode := c.GetAccessMode().GetMode(); mode {
-		case csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER,
-			csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY,
-			csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER,
-			csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:
-		case csi.VolumeCapability_AccessMode_UNKNOWN:
-			return status.Error(codes.InvalidArgument, "volume capability access mode is required")
-		default:
-			return status.Errorf(codes.InvalidArgument, "access mode %s is not supported: this driver serves single-node (ReadWriteOnce) volumes only", mode)
-		}
-	}
-	return nil
-}
-
 func apiStatus(err error, format string, args ...any) error {
 	msg := fmt.Sprintf(format, args...) + ": " + err.Error()
 	switch {

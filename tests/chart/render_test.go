@@ -354,6 +354,10 @@ func TestNodeDaemonSet(t *testing.T) {
 			}
 
 			kubelet := strings.TrimSuffix(sprint(nested(t, r.eff, "kubeletRootDir")), "/")
+			// The stale staging sweeper touches nothing outside this root.
+			if v, _ := argValue(drv.Args, "kubelet-root-dir"); v != kubelet {
+				t.Errorf("--kubelet-root-dir=%q, want kubeletRootDir %s", v, kubelet)
+			}
 			vols := volumesByName(spec.Volumes)
 			socketDir := kubelet + "/harvester-plugins/driver.harvesterhci.io"
 			if v := vols["socket-dir"]; v.HostPath == nil || v.HostPath.Path != socketDir {

@@ -10,7 +10,9 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodeid"
 )
@@ -156,32 +158,50 @@ func TestStageWithoutDiskIsNotFound(t *testing.T) {
 	staging := t.TempDir()
 	start := time.Now()
 	_, err := ns.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "pvc-nowhere", StagingTargetPath: staging,
-		VolumeCapability: mountCap("", rwo), PublishContext: map[string]string{driver.PublishContextSerial: "SER123"}})
+		VolumeCapability: mountCap("", rwo)})
 	wantCode(t, err, codes.NotFound, "stage without disk")
-	for _, want := range []string{"pvc-nowhere", "by-id", "SER123", "waiting"} {
+	for _, want := range []string{"pvc-nowhere", "by-id", "scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-nowhere", "waiting"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("message %q lacks %q", err, want)
 		}
 	}
-	if d := time.Since(start); d < 250*time.Millisecond || d > 5*time.Second {
-		t.Errorf("waited %s, want about the configured 300ms", d)
+	if d := time.Since(start); d < 300*time.Millisecond {
+		t.Errorf("gave up after %s, before the configured 300ms", d)
 	}
 }
 
-// Two operations on one volume: the second is told to come back.
+// Two operations on one volume: the second is told to come back. The stage
+// waits for a disk that never comes until the test ends it, and the unstage
+// is asked again until it meets the stage, however slowly the stage starts
+// (a stage that met an unstage first is Aborted itself and started again).
 func TestConcurrentOperationOnVolumeIsAborted(t *testing.T) {
-	ns := plainNode(t, func(o *driver.NodeOptions) { o.DeviceWait = 5 * time.Second })
+	ns := plainNode(t, func(o *driver.NodeOptions) { o.DeviceWait = time.Hour })
 	ctx := testContext(t)
+	stageCtx, endStage := context.WithCancel(ctx)
+	defer endStage()
 	staging := t.TempDir()
 	done := make(chan error, 1)
-	go func() {
-		_, err := ns.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "pvc-x", StagingTargetPath: staging, VolumeCapability: mountCap("", rwo)})
-		done <- err
-	}()
-	time.Sleep(time.Second) // well inside the stage's 5s wait for the device
-	_, err := ns.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "pvc-x", StagingTargetPath: staging})
+	stage := func() {
+		go func() {
+			_, err := ns.NodeStageVolume(stageCtx, &csi.NodeStageVolumeRequest{VolumeId: "pvc-x", StagingTargetPath: staging, VolumeCapability: mountCap("", rwo)})
+			done <- err
+		}()
+	}
+	stage()
+	var err error
+	nodetest.Eventually(t, "an unstage to meet the running stage", func() bool {
+		select {
+		case err := <-done:
+			wantCode(t, err, codes.Aborted, "a stage that ended before the test ended it")
+			stage()
+		default:
+		}
+		_, err = ns.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "pvc-x", StagingTargetPath: staging})
+		return status.Code(err) != codes.OK
+	})
 	wantCode(t, err, codes.Aborted, "unstage during stage")
-	wantCode(t, <-done, codes.NotFound, "the stage")
+	endStage()
+	wantCode(t, <-done, codes.Canceled, "the stage")
 	_, err = ns.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: "pvc-x", StagingTargetPath: staging})
 	must(t, err, "unstage afterwards")
 }

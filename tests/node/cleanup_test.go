@@ -6,7 +6,6 @@ import (
 	"strings"
 	"sync"
 	"testing"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
@@ -22,23 +21,12 @@ func runSweeper(t *testing.T, n *node) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		n.NodeServer.(driver.Runner).Run(ctx)
+		n.Run(ctx)
 	}()
 	t.Cleanup(func() {
 		cancel()
 		wg.Wait()
 	})
-}
-
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 // Kubelet never calls NodeUnstage (seed 000) and the disk is unplugged under
@@ -75,9 +63,9 @@ func TestSweeperCleansUpMissingUnstage(t *testing.T) {
 	}
 
 	runSweeper(t, a)
-	waitFor(t, "the sweeper to unmount the stale staging path", func() bool { return !isMountPoint(t, staging) })
+	nodetest.Eventually(t, "the sweeper to unmount the stale staging path", func() bool { return !isMountPoint(t, staging) })
 	h.waitNoLoops(vol) // the disk is really released now
-	waitFor(t, "the event", func() bool { return len(a.events.list()) > 0 })
+	nodetest.Eventually(t, "the event", func() bool { return len(a.events.list()) > 0 })
 	ev := a.events.list()[0]
 	for _, want := range []string{vol, sweeper.EventTypeWarning, sweeper.ReasonStaleStagingRemoved, staging} {
 		if !strings.Contains(ev, want) {
@@ -131,18 +119,6 @@ func TestStageReplacesStaleStagingMount(t *testing.T) {
 	}
 	must(t, a.unpublish(ctx, vol, target), "unpublish")
 	must(t, a.unstage(ctx, vol, staging), "unstage")
-}
-
-// waitNoLoopsBut waits until exactly n loop devices are left on vol's file.
-func (h *harness) waitNoLoopsBut(vol string, n int) {
-	h.t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for len(h.loopsOf(vol)) != n {
-		if time.Now().After(deadline) {
-			h.t.Fatalf("want %d loop devices on %s, have %v", n, vol, h.loopsOf(vol))
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
 }
 
 // A node upgraded from upstream has volumes mounted straight onto their

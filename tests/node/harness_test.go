@@ -2,6 +2,7 @@ package node
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -82,7 +83,7 @@ func (e *events) list() []string {
 }
 
 type node struct {
-	csi.NodeServer
+	*driver.NodeService
 	vm     string
 	events *events
 	h      *harness
@@ -94,6 +95,7 @@ func (h *harness) node(vm string, mutate func(*driver.NodeOptions)) *node {
 	opts := driver.NodeOptions{
 		NodeID:               vm,
 		ByIDDir:              h.disks.ByIDDir(vm),
+		KubeletRoot:          h.kubeletRoot(vm),
 		DeviceWait:           2 * time.Second,
 		DevicePollInterval:   50 * time.Millisecond,
 		InUseRecheckInterval: 200 * time.Millisecond,
@@ -108,13 +110,16 @@ func (h *harness) node(vm string, mutate func(*driver.NodeOptions)) *node {
 	if err != nil {
 		h.t.Fatal(err)
 	}
-	return &node{NodeServer: ns, vm: vm, events: ev, h: h}
+	return &node{NodeService: ns, vm: vm, events: ev, h: h}
 }
+
+// kubeletRoot is vm's kubelet root directory.
+func (h *harness) kubeletRoot(vm string) string { return filepath.Join(h.root, "kubelet-"+vm) }
 
 // paths returns kubelet-style staging and target paths of vol on n. Kubelet
 // creates the staging directory and the target's parent.
 func (n *node) paths(vol, pod string) (staging, target string) {
-	kubelet := filepath.Join(n.h.root, "kubelet-"+n.vm)
+	kubelet := n.h.kubeletRoot(n.vm)
 	staging = filepath.Join(kubelet, "plugins/kubernetes.io/csi", driver.Name, vol, "globalmount")
 	target = filepath.Join(kubelet, "pods", pod, "volumes/kubernetes.io~csi", vol, "mount")
 	for _, d := range []string{staging, filepath.Dir(target)} {
@@ -153,15 +158,18 @@ func (h *harness) loopsOf(vol string) []string {
 	return strings.Fields(string(out))
 }
 
+// waitNoLoops waits until the kernel released every loop device of vol; it
+// does so only once the last mount and open of it are gone, which can take a
+// while on a busy machine.
 func (h *harness) waitNoLoops(vol string) {
 	h.t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for len(h.loopsOf(vol)) > 0 {
-		if time.Now().After(deadline) {
-			h.t.Fatalf("loop devices of %s still attached: %v", vol, h.loopsOf(vol))
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	h.waitNoLoopsBut(vol, 0)
+}
+
+// waitNoLoopsBut waits until exactly n loop devices are left on vol's file.
+func (h *harness) waitNoLoopsBut(vol string, n int) {
+	h.t.Helper()
+	nodetest.Eventually(h.t, fmt.Sprintf("%d loop devices on %s", n, vol), func() bool { return len(h.loopsOf(vol)) == n })
 }
 
 func mountCap(fsType string, mode csi.VolumeCapability_AccessMode_Mode, flags ...string) *csi.VolumeCapability {

@@ -337,17 +337,12 @@ func holdDevice(t *testing.T, dev, seconds string) *exec.Cmd {
 		_ = cmd.Wait()
 	})
 	fd := filepath.Join("/proc", strconv.Itoa(cmd.Process.Pid), "fd", "3")
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	nodetest.Eventually(t, "the holder to open "+dev, func() bool {
 		comm, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(cmd.Process.Pid), "comm"))
-		if l, err := os.Readlink(fd); err == nil && l == dev && strings.TrimSpace(string(comm)) == "sleep" {
-			return cmd
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("holder never opened %s", dev)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		l, err := os.Readlink(fd)
+		return err == nil && l == dev && strings.TrimSpace(string(comm)) == "sleep"
+	})
+	return cmd
 }
 
 // A real process holding the disk blocks NodeUnstage, naming its PID; the
@@ -362,8 +357,7 @@ func TestUnstageRefusesWhileDeviceInUse(t *testing.T) {
 			h := newHarness(t, 64*mib)
 			ctx := testContext(t)
 			vol := "pvc-busy-" + kind
-			// Five re-checks 200ms apart outlast the 0.3s holder below with room
-			// for a loaded machine.
+			// A holder that stays is refused after five re-checks.
 			a := h.node("vm-a", func(o *driver.NodeOptions) { o.InUseRechecks = 5 })
 			dev := h.plug("vm-a", vol)
 			staging, _ := a.paths(vol, "pod")
@@ -387,10 +381,14 @@ func TestUnstageRefusesWhileDeviceInUse(t *testing.T) {
 			must(t, err, "open device ourselves")
 			defer func() { _ = own.Close() }()
 
-			// Another process that lets go before the re-check is transient.
+			// Another process that lets go while the re-checks last is
+			// transient. The re-checks last far longer than the holder's 0.3s,
+			// whatever the machine's load, so the outcome never depends on
+			// timing.
+			patient := h.node("vm-a", func(o *driver.NodeOptions) { o.InUseRechecks = 1200; o.InUseRecheckInterval = 100 * time.Millisecond })
 			transient := holdDevice(t, dev, "0.3")
 			start := time.Now()
-			must(t, a.unstage(ctx, vol, staging), "unstage with only our own and a transient open")
+			must(t, patient.unstage(ctx, vol, staging), "unstage with only our own and a transient open")
 			_ = transient.Wait()
 			if time.Since(start) < 100*time.Millisecond {
 				t.Log("the transient holder was gone before the first check; the re-check path was not exercised")

@@ -8,19 +8,20 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
-	"sort"
 	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/util/validation"
 	"k8s.io/klog/v2"
 )
 
-// DriveAliasPrefix is what QEMU puts in the SCSI serial (and so in the by-id
-// name) of a hot-plugged disk that has no explicit serial: KubeVirt names the
-// drive "ua-<volume name>", and upstream names the volume after its ID.
-const DriveAliasPrefix = "drive-ua-"
+// Defaults of the host paths the node reads; every caller takes them from
+// here.
+const (
+	DefaultByIDDir   = "/dev/disk/by-id"
+	DefaultSysfsRoot = "/sys"
+)
 
 // ErrNotFound is wrapped by the errors returned when no disk is found.
 var ErrNotFound = errors.New("disk not found")
@@ -44,50 +45,71 @@ func (d Device) String() string {
 // Same reports whether both values name the same device number.
 func (d Device) Same(o Device) bool { return d.Major == o.Major && d.Minor == o.Minor }
 
-// FromPath stats path (following symlinks) and returns the block device it is.
+// FromPath stats path (following symlinks, as a by-id link must be) and
+// returns the block device it is.
 func FromPath(path string) (Device, error) {
+	d, err := stat(path, unix.Stat)
+	if err != nil {
+		return Device{}, err
+	}
+	if resolved, err := filepath.EvalSymlinks(path); err == nil {
+		d.Path = resolved
+	}
+	return d, nil
+}
+
+// FromPathNoFollow is FromPath for a path the driver was handed (a target or
+// staging path): a symlink there is not a block device.
+func FromPathNoFollow(path string) (Device, error) {
+	return stat(path, unix.Lstat)
+}
+
+func stat(path string, statFn func(string, *unix.Stat_t) error) (Device, error) {
 	var st unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
+	if err := statFn(path, &st); err != nil {
 		return Device{}, &os.PathError{Op: "stat", Path: path, Err: err}
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFBLK {
 		return Device{}, fmt.Errorf("%s is not a block device", path)
 	}
-	resolved, err := filepath.EvalSymlinks(path)
-	if err != nil {
-		resolved = path
-	}
-	return Device{Path: resolved, Major: unix.Major(st.Rdev), Minor: unix.Minor(st.Rdev)}, nil
+	return Device{Path: path, Major: unix.Major(st.Rdev), Minor: unix.Minor(st.Rdev)}, nil
 }
 
 // NotFoundError says what was looked for, where, and for how long.
 type NotFoundError struct {
 	VolumeID string
-	Serial   string
-	Dir      string
-	Waited   time.Duration
+	// Names are the by-id entries that would have identified the disk.
+	Names  []string
+	Dir    string
+	Waited time.Duration
+	// Reason, when set, says why no disk can ever be found.
+	Reason string
 }
 
 func (e *NotFoundError) Error() string {
-	what := fmt.Sprintf("an entry whose name contains %q", e.VolumeID)
-	if e.Serial != "" {
-		what = fmt.Sprintf("an entry for disk serial %q or whose name contains %q", e.Serial, e.VolumeID)
+	if e.Reason != "" {
+		return fmt.Sprintf("no disk for volume %s: %s", e.VolumeID, e.Reason)
 	}
 	wait := ""
 	if e.Waited > 0 {
 		wait = fmt.Sprintf(" after waiting %s", e.Waited.Round(time.Millisecond))
 	}
-	return fmt.Sprintf("no disk for volume %s in %s%s: looked for %s; the volume is not (yet) hot-plugged into this VM",
-		e.VolumeID, e.Dir, wait, what)
+	return fmt.Sprintf("no disk for volume %s in %s%s: looked for an entry named exactly %s; the volume is not (yet) hot-plugged into this VM",
+		e.VolumeID, e.Dir, wait, strings.Join(e.Names, " or "))
 }
 
 func (e *NotFoundError) Unwrap() error { return ErrNotFound }
 
-// AmbiguousError is returned when by-id entries for one volume point at
-// different devices; picking one could mount the wrong disk.
+// AmbiguousError is returned when the by-id entries cannot name one disk for
+// the volume: they point at different disks, at a partition, or only a
+// truncated serial matches. Picking one could mount the wrong disk.
 type AmbiguousError struct {
 	VolumeID string
 	Matches  []Device
+	Reason   string
+	// Truncated is set when the only match is a truncated virtio serial; the
+	// exact entry may still appear.
+	Truncated bool
 }
 
 func (e *AmbiguousError) Error() string {
@@ -95,15 +117,16 @@ func (e *AmbiguousError) Error() string {
 	for _, m := range e.Matches {
 		parts = append(parts, m.String())
 	}
-	return fmt.Sprintf("volume %s matches several different disks: %s", e.VolumeID, strings.Join(parts, ", "))
+	return fmt.Sprintf("volume %s cannot be told apart from another disk: %s: %s; refusing to pick one",
+		e.VolumeID, e.Reason, strings.Join(parts, ", "))
 }
 
 // FinderOptions configures a Finder.
 type FinderOptions struct {
-	// ByIDDir is the by-id directory (default /dev/disk/by-id).
+	// ByIDDir is the by-id directory (default DefaultByIDDir).
 	ByIDDir string
-	// SysfsRoot is where sysfs is mounted (default /sys); used to tell whether
-	// a device still exists.
+	// SysfsRoot is where sysfs is mounted (default DefaultSysfsRoot); used to
+	// tell whether a device still exists and whether it is a partition.
 	SysfsRoot string
 	// Wait bounds how long Wait polls for a disk to appear (default 15s):
 	// udev links the disk shortly after KubeVirt reports the hotplug Ready.
@@ -124,10 +147,10 @@ type Finder struct {
 func NewFinder(o FinderOptions) *Finder {
 	f := &Finder{byIDDir: o.ByIDDir, sysfsRoot: o.SysfsRoot, wait: o.Wait, interval: o.PollInterval}
 	if f.byIDDir == "" {
-		f.byIDDir = "/dev/disk/by-id"
+		f.byIDDir = DefaultByIDDir
 	}
 	if f.sysfsRoot == "" {
-		f.sysfsRoot = "/sys"
+		f.sysfsRoot = DefaultSysfsRoot
 	}
 	if f.wait <= 0 {
 		f.wait = 15 * time.Second
@@ -141,48 +164,65 @@ func NewFinder(o FinderOptions) *Finder {
 // ByIDDir is the directory the finder searches.
 func (f *Finder) ByIDDir() string { return f.byIDDir }
 
-var partSuffix = regexp.MustCompile(`-part[0-9]+$`)
-
-// Lookup finds the disk of volumeID (or with the given disk serial) without
-// waiting. The serial is checked first because it is exact; the name match is
-// what upstream used and still finds disks attached before the upgrade.
-func (f *Finder) Lookup(volumeID, serial string) (Device, error) {
-	entries, err := os.ReadDir(f.byIDDir)
-	if err != nil && !os.IsNotExist(err) {
-		return Device{}, fmt.Errorf("read %s: %w", f.byIDDir, err)
+// Lookup finds the disk of volumeID without waiting. Only by-id entries whose
+// whole name is one KubeVirt's disk of that volume gets (see names.go) count;
+// entries that merely contain the ID are other volumes' disks ("pvc-1" is in
+// "pvc-10"). Several different disks, a partition, or only a truncated serial
+// are an *AmbiguousError; nothing is a *NotFoundError.
+func (f *Finder) Lookup(volumeID string) (Device, error) {
+	if errs := validation.IsDNS1123Label(volumeID); len(errs) > 0 {
+		// KubeVirt's disk and volume names are DNS-1123 labels (v1.7.0
+		// pkg/storage/admitters/disks.go:293 validateDiskNameAsContainerName),
+		// and the controller names the disk after the volume ID.
+		return Device{}, &NotFoundError{VolumeID: volumeID, Dir: f.byIDDir,
+			Reason: fmt.Sprintf("the volume ID cannot be a KubeVirt disk name, so no disk is ever hot-plugged under it (%s)", strings.Join(errs, "; "))}
 	}
-	var bySerial, byAlias, byName []string
-	for _, e := range entries {
-		name := e.Name()
-		if partSuffix.MatchString(name) {
-			continue // a partition of the disk, never the disk itself
-		}
-		switch {
-		case serial != "" && (name == serial || strings.HasSuffix(name, "_"+serial) || strings.HasSuffix(name, "-"+serial)):
-			bySerial = append(bySerial, name)
-		case strings.HasSuffix(name, DriveAliasPrefix+volumeID):
-			byAlias = append(byAlias, name)
-		case strings.Contains(name, volumeID):
-			byName = append(byName, name)
-		}
+	exact := LinkNames(volumeID)
+	found, err := f.resolve(exact)
+	if err != nil {
+		return Device{}, err
 	}
-	for _, group := range [][]string{bySerial, byAlias, byName} {
-		d, ok, err := f.resolveGroup(volumeID, group)
-		if err != nil || ok {
-			return d, err
+	for _, d := range found {
+		if part, err := f.isPartition(d); err != nil {
+			return Device{}, err
+		} else if part {
+			// The disk link of volume "x-part1" is the partition link of
+			// volume "x": udev gives the name to one of them.
+			return Device{}, &AmbiguousError{VolumeID: volumeID, Matches: found,
+				Reason: fmt.Sprintf("%s points at a partition, so the name is shared with a partition of another volume's disk", d.Link)}
 		}
 	}
-	return Device{}, &NotFoundError{VolumeID: volumeID, Serial: serial, Dir: f.byIDDir}
+	switch len(found) {
+	case 1:
+		return found[0], nil
+	case 0:
+	default:
+		return Device{}, &AmbiguousError{VolumeID: volumeID, Matches: found, Reason: "the exact by-id names of the volume point at different disks"}
+	}
+	if name, ok := TruncatedVirtioName(volumeID); ok {
+		if ds, err := f.resolve([]string{name}); err == nil && len(ds) > 0 {
+			return Device{}, &AmbiguousError{VolumeID: volumeID, Matches: ds, Truncated: true,
+				Reason: fmt.Sprintf("only %s matches, a virtio serial cut to %d bytes that every volume starting with the same %d characters shares", name, VirtioSerialBytes, VirtioSerialBytes)}
+		}
+	}
+	return Device{}, &NotFoundError{VolumeID: volumeID, Names: exact, Dir: f.byIDDir}
 }
 
-func (f *Finder) resolveGroup(volumeID string, names []string) (Device, bool, error) {
-	sort.Strings(names)
+// resolve returns the distinct devices the named entries point at; missing
+// entries and dangling links (a removed disk) are skipped.
+func (f *Finder) resolve(names []string) ([]Device, error) {
 	var found []Device
 	for _, name := range names {
 		link := filepath.Join(f.byIDDir, name)
+		if _, err := os.Lstat(link); err != nil {
+			if os.IsNotExist(err) {
+				continue
+			}
+			return nil, fmt.Errorf("look at %s: %w", link, err)
+		}
 		d, err := FromPath(link)
 		if err != nil {
-			continue // dangling link left behind by a removed disk
+			continue
 		}
 		d.Link = link
 		dup := false
@@ -193,19 +233,25 @@ func (f *Finder) resolveGroup(volumeID string, names []string) (Device, bool, er
 			found = append(found, d)
 		}
 	}
-	switch len(found) {
-	case 0:
-		return Device{}, false, nil
-	case 1:
-		return found[0], true, nil
+	return found, nil
+}
+
+// isPartition asks sysfs; without sysfs nothing is a partition.
+func (f *Finder) isPartition(d Device) (bool, error) {
+	_, err := os.Stat(filepath.Join(f.sysfsRoot, "dev", "block", fmt.Sprintf("%d:%d", d.Major, d.Minor), "partition"))
+	switch {
+	case err == nil:
+		return true, nil
+	case os.IsNotExist(err):
+		return false, nil
 	default:
-		return Device{}, false, &AmbiguousError{VolumeID: volumeID, Matches: found}
+		return false, err
 	}
 }
 
 // Wait polls Lookup until the disk appears, the finder's bound passes (a
 // NotFoundError naming the wait) or ctx ends (ctx's error).
-func (f *Finder) Wait(ctx context.Context, volumeID, serial string) (Device, error) {
+func (f *Finder) Wait(ctx context.Context, volumeID string) (Device, error) {
 	logger := klog.FromContext(ctx)
 	start := time.Now()
 	deadline := time.NewTimer(f.wait)
@@ -214,25 +260,34 @@ func (f *Finder) Wait(ctx context.Context, volumeID, serial string) (Device, err
 	defer tick.Stop()
 	logged := false
 	for {
-		d, err := f.Lookup(volumeID, serial)
+		d, err := f.Lookup(volumeID)
 		if err == nil {
 			if logged {
 				logger.Info("disk appeared", "device", d.Path, "waited", time.Since(start).Round(time.Millisecond))
 			}
 			return d, nil
 		}
-		if !errors.Is(err, ErrNotFound) {
+		// Only "not there (exactly) yet" is worth waiting for.
+		var nf *NotFoundError
+		var amb *AmbiguousError
+		switch {
+		case errors.As(err, &nf) && nf.Reason == "":
+		case errors.As(err, &amb) && amb.Truncated:
+		default:
 			return Device{}, err
 		}
 		if !logged {
-			logger.V(2).Info("waiting for the hot-plugged disk to appear", "serial", serial, "dir", f.byIDDir)
+			logger.V(2).Info("waiting for the hot-plugged disk to appear", "dir", f.byIDDir)
 			logged = true
 		}
 		select {
 		case <-ctx.Done():
 			return Device{}, fmt.Errorf("waiting for the disk of volume %s in %s: %w", volumeID, f.byIDDir, ctx.Err())
 		case <-deadline.C:
-			return Device{}, &NotFoundError{VolumeID: volumeID, Serial: serial, Dir: f.byIDDir, Waited: time.Since(start)}
+			if nf != nil {
+				nf.Waited = time.Since(start)
+			}
+			return Device{}, err
 		case <-tick.C:
 		}
 	}

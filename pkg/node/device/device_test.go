@@ -70,39 +70,132 @@ func TestLookup(t *testing.T) {
 	f := newFixture(t)
 	sda, sdb, sdc := f.disk("sda"), f.disk("sdb"), f.disk("sdc")
 	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-1", sda)
-	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-1-part1", sdc) // a partition, never the disk
-	f.link("wwn-0x5000-pvc-1-legacy", sda)                       // same disk, other name
-	f.link("scsi-0QEMU_QEMU_HARDDISK_SERIAL42", sdb)
+	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-1-part1", sdc)                          // a partition, never the disk
+	f.link("wwn-0x5000-pvc-1-legacy", sda)                                                // same disk, other name
+	f.link("scsi-0QEMU_QEMU_HARDDISK_pvc-2", sdb)                                         // scsi disk whose serial is the volume
+	f.link("virtio-pvc-3", sdc)                                                           // virtio disk whose serial is the volume
 	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-gone", filepath.Join(f.dev, "nothing")) // dangling
-	f.link("virtio-pvc-2x", sdc)
 	fi := f.finder()
 
-	d, err := fi.Lookup("pvc-1", "")
-	if err != nil || d.Path != sda || !strings.HasSuffix(d.Link, "drive-ua-pvc-1") {
-		t.Fatalf("alias lookup: %+v %v", d, err)
+	for vol, want := range map[string]string{"pvc-1": sda, "pvc-2": sdb, "pvc-3": sdc} {
+		if d, err := fi.Lookup(vol); err != nil || d.Path != want {
+			t.Errorf("lookup %s: %+v %v, want %s", vol, d, err, want)
+		}
 	}
-	// The serial wins over the name.
-	if d, err := fi.Lookup("pvc-1", "SERIAL42"); err != nil || d.Path != sdb {
-		t.Fatalf("serial lookup: %+v %v", d, err)
+	if d, _ := fi.Lookup("pvc-1"); !strings.HasSuffix(d.Link, "drive-ua-pvc-1") {
+		t.Errorf("found through %s", d.Link)
 	}
-	// Upstream's "name contains the volume ID".
-	if d, err := fi.Lookup("pvc-2", ""); err != nil || d.Path != sdc {
-		t.Fatalf("contains lookup: %+v %v", d, err)
-	}
-	_, err = fi.Lookup("pvc-gone", "")
+	_, err := fi.Lookup("pvc-gone")
 	var nf *NotFoundError
-	if !errors.As(err, &nf) || !errors.Is(err, ErrNotFound) {
+	if !errors.As(err, &nf) || !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), "drive-ua-pvc-gone") {
 		t.Fatalf("dangling link: %v", err)
 	}
 }
 
+// Issue 7 item 4: only whole names count. "pvc-node" is a prefix of the
+// plugged "pvc-node1" and "0000" a substring of "00000"; neither may find
+// that disk, whatever the bus or serial form of the link.
+func TestLookupMatchesWholeNamesOnly(t *testing.T) {
+	f := newFixture(t)
+	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-node1", f.disk("sda"))
+	f.link("scsi-0QEMU_QEMU_HARDDISK_00000", f.disk("sdb"))
+	f.link("virtio-xpvc-v", f.disk("vda"))
+	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-a-b", f.disk("sdc"))
+	fi := f.finder()
+	for _, vol := range []string{"pvc-node", "node1", "0000", "000", "pvc-v", "a", "b", "ua-a-b"} {
+		if d, err := fi.Lookup(vol); !errors.Is(err, ErrNotFound) {
+			t.Errorf("lookup %q found %+v (%v), want not found", vol, d, err)
+		}
+	}
+	if _, err := fi.Lookup("pvc-node1"); err != nil {
+		t.Errorf("the exact name is still found: %v", err)
+	}
+}
+
+// Two names of one volume pointing at different disks is an error naming
+// both; the same disk under two names is not.
 func TestLookupAmbiguous(t *testing.T) {
 	f := newFixture(t)
-	f.link("scsi-a-pvc-9", f.disk("sda"))
-	f.link("scsi-b-pvc-9", f.disk("sdb"))
+	sda, sdb := f.disk("sda"), f.disk("sdb")
+	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-9", sda)
+	f.link("virtio-pvc-9", sdb)
+	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-8", sda)
+	f.link("scsi-0QEMU_QEMU_HARDDISK_pvc-8", sda)
 	var amb *AmbiguousError
-	if _, err := f.finder().Lookup("pvc-9", ""); !errors.As(err, &amb) || len(amb.Matches) != 2 {
+	_, err := f.finder().Lookup("pvc-9")
+	if !errors.As(err, &amb) || len(amb.Matches) != 2 || !strings.Contains(err.Error(), sda) || !strings.Contains(err.Error(), sdb) {
 		t.Fatalf("got %v", err)
+	}
+	if d, err := f.finder().Lookup("pvc-8"); err != nil || d.Path != sda {
+		t.Fatalf("one disk under two names: %+v %v", d, err)
+	}
+}
+
+// virtio reports 20 bytes of serial: "pvc-0a1b2c3d-4e5f-67" is all two
+// volumes with those first 20 characters get. Such a link is never taken for
+// either of them; the exact scsi name still is.
+func TestLookupRefusesTruncatedVirtioSerial(t *testing.T) {
+	f := newFixture(t)
+	a, b := "pvc-0a1b2c3d-4e5f-6789-aaaa-000000000001", "pvc-0a1b2c3d-4e5f-6789-bbbb-000000000002"
+	vda := f.disk("vda")
+	f.link("virtio-"+a[:20], vda)
+	fi := f.finder()
+	for _, vol := range []string{a, b} {
+		_, err := fi.Lookup(vol)
+		var amb *AmbiguousError
+		if !errors.As(err, &amb) || !amb.Truncated || !strings.Contains(err.Error(), "virtio-"+a[:20]) {
+			t.Fatalf("lookup %s: %v", vol, err)
+		}
+	}
+	// Waiting does not turn the truncated match into an answer.
+	_, ctx := ktesting.NewTestContext(t)
+	var amb *AmbiguousError
+	if _, err := fi.Wait(ctx, a); !errors.As(err, &amb) {
+		t.Fatalf("wait: %v", err)
+	}
+	sdb := f.disk("sdb")
+	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-"+b, sdb)
+	if d, err := fi.Lookup(b); err != nil || d.Path != sdb {
+		t.Fatalf("exact name next to a truncated one: %+v %v", d, err)
+	}
+}
+
+// The disk link of volume "pvc-x-part1" is also the name udev gives the
+// first partition of volume "pvc-x": a link to a partition is refused.
+func TestLookupRefusesPartitionLink(t *testing.T) {
+	f := newFixture(t)
+	sys := filepath.Join(f.dev, "sys")
+	sda1 := f.disk("sda1")
+	partDir := filepath.Join(sys, "dev", "block", "7:"+strconv.Itoa(int(f.minor)))
+	if err := os.MkdirAll(partDir, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(partDir, "partition"), []byte("1\n"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-x-part1", sda1)
+	fi := NewFinder(FinderOptions{ByIDDir: f.byID, SysfsRoot: sys})
+	var amb *AmbiguousError
+	if _, err := fi.Lookup("pvc-x-part1"); !errors.As(err, &amb) || !strings.Contains(err.Error(), "partition") {
+		t.Fatalf("got %v", err)
+	}
+}
+
+// A volume ID that cannot be a KubeVirt disk name never has a link, and
+// must not be turned into a path outside the by-id directory.
+func TestLookupRejectsImpossibleIDs(t *testing.T) {
+	f := newFixture(t)
+	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-x", f.disk("sda"))
+	fi := f.finder()
+	_, ctx := ktesting.NewTestContext(t)
+	for _, vol := range []string{"../x", "x/../../x", "X", "a.b", strings.Repeat("a", 64)} {
+		_, err := fi.Wait(ctx, vol)
+		var nf *NotFoundError
+		if !errors.As(err, &nf) || nf.Reason == "" {
+			t.Errorf("%q: %v", vol, err)
+		} else if nf.Waited != 0 {
+			t.Errorf("%q: waited %s for a disk that can never come", vol, nf.Waited)
+		}
 	}
 }
 
@@ -111,7 +204,7 @@ func TestWait(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	fi := f.finder()
 	start := time.Now()
-	_, err := fi.Wait(ctx, "pvc-late", "")
+	_, err := fi.Wait(ctx, "pvc-late")
 	if !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), "after waiting") || !strings.Contains(err.Error(), f.byID) {
 		t.Fatalf("got %v", err)
 	}
@@ -119,19 +212,22 @@ func TestWait(t *testing.T) {
 		t.Fatal("did not wait")
 	}
 
+	// A disk that appears during the wait is found; the wait is long so the
+	// link surely comes inside it however busy the machine is.
 	sdx := f.disk("sdx")
 	go func() {
 		time.Sleep(100 * time.Millisecond)
 		f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-late", sdx)
 	}()
-	d, err := fi.Wait(ctx, "pvc-late", "")
+	patient := NewFinder(FinderOptions{ByIDDir: f.byID, SysfsRoot: filepath.Join(f.dev, "no-sysfs"), Wait: 2 * time.Minute, PollInterval: 20 * time.Millisecond})
+	d, err := patient.Wait(ctx, "pvc-late")
 	if err != nil || d.Path != sdx {
 		t.Fatalf("got %+v %v", d, err)
 	}
 
 	cctx, cancel := context.WithCancel(ctx)
 	cancel()
-	if _, err := fi.Wait(cctx, "pvc-never", ""); !errors.Is(err, context.Canceled) {
+	if _, err := fi.Wait(cctx, "pvc-never"); !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled wait: %v", err)
 	}
 }
@@ -139,9 +235,9 @@ func TestWait(t *testing.T) {
 func TestPresent(t *testing.T) {
 	f := newFixture(t)
 	sda := f.disk("sda")
-	f.link("scsi-x-pvc-1", sda)
+	f.link("scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-1", sda)
 	fi := f.finder()
-	d, err := fi.Lookup("pvc-1", "")
+	d, err := fi.Lookup("pvc-1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -212,22 +308,15 @@ func TestInUse(t *testing.T) {
 	}
 	_ = own.Close()
 
-	cmd := exec.Command("bash", "-c", `exec 3<"$1"; exec sleep 60`, "holder", dev)
+	cmd := exec.Command("bash", "-c", `exec 3<"$1"; exec sleep 600`, "holder", dev)
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
-	deadline := time.Now().Add(10 * time.Second)
-	for {
+	nodetest.Eventually(t, "the holder to show up", func() bool {
 		hs, _ := c.Scan(ctx, d)
-		if len(hs) == 1 && hs[0].Command == "sleep" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("holder not found: %v", hs)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+		return len(hs) == 1 && hs[0].Command == "sleep"
+	})
 	err = c.Check(ctx, d)
 	var iu *InUseError
 	if !errors.As(err, &iu) || iu.Holders[0].PID != cmd.Process.Pid || !strings.Contains(err.Error(), "pid "+strconv.Itoa(cmd.Process.Pid)+" (sleep) fd 3") {

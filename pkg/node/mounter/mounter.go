@@ -2,6 +2,14 @@
 // node. It runs the standard tools (blkid, mkfs.*, mount, resize2fs,
 // xfs_growfs) so that mount options mean exactly what they mean to mount(8),
 // and reads the mount table itself.
+//
+// Paths come from requests, so two rules hold everywhere: a path is always
+// passed after "--", never where a tool could read it as an option, and a
+// symlink at a mount target, bind source or unmount path is never followed.
+// mount(8) is given the target as /proc/self/fd/N of a descriptor opened with
+// O_NOFOLLOW (and --no-canonicalize, so the kernel, not mount(8), resolves
+// it: to exactly the inode that was checked), and unmounts use
+// UMOUNT_NOFOLLOW.
 package mounter
 
 import (
@@ -12,6 +20,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 	"unsafe"
@@ -71,10 +80,24 @@ func (e *MismatchError) Error() string {
 	return fmt.Sprintf("%s already holds %s, not the requested %s; refusing to reformat it", e.Device, e.Have, e.Want)
 }
 
+// SymlinkError is returned for a path that is a symbolic link where the
+// driver needs the path itself; nothing is done through the link.
+type SymlinkError struct{ Path string }
+
+func (e *SymlinkError) Error() string {
+	return fmt.Sprintf("%s is a symbolic link; refusing to follow it", e.Path)
+}
+
 func (m *Mounter) run(ctx context.Context, name string, args ...string) ([]byte, error) {
+	return m.runWith(ctx, nil, name, args...)
+}
+
+// runWith runs a tool with files as its descriptors 3, 4, ...
+func (m *Mounter) runWith(ctx context.Context, files []*os.File, name string, args ...string) ([]byte, error) {
 	logger := klog.FromContext(ctx)
 	start := time.Now()
 	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.ExtraFiles = files
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	err := cmd.Run()
@@ -91,7 +114,7 @@ func (m *Mounter) run(ctx context.Context, name string, args ...string) ([]byte,
 func (m *Mounter) DiskFormat(ctx context.Context, dev string) (string, error) {
 	// -p probes the device itself, not the blkid cache, so a filesystem
 	// written elsewhere (another node) is seen.
-	cmd := exec.CommandContext(ctx, "blkid", "-p", "-s", "TYPE", "-s", "PTTYPE", "-o", "export", dev)
+	cmd := exec.CommandContext(ctx, "blkid", "-p", "-s", "TYPE", "-s", "PTTYPE", "-o", "export", "--", dev)
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	err := cmd.Run()
@@ -130,6 +153,11 @@ func (m *Mounter) DiskFormat(ctx context.Context, dev string) (string, error) {
 // filesystem is mounted whatever it is. formatted reports whether mkfs ran.
 func (m *Mounter) FormatAndMount(ctx context.Context, dev, target, fsType string, options []string) (formatted bool, err error) {
 	logger := klog.FromContext(ctx)
+	// A target that cannot be mounted on (a symlink) fails before the disk
+	// is touched.
+	if err := EnsureDir(target); err != nil {
+		return false, err
+	}
 	have, err := m.DiskFormat(ctx, dev)
 	if err != nil {
 		return false, err
@@ -168,11 +196,11 @@ func (m *Mounter) format(ctx context.Context, dev, fsType string) error {
 	case "ext4", "ext3":
 		// -m0: a volume's space belongs to its user, not to root reserves.
 		// -F is not given: mke2fs then still refuses some unsafe targets.
-		args = []string{"-m0", dev}
+		args = []string{"-m0", "--", dev}
 	case "xfs":
 		// No -f: mkfs.xfs refuses to overwrite a signature it recognises,
 		// a second guard after blkid.
-		args = []string{dev}
+		args = []string{"--", dev}
 	default:
 		return fmt.Errorf("unsupported filesystem type %q", fsType)
 	}
@@ -180,21 +208,95 @@ func (m *Mounter) format(ctx context.Context, dev, fsType string) error {
 	return err
 }
 
-// Mount mounts source at target (a directory it creates if missing).
+// Mount mounts the device source at target, a directory it creates if
+// missing and never a symlink.
 func (m *Mounter) Mount(ctx context.Context, source, target, fsType string, options []string) error {
-	if err := os.MkdirAll(target, 0o750); err != nil {
+	if err := EnsureDir(target); err != nil {
 		return err
 	}
-	args := []string{}
+	t, err := openPath(target, unix.S_IFDIR)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = t.Close() }()
+	args := []string{"--no-canonicalize"}
 	if fsType != "" {
 		args = append(args, "-t", fsType)
 	}
 	if len(options) > 0 {
 		args = append(args, "-o", strings.Join(options, ","))
 	}
-	args = append(args, source, target)
-	_, err := m.run(ctx, "mount", args...)
-	return err
+	args = append(args, "--", source, fdPath(0))
+	if _, err := m.runWith(ctx, []*os.File{t}, "mount", args...); err != nil {
+		return fmt.Errorf("mount %s at %s: %w", source, target, err)
+	}
+	return m.checkMounted(target)
+}
+
+// fdPath names the i-th of runWith's files in the child.
+func fdPath(i int) string { return "/proc/self/fd/" + strconv.Itoa(3+i) }
+
+// openPath opens path itself for reference only (O_PATH), refusing a symlink
+// there, and checks it is of the wanted type (unix.S_IFDIR, unix.S_IFREG;
+// 0 for any but a link).
+func openPath(path string, want uint32) (*os.File, error) {
+	fd, err := unix.Open(path, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		_ = unix.Close(fd)
+		return nil, &os.PathError{Op: "stat", Path: path, Err: err}
+	}
+	switch typ := st.Mode & unix.S_IFMT; {
+	case typ == unix.S_IFLNK:
+		_ = unix.Close(fd)
+		return nil, &SymlinkError{Path: path}
+	case want != 0 && typ != want:
+		_ = unix.Close(fd)
+		return nil, fmt.Errorf("%s is not a %s", path, typeName(want))
+	}
+	return os.NewFile(uintptr(fd), path), nil
+}
+
+func typeName(t uint32) string {
+	switch t {
+	case unix.S_IFDIR:
+		return "directory"
+	case unix.S_IFREG:
+		return "regular file"
+	case unix.S_IFBLK:
+		return "block device"
+	}
+	return "file of the expected type"
+}
+
+// checkMounted confirms the mount just made is at the path itself: the
+// descriptor pins one directory, and if the path was swapped meanwhile the
+// mount is elsewhere.
+func (m *Mounter) checkMounted(target string) error {
+	if ok, err := m.IsMountPoint(target); err != nil || ok {
+		return err
+	}
+	return fmt.Errorf("%s is not a mount point after mounting on it: the path changed during the mount", target)
+}
+
+// EnsureDir creates path as a directory (with its parents) unless it is one;
+// a symlink there is an error, never followed.
+func EnsureDir(path string) error {
+	st, err := os.Lstat(path)
+	switch {
+	case os.IsNotExist(err):
+		return os.MkdirAll(path, 0o750)
+	case err != nil:
+		return err
+	case st.Mode()&os.ModeSymlink != 0:
+		return &SymlinkError{Path: path}
+	case !st.IsDir():
+		return fmt.Errorf("%s exists and is not a directory", path)
+	}
+	return nil
 }
 
 // bindRemountable are the per-mount flags a bind mount can carry; filesystem
@@ -208,9 +310,22 @@ var bindRemountable = map[string]bool{
 // BindMount bind-mounts source (a directory or a device node) onto target,
 // which must exist, and applies readOnly and the per-mount flags in options.
 // The flags need a second "remount,bind" because the kernel ignores them on
-// the initial bind.
+// the initial bind. Neither path may be a symlink.
 func (m *Mounter) BindMount(ctx context.Context, source, target string, readOnly bool, options []string) error {
-	if _, err := m.run(ctx, "mount", "--bind", source, target); err != nil {
+	src, err := openPath(source, 0)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = src.Close() }()
+	tgt, err := openPath(target, 0)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tgt.Close() }()
+	if _, err := m.runWith(ctx, []*os.File{tgt, src}, "mount", "--no-canonicalize", "--bind", "--", fdPath(1), fdPath(0)); err != nil {
+		return fmt.Errorf("bind %s onto %s: %w", source, target, err)
+	}
+	if err := m.checkMounted(target); err != nil {
 		return err
 	}
 	var flags []string
@@ -225,23 +340,31 @@ func (m *Mounter) BindMount(ctx context.Context, source, target string, readOnly
 	if len(flags) == 0 {
 		return nil
 	}
-	if _, err := m.run(ctx, "mount", "-o", "remount,bind,"+strings.Join(flags, ","), target); err != nil {
+	// Open again: the first descriptor is the directory under the new mount,
+	// and a remount must name the mount's root.
+	top, err := openPath(target, 0)
+	if err == nil {
+		defer func() { _ = top.Close() }()
+		_, err = m.runWith(ctx, []*os.File{top}, "mount", "--no-canonicalize", "-o", "remount,bind,"+strings.Join(flags, ","), "--", fdPath(0))
+	}
+	if err != nil {
 		// Leave nothing half-done: a writable bind where read-only was asked
 		// for must not survive.
-		_ = unix.Unmount(target, 0)
-		return err
+		_ = unix.Unmount(target, unix.UMOUNT_NOFOLLOW)
+		return fmt.Errorf("apply %s to the bind at %s: %w", strings.Join(flags, ","), target, err)
 	}
 	return nil
 }
 
 // IsMountPoint reports whether something is mounted exactly at path. A path
-// that does not exist is not a mount point.
+// that does not exist, or is a symlink, is not a mount point.
 func (m *Mounter) IsMountPoint(path string) (bool, error) {
 	_, ok, err := m.MountAt(path)
 	return ok, err
 }
 
-// MountAt returns the mount at exactly path, if any.
+// MountAt returns the mount at exactly path, if any; a symlink at path is
+// not followed (see mountinfo.At).
 func (m *Mounter) MountAt(path string) (mountinfo.Mount, bool, error) {
 	mounts, err := mountinfo.Read(m.mountInfo)
 	if err != nil {
@@ -285,13 +408,15 @@ func (m *Mounter) unmountAll(ctx context.Context, path string, flags int) error 
 }
 
 // unmountOnce removes the topmost mount at path; one that is already gone
-// (EINVAL: not a mount point any more, ENOENT: no path) is not an error.
+// (EINVAL: not a mount point any more, ENOENT: no path) is not an error. A
+// symlink at path is not followed, so it never unmounts the link's
+// destination.
 func unmountOnce(ctx context.Context, path string, flags int) error {
 	what := "unmount"
 	if flags&unix.MNT_DETACH != 0 {
 		what = "lazy unmount"
 	}
-	if err := unix.Unmount(path, flags); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+	if err := unix.Unmount(path, flags|unix.UMOUNT_NOFOLLOW); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("%s %s: %w", what, path, err)
 	}
 	klog.FromContext(ctx).V(2).Info(what+" done", "path", path)
@@ -330,9 +455,9 @@ func (m *Mounter) Resize(ctx context.Context, dev, mountPath string) error {
 	}
 	switch fsType {
 	case "ext4", "ext3", "ext2":
-		_, err = m.run(ctx, "resize2fs", dev)
+		_, err = m.run(ctx, "resize2fs", "--", dev)
 	case "xfs":
-		_, err = m.run(ctx, "xfs_growfs", "-d", mountPath)
+		_, err = m.run(ctx, "xfs_growfs", "-d", "--", mountPath)
 	default:
 		err = fmt.Errorf("cannot grow %q on %s", fsType, dev)
 	}
@@ -348,10 +473,16 @@ type Stats struct {
 	TotalInodes, FreeInodes, UsedInodes   int64
 }
 
-// FSStats returns usage of the filesystem containing path.
+// FSStats returns usage of the filesystem at path, which must not be a
+// symlink.
 func FSStats(path string) (Stats, error) {
+	f, err := openPath(path, 0)
+	if err != nil {
+		return Stats{}, err
+	}
+	defer func() { _ = f.Close() }()
 	var st unix.Statfs_t
-	if err := unix.Statfs(path, &st); err != nil {
+	if err := unix.Fstatfs(int(f.Fd()), &st); err != nil {
 		return Stats{}, &os.PathError{Op: "statfs", Path: path, Err: err}
 	}
 	bs := st.Bsize
@@ -366,11 +497,14 @@ func FSStats(path string) (Stats, error) {
 	return s, nil
 }
 
-// DeviceSize returns the size in bytes of the block device at path, asked
-// from the device itself.
+// DeviceSize returns the size in bytes of the block device at path (not
+// through a symlink), asked from the device itself.
 func DeviceSize(path string) (int64, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_CLOEXEC, 0)
+	f, err := os.OpenFile(path, os.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
 	if err != nil {
+		if errors.Is(err, unix.ELOOP) {
+			return 0, &SymlinkError{Path: path}
+		}
 		return 0, err
 	}
 	defer func() { _ = f.Close() }()
@@ -382,13 +516,17 @@ func DeviceSize(path string) (int64, error) {
 }
 
 // EnsureFile creates path as an empty regular file (the target of a
-// block-device bind mount) with its parent directories.
+// block-device bind mount) with its parent directories; a symlink at path is
+// an error, never followed.
 func EnsureFile(path string) error {
 	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
 		return err
 	}
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDONLY, 0o640)
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDONLY|unix.O_NOFOLLOW, 0o640)
 	if err != nil {
+		if errors.Is(err, unix.ELOOP) {
+			return &SymlinkError{Path: path}
+		}
 		return err
 	}
 	return f.Close()

@@ -154,3 +154,75 @@ func TestDeviceSizeAndStats(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Issue 7 item 6: a symlink at a mount target, bind source or unmount path is
+// never followed; what it points at is left exactly as it was.
+func TestSymlinksAreNeverFollowed(t *testing.T) {
+	ctx, m, dev, root := setup(t, 32<<20)
+	outside := filepath.Join(root, "outside")
+	mustMkdir(t, outside)
+	if err := os.WriteFile(filepath.Join(outside, "keep"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(root, "link")
+	if err := os.Symlink(outside, link); err != nil {
+		t.Fatal(err)
+	}
+	var se *SymlinkError
+	if _, err := m.FormatAndMount(ctx, dev, link, "ext4", nil); !errors.As(err, &se) {
+		t.Fatalf("mount onto a symlink: %v", err)
+	}
+	if f, err := m.DiskFormat(ctx, dev); err != nil || f != "" {
+		t.Fatalf("a refused mount formatted the disk: %q %v", f, err)
+	}
+	src := filepath.Join(root, "src")
+	mustMkdir(t, src)
+	if err := m.BindMount(ctx, src, link, false, nil); !errors.As(err, &se) {
+		t.Fatalf("bind onto a symlink: %v", err)
+	}
+	dst := filepath.Join(root, "dst")
+	mustMkdir(t, dst)
+	if err := m.BindMount(ctx, link, dst, false, nil); !errors.As(err, &se) {
+		t.Fatalf("bind from a symlink: %v", err)
+	}
+	if ok, _ := m.IsMountPoint(outside); ok {
+		t.Fatal("the symlink's destination got mounted")
+	}
+	fileLink := filepath.Join(root, "file-link")
+	if err := os.Symlink(filepath.Join(outside, "keep"), fileLink); err != nil {
+		t.Fatal(err)
+	}
+	if err := EnsureFile(fileLink); !errors.As(err, &se) {
+		t.Fatalf("EnsureFile through a symlink: %v", err)
+	}
+	if _, err := FSStats(link); !errors.As(err, &se) {
+		t.Fatalf("FSStats through a symlink: %v", err)
+	}
+
+	// An unrelated mount behind a symlink survives Unmount of the link.
+	if _, err := m.FormatAndMount(ctx, dev, outside, "ext4", nil); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := m.IsMountPoint(link); err != nil || ok {
+		t.Fatalf("a symlink to a mount counted as a mount point: %v %v", ok, err)
+	}
+	if err := m.Unmount(ctx, link); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.LazyUnmount(ctx, link); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := m.IsMountPoint(outside); !ok {
+		t.Fatal("unmounting a symlink unmounted its destination")
+	}
+	if err := m.Unmount(ctx, outside); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func mustMkdir(t *testing.T, dir string) {
+	t.Helper()
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -128,9 +128,11 @@ func unescape(s string) string {
 	return b.String()
 }
 
-// At returns the mount visible at exactly path (the last one stacked there),
-// comparing cleaned paths; symlinks in path are resolved first because the
-// kernel records resolved mount points.
+// At returns the mount visible at exactly path (the last one stacked there).
+// Symlinks in path's parent directories are resolved, because the kernel
+// records resolved mount points (a kubelet root may itself be a link), but
+// a symlink as the last component is not: a link is never a mount point, and
+// following it would make an unrelated mount look like the caller's.
 func At(mounts []Mount, path string) (Mount, bool) {
 	p := Canonical(path)
 	for i := len(mounts) - 1; i >= 0; i-- {
@@ -141,13 +143,19 @@ func At(mounts []Mount, path string) (Mount, bool) {
 	return Mount{}, false
 }
 
-// Canonical resolves symlinks in path where possible and cleans it, so it can
-// be compared with mount points from mountinfo.
+// Canonical cleans path and resolves symlinks in its parent directories where
+// possible, so it can be compared with mount points from mountinfo. The last
+// component is kept as it is (see At).
 func Canonical(path string) string {
-	if r, err := filepath.EvalSymlinks(path); err == nil {
-		return r
+	p := filepath.Clean(path)
+	dir, base := filepath.Split(p)
+	if base == "" || dir == "" {
+		return p // "/" or a relative single name
 	}
-	return filepath.Clean(path)
+	if r, err := filepath.EvalSymlinks(dir); err == nil {
+		return filepath.Join(r, base)
+	}
+	return p
 }
 
 // OnDevice returns the mounts of the filesystem on device major:minor.

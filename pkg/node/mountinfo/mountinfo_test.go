@@ -1,6 +1,8 @@
 package mountinfo
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -57,5 +59,30 @@ func TestReadSelf(t *testing.T) {
 	}
 	if _, ok := At(ms, "/"); !ok {
 		t.Fatal("no root mount in /proc/self/mountinfo")
+	}
+}
+
+// A symlink as the last component is never "the mount at" a path, even when
+// it points at one: unmounting or publishing through it would act on the
+// link's destination.
+func TestAtDoesNotFollowTheLastComponent(t *testing.T) {
+	dir := t.TempDir()
+	real, err := filepath.EvalSymlinks(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink("/", link); err != nil {
+		t.Fatal(err)
+	}
+	ms := []Mount{{ID: 1, MountPoint: "/"}, {ID: 2, MountPoint: filepath.Join(real, "mnt")}}
+	if m, ok := At(ms, link); ok {
+		t.Fatalf("At followed the link to %+v", m)
+	}
+	if m, ok := At(ms, filepath.Join(dir, "mnt")); !ok || m.ID != 2 {
+		t.Fatalf("At of a real mount point: %+v %v", m, ok)
+	}
+	if got := Canonical(link); got != filepath.Join(real, "link") {
+		t.Fatalf("Canonical(%s) = %s", link, got)
 	}
 }

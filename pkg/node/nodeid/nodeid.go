@@ -58,7 +58,8 @@ func FromKubeVirt(vmi *kubevirtv1.VirtualMachineInstance) VMI {
 
 // Options configures discovery.
 type Options struct {
-	// SysfsRoot is where sysfs is mounted (default /sys); MACs are read from
+	// SysfsRoot is where sysfs is mounted (required; the node service passes
+	// device.DefaultSysfsRoot); MACs are read from
 	// <SysfsRoot>/class/net/*/address.
 	SysfsRoot string
 	// Hostname is the node's hostname (default os.Hostname()).
@@ -120,7 +121,9 @@ func Discover(ctx context.Context, o Options) (string, error) {
 // with colons, sorted and without duplicates.
 func LocalMACs(sysfsRoot string) ([]string, error) {
 	if sysfsRoot == "" {
-		sysfsRoot = "/sys"
+		// The caller owns the default (device.DefaultSysfsRoot); a relative
+		// "class/net" would read whatever the working directory holds.
+		return nil, fmt.Errorf("no sysfs root given")
 	}
 	dir := filepath.Join(sysfsRoot, "class", "net")
 	entries, err := os.ReadDir(dir)

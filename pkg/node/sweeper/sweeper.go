@@ -3,7 +3,14 @@
 // believes unmounted, seed 000); the disk is then hot-unplugged under a live
 // staging mount, which keeps a dead filesystem mounted and, on loop-backed
 // test nodes, keeps the device busy. The sweeper finds such mounts, lazily
-// unmounts them, and says so in an Event and in the log.
+// unmounts them, and says so in an Event and in the log. NodeStageVolume uses
+// the same RemoveStale for its own path when the volume comes back first.
+//
+// It only ever considers mounts of a block device at this driver's staging
+// paths under the kubelet root: paths this process staged, or kubelet
+// staging directories whose vol_data.json names this driver. Anything else
+// (another driver's mounts, a tmpfs with a forged vol_data.json, paths
+// outside the kubelet root) is never a candidate.
 package sweeper
 
 import (
@@ -24,13 +31,15 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/mountinfo"
 )
 
-// Event types and the reason the sweeper reports with.
+// EventTypeWarning is the type of the Event about a removed mount, and
+// ReasonStaleStagingRemoved its reason.
 const (
-	EventTypeNormal  = "Normal"
-	EventTypeWarning = "Warning"
-	// ReasonStaleStagingRemoved is the Event reason for a swept mount.
+	EventTypeWarning          = "Warning"
 	ReasonStaleStagingRemoved = "StaleStagingMountRemoved"
 )
+
+// DefaultKubeletRoot is kubelet's --root-dir default.
+const DefaultKubeletRoot = "/var/lib/kubelet"
 
 // EventRecorder publishes a Kubernetes Event about a volume; the
 // implementation chooses the object (the guest PV named volumeID, or the
@@ -44,6 +53,9 @@ type Options struct {
 	// DriverName recognises, after a restart, kubelet staging directories of
 	// this driver: <dir>/globalmount next to <dir>/vol_data.json naming it.
 	DriverName string
+	// KubeletRoot is kubelet's root directory (default DefaultKubeletRoot);
+	// only mounts below <KubeletRoot>/plugins/kubernetes.io/csi are swept.
+	KubeletRoot string
 	// Interval between sweeps in Run (default 1m).
 	Interval time.Duration
 	// Confirm is how long a device must stay gone before its mount is
@@ -68,7 +80,10 @@ type Swept struct {
 
 // Sweeper finds and removes stale staging mounts.
 type Sweeper struct {
-	o       Options
+	o Options
+	// csiDir is <KubeletRoot>/plugins/kubernetes.io/csi with symlinks in it
+	// resolved, as mount points appear in the mount table.
+	csiDir  string
 	mu      sync.Mutex
 	tracked map[string]string // staging path -> volume ID
 }
@@ -78,13 +93,23 @@ func New(o Options) (*Sweeper, error) {
 	if o.Finder == nil || o.Mounter == nil {
 		return nil, fmt.Errorf("sweeper needs a Finder and a Mounter")
 	}
+	if o.KubeletRoot == "" {
+		o.KubeletRoot = DefaultKubeletRoot
+	}
+	if !filepath.IsAbs(o.KubeletRoot) {
+		return nil, fmt.Errorf("kubelet root %q is not an absolute path", o.KubeletRoot)
+	}
 	if o.Interval <= 0 {
 		o.Interval = time.Minute
 	}
 	if o.Confirm <= 0 {
 		o.Confirm = time.Second
 	}
-	return &Sweeper{o: o, tracked: map[string]string{}}, nil
+	root := filepath.Clean(o.KubeletRoot)
+	if r, err := filepath.EvalSymlinks(root); err == nil {
+		root = r
+	}
+	return &Sweeper{o: o, csiDir: filepath.Join(root, "plugins", "kubernetes.io", "csi"), tracked: map[string]string{}}, nil
 }
 
 // Track records a staging path this process mounted for volumeID.
@@ -101,11 +126,28 @@ func (s *Sweeper) Forget(stagingPath string) {
 	delete(s.tracked, mountinfo.Canonical(stagingPath))
 }
 
+// Owner returns the volume whose staging path path is: tracked by this
+// process, or a kubelet staging directory of this driver. Only paths under
+// the kubelet root qualify.
+func (s *Sweeper) Owner(path string) (string, bool) {
+	p := mountinfo.Canonical(path)
+	if !strings.HasPrefix(p, s.csiDir+"/") {
+		return "", false
+	}
+	s.mu.Lock()
+	vol, ok := s.tracked[p]
+	s.mu.Unlock()
+	if ok {
+		return vol, true
+	}
+	return s.kubeletStaging(p)
+}
+
 // Run sweeps every Interval until ctx ends.
 func (s *Sweeper) Run(ctx context.Context) {
 	logger := klog.FromContext(ctx).WithName("sweeper")
 	ctx = klog.NewContext(ctx, logger)
-	logger.Info("stale staging sweeper running", "interval", s.o.Interval)
+	logger.Info("stale staging sweeper running", "interval", s.o.Interval, "kubeletCSIDir", s.csiDir)
 	t := time.NewTicker(s.o.Interval)
 	defer t.Stop()
 	for {
@@ -134,8 +176,7 @@ func (s *Sweeper) Sweep(ctx context.Context) ([]Swept, error) {
 	}
 	var gone []candidate
 	for _, c := range s.candidates(mounts) {
-		dev := device.Device{Path: c.mount.Source, Major: c.mount.Major, Minor: c.mount.Minor}
-		present, _, err := s.o.Finder.Present(dev)
+		present, _, err := s.o.Finder.Present(mountDevice(c.mount))
 		if err != nil {
 			klog.FromContext(ctx).Error(err, "cannot tell whether the staging device is present", "volume", c.volumeID, "path", c.mount.MountPoint)
 			continue
@@ -166,47 +207,59 @@ func (s *Sweeper) Sweep(ctx context.Context) ([]Swept, error) {
 	return out, nil
 }
 
-// sweepOne re-checks under the volume lock and unmounts only while the top
-// mount at the path is still on a gone device, so a fresh stage that raced
-// with the sweep is left alone.
+// sweepOne takes the volume lock so a node operation on the volume never
+// races with the removal.
 func (s *Sweeper) sweepOne(ctx context.Context, c candidate) (Swept, bool, error) {
-	logger := klog.FromContext(ctx).WithValues("volume", c.volumeID, "path", c.mount.MountPoint)
 	if s.o.TryLock != nil && c.volumeID != "" {
 		release, ok := s.o.TryLock(c.volumeID)
 		if !ok {
-			logger.V(2).Info("volume busy with a node operation; sweeping it later")
+			klog.FromContext(ctx).V(2).Info("volume busy with a node operation; sweeping it later", "volume", c.volumeID, "path", c.mount.MountPoint)
 			return Swept{}, false, nil
 		}
 		defer release()
 	}
+	return s.RemoveStale(ctx, c.volumeID, c.mount.MountPoint, "")
+}
+
+// RemoveStale lazily unmounts, from the top, every mount at path whose block
+// device is gone, and reports the removal once (log and Event). It stops at
+// the first mount that is not stale: a device still present, a bind of a
+// subdirectory, or no block device at all (tmpfs, NFS), which it never
+// touches. The caller holds the volume's lock; when names the occasion in
+// the message ("before staging it again"), empty for a sweep.
+func (s *Sweeper) RemoveStale(ctx context.Context, volumeID, path, when string) (Swept, bool, error) {
+	logger := klog.FromContext(ctx).WithValues("volume", volumeID, "path", path)
 	var sw Swept
 	for i := 0; i < 10; i++ {
-		mnt, ok, err := s.o.Mounter.MountAt(c.mount.MountPoint)
+		mnt, ok, err := s.o.Mounter.MountAt(path)
 		if err != nil {
 			return Swept{}, false, err
 		}
-		if !ok {
+		if !ok || !blockBacked(mnt) {
 			break
 		}
-		dev := device.Device{Path: mnt.Source, Major: mnt.Major, Minor: mnt.Minor}
-		present, reason, err := s.o.Finder.Present(dev)
+		present, reason, err := s.o.Finder.Present(mountDevice(mnt))
 		if err != nil {
 			return Swept{}, false, err
 		}
 		if present {
 			break
 		}
-		if err := s.o.Mounter.Detach(ctx, c.mount.MountPoint); err != nil {
+		if err := s.o.Mounter.Detach(ctx, path); err != nil {
 			return Swept{}, false, err
 		}
-		sw = Swept{VolumeID: c.volumeID, StagingPath: c.mount.MountPoint, Device: mnt.Source, Reason: reason}
+		sw = Swept{VolumeID: volumeID, StagingPath: mnt.MountPoint, Device: mnt.Source, Reason: reason}
 	}
 	if sw.StagingPath == "" {
 		return Swept{}, false, nil
 	}
-	msg := fmt.Sprintf("removed stale staging mount %s of volume %s: its disk %s is gone (%s) but NodeUnstageVolume was never called",
-		sw.StagingPath, sw.VolumeID, sw.Device, sw.Reason)
-	logger.Info("removed stale staging mount; NodeUnstageVolume was never called", "device", sw.Device, "reason", sw.Reason)
+	occasion := ""
+	if when != "" {
+		occasion = " " + when
+	}
+	msg := fmt.Sprintf("removed stale staging mount %s of volume %s%s: its disk %s is gone (%s) but NodeUnstageVolume was never called",
+		sw.StagingPath, sw.VolumeID, occasion, sw.Device, sw.Reason)
+	logger.Info("removed stale staging mount; NodeUnstageVolume was never called", "device", sw.Device, "reason", sw.Reason, "when", when)
 	if s.o.Recorder != nil {
 		s.o.Recorder.Event(ctx, sw.VolumeID, EventTypeWarning, ReasonStaleStagingRemoved, msg)
 	}
@@ -214,26 +267,26 @@ func (s *Sweeper) sweepOne(ctx context.Context, c candidate) (Swept, bool, error
 	return sw, true, nil
 }
 
-// candidates are filesystem mounts (root "/", not a bind of a subdirectory)
-// at a tracked staging path or at a kubelet staging directory of this
-// driver, one per path.
+// blockBacked is a filesystem mount (root "/", not a bind of a subdirectory)
+// of a block device. Filesystems without one (tmpfs, NFS, overlay) have an
+// anonymous device number with major 0.
+func blockBacked(m mountinfo.Mount) bool {
+	return m.Root == "/" && m.Major != 0 && filepath.IsAbs(m.Source)
+}
+
+func mountDevice(m mountinfo.Mount) device.Device {
+	return device.Device{Path: m.Source, Major: m.Major, Minor: m.Minor}
+}
+
+// candidates are block-backed mounts at staging paths of this driver under
+// the kubelet root (see Owner), one per path.
 func (s *Sweeper) candidates(mounts []mountinfo.Mount) []candidate {
-	s.mu.Lock()
-	tracked := make(map[string]string, len(s.tracked))
-	for k, v := range s.tracked {
-		tracked[k] = v
-	}
-	s.mu.Unlock()
 	byPath := map[string]candidate{}
 	for _, m := range mounts {
-		if m.Root != "/" {
+		if !blockBacked(m) {
 			continue
 		}
-		if vol, ok := tracked[m.MountPoint]; ok {
-			byPath[m.MountPoint] = candidate{volumeID: vol, mount: m}
-			continue
-		}
-		if vol, ok := s.kubeletStaging(m.MountPoint); ok {
+		if vol, ok := s.Owner(m.MountPoint); ok {
 			byPath[m.MountPoint] = candidate{volumeID: vol, mount: m}
 		}
 	}
@@ -245,10 +298,10 @@ func (s *Sweeper) candidates(mounts []mountinfo.Mount) []candidate {
 	return out
 }
 
-// kubeletStaging recognises <dir>/globalmount whose <dir>/vol_data.json
+// kubeletStaging recognises <csiDir>/.../globalmount whose vol_data.json
 // kubelet wrote for this driver, and returns the volume handle.
 func (s *Sweeper) kubeletStaging(mountPoint string) (string, bool) {
-	if s.o.DriverName == "" || filepath.Base(mountPoint) != "globalmount" || !strings.Contains(mountPoint, "kubernetes.io/csi") {
+	if s.o.DriverName == "" || filepath.Base(mountPoint) != "globalmount" {
 		return "", false
 	}
 	b, err := os.ReadFile(filepath.Join(filepath.Dir(mountPoint), "vol_data.json"))
