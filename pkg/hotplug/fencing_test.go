@@ -300,3 +300,27 @@ func TestClaimsThatAreNotBoundAreNeverHotplugged(t *testing.T) {
 		}
 	}
 }
+
+// State shows an operator what each VM's intents wait for and why they fail.
+func TestStateSaysWhatEachIntentWaitsFor(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	f.override = func(string, Change) (Outcome, bool) {
+		return Outcome{Result: Failed, Err: errors.New("dial tcp: connection refused")}, true
+	}
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	go func() { _ = q.Attach(ctx, "vm1", "pvc-a", true) }()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		st := q.State()
+		if len(st) == 1 && strings.Contains(st[0].LastError, "connection refused") && len(st[0].Intents) == 1 {
+			if st[0].VM != "vm1" || st[0].Intents[0].Volume != "pvc-a" || st[0].Intents[0].Op != Attach || st[0].FailingSince.IsZero() {
+				t.Fatalf("state %+v", st)
+			}
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("state never showed the failing attach: %+v", st)
+		}
+	}
+}

@@ -1,0 +1,56 @@
+package hotplug
+
+import (
+	"cmp"
+	"slices"
+	"time"
+)
+
+// VMState is what the queue is doing for one VM, for operators (a
+// diagnostic view, Events) and never for decisions.
+type VMState struct {
+	VM      string
+	Intents []IntentState
+	// Hold says why the VM's pending changes are not written yet.
+	Hold string
+	// LastError is the VM's last failed attempt at the host, if the
+	// attempts are failing, and FailingSince when they began to.
+	LastError    string
+	FailingSince time.Time
+	// Unobserved lists the volumes with a write of this process that the
+	// informers have not shown yet.
+	Unobserved []string
+}
+
+// IntentState is one pending intent.
+type IntentState struct {
+	Volume string
+	Op     Op
+	Since  time.Time
+	// WaitingFor says what the intent waits for (empty: it is being
+	// written), and WaitingSince since when.
+	WaitingFor   string
+	WaitingSince time.Time
+}
+
+// State lists what the queue is doing, VM by VM.
+func (q *Queue) State() []VMState {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	out := make([]VMState, 0, len(q.work))
+	for _, key := range sortedNames(q.work) {
+		w := q.work[key]
+		st := VMState{VM: key.Name, Hold: w.hold, FailingSince: w.failingSince, Unobserved: sortedKeys(w.expect)}
+		if w.lastErr != nil {
+			st.LastError = w.lastErr.Error()
+		}
+		for _, vol := range sortedKeys(w.intents) {
+			it := w.intents[vol]
+			wait := w.waiting[vol]
+			st.Intents = append(st.Intents, IntentState{Volume: vol, Op: it.op, Since: it.created, WaitingFor: wait.why, WaitingSince: wait.since})
+		}
+		slices.SortFunc(st.Intents, func(a, b IntentState) int { return cmp.Compare(a.Volume, b.Volume) })
+		out = append(out, st)
+	}
+	return out
+}
