@@ -229,11 +229,14 @@ func (h *helmClient) upgrade(ch *chart.Chart, vals map[string]interface{}, opts 
 }
 
 // upgradeFromUpstream installs a release shaped like the upstream chart
-// (testdata/upstream-shape) with values written for upstream, then
-// `helm upgrade --reset-then-reuse-values`s it to this chart. The API server
-// rejects any change of an immutable field (workload selectors, CSIDriver
-// attachRequired/podInfoOnMount, StorageClass provisioner/parameters/
-// reclaimPolicy/volumeBindingMode), so success means an in-place upgrade works.
+// (testdata/upstream-shape, a stand-in with upstream's object names,
+// selectors and immutable fields) with values written for upstream, including
+// a pinned upstream driver image, then `helm upgrade --reset-then-reuse-values`s
+// it to this chart. The API server rejects any change of an immutable field
+// (workload selectors, CSIDriver attachRequired/podInfoOnMount, StorageClass
+// provisioner/parameters/reclaimPolicy/volumeBindingMode), so success means an
+// in-place upgrade works. It then rolls back to the upstream release and
+// upgrades again, as docs/install.md describes.
 func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmClient) {
 	upstream, err := render.Load(filepath.Join("testdata", "upstream-shape"))
 	if err != nil {
@@ -243,6 +246,9 @@ func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmCli
 		"replicasCount":    2,
 		"hostStorageClass": "longhorn",
 		"cloudConfig":      map[string]interface{}{"hostPath": "/var/lib/rancher/rke2/etc/config-files/", "secretName": ""},
+		// Pinned by the user for upstream: carried over by --reset-then-reuse-values.
+		"image": map[string]interface{}{"harvester": map[string]interface{}{"csiDriver": map[string]interface{}{
+			"repository": "rancher/harvester-csi-driver", "tag": "v0.2.9"}}},
 	}
 	if err := h.install(upstream, userValues); err != nil {
 		t.Fatalf("install the upstream-shaped release: %v", err)
@@ -266,10 +272,30 @@ func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmCli
 	if err == nil || !strings.Contains(err.Error(), "--reset-then-reuse-values") {
 		t.Fatalf("helm upgrade --reuse-values: got %v, want the chart's explanation", err)
 	}
-	// `helm upgrade --reset-then-reuse-values`: this chart's defaults, the user's upstream values on top.
-	if err := h.upgrade(freshChart(t), nil, func(u *action.Upgrade) { u.ResetThenReuseValues = true }); err != nil {
-		t.Fatalf("helm upgrade from the upstream chart's shape fails: %v", err)
+	// `helm upgrade --reset-then-reuse-values` keeps the pinned upstream image, whose binary does not know this
+	// chart's flags: the chart refuses, saying how to drop the pin, and nothing changes.
+	err = h.upgrade(freshChart(t), nil, func(u *action.Upgrade) { u.ResetThenReuseValues = true })
+	if err == nil || !strings.Contains(err.Error(), `"rancher/harvester-csi-driver" is not this driver's image`) ||
+		!strings.Contains(err.Error(), "--set image.harvester.csiDriver.repository=harvester-csi/harvester-csi-driver") {
+		t.Fatalf("helm upgrade --reset-then-reuse-values with upstream's image pinned: got %v, want the chart's refusal", err)
 	}
+	if ds := k.nodeDriverImage(ctx, t); ds != "rancher/harvester-csi-driver:v0.2.9" {
+		t.Fatalf("a refused upgrade changed the DaemonSet's image to %s", ds)
+	}
+	// `helm upgrade --reset-then-reuse-values` with the pin dropped as the message says: this chart's defaults,
+	// the user's other upstream values on top.
+	dropPin := map[string]interface{}{"image": map[string]interface{}{"harvester": map[string]interface{}{"csiDriver": map[string]interface{}{
+		"repository": "harvester-csi/harvester-csi-driver", "tag": ""}}}}
+	upgradeToThisChart := func() {
+		t.Helper()
+		if err := h.upgrade(freshChart(t), dropPin, func(u *action.Upgrade) { u.ResetThenReuseValues = true }); err != nil {
+			t.Fatalf("helm upgrade from the upstream chart's shape fails: %v", err)
+		}
+		if img, want := k.nodeDriverImage(ctx, t), "harvester-csi/harvester-csi-driver:"+freshChart(t).Metadata.AppVersion; img != want {
+			t.Errorf("after the upgrade the node plugin runs %s, want %s", img, want)
+		}
+	}
+	upgradeToThisChart()
 	for key, old := range before {
 		ri, err := k.resource(old)
 		if err != nil {
@@ -299,6 +325,57 @@ func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmCli
 			}
 		}
 	}
+
+	// Rolling back to the upstream release (docs/install.md) restores its objects in place, and upgrading
+	// again works the same way.
+	hist, err := action.NewHistory(h.cfg).Run(render.ReleaseName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	upstreamRev := 0
+	for _, r := range hist {
+		if r.Chart.Metadata.Version == upstream.Metadata.Version && (upstreamRev == 0 || r.Version < upstreamRev) {
+			upstreamRev = r.Version
+		}
+	}
+	rb := action.NewRollback(h.cfg)
+	rb.Version = upstreamRev
+	rb.Timeout = time.Minute
+	if err := rb.Run(render.ReleaseName); err != nil {
+		t.Fatalf("helm rollback to the upstream revision %d: %v", upstreamRev, err)
+	}
+	if img := k.nodeDriverImage(ctx, t); img != "rancher/harvester-csi-driver:v0.2.9" {
+		t.Errorf("after the rollback the node plugin runs %s, want upstream's", img)
+	}
+	if _, err := k.client.CoreV1().ServiceAccounts(render.Namespace).Get(ctx, "harvester-csi-driver-node", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the rollback left this chart's ServiceAccount harvester-csi-driver-node behind (err %v)", err)
+	}
+	for key, old := range before {
+		ri, err := k.resource(old)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if live, err := ri.Get(ctx, old.GetName(), metav1.GetOptions{}); err != nil || live.GetUID() != old.GetUID() {
+			t.Errorf("%s after the rollback: %v (recreated: %v)", key, err, err == nil && live.GetUID() != old.GetUID())
+		}
+	}
+	upgradeToThisChart()
+}
+
+// nodeDriverImage is the driver image of the installed node DaemonSet.
+func (k *kube) nodeDriverImage(ctx context.Context, t *testing.T) string {
+	t.Helper()
+	ds, err := k.client.AppsV1().DaemonSets(render.Namespace).Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range ds.Spec.Template.Spec.Containers {
+		if c.Name == "harvester-csi-driver" {
+			return c.Image
+		}
+	}
+	t.Fatalf("DaemonSet %s has no harvester-csi-driver container", nodeName)
+	return ""
 }
 
 func renderWith(t *testing.T, ch *chart.Chart, vals map[string]interface{}) []*unstructured.Unstructured {

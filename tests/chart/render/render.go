@@ -17,6 +17,7 @@ import (
 	"helm.sh/helm/v3/pkg/chart"
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
+	"helm.sh/helm/v3/pkg/release"
 	"helm.sh/helm/v3/pkg/releaseutil"
 	"helm.sh/helm/v3/pkg/repo"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -60,6 +61,23 @@ func ValuesFile(path string) (map[string]interface{}, error) {
 // Template renders the chart client-side like `helm template` and returns
 // the manifest text (objects in Helm's install order).
 func Template(ch *chart.Chart, vals map[string]interface{}) (string, error) {
+	rel, err := dryRun(ch, vals)
+	if err != nil {
+		return "", err
+	}
+	return rel.Manifest, nil
+}
+
+// Notes renders the chart's NOTES.txt as `helm install` prints it.
+func Notes(ch *chart.Chart, vals map[string]interface{}) (string, error) {
+	rel, err := dryRun(ch, vals)
+	if err != nil {
+		return "", err
+	}
+	return rel.Info.Notes, nil
+}
+
+func dryRun(ch *chart.Chart, vals map[string]interface{}) (*release.Release, error) {
 	inst := action.NewInstall(&action.Configuration{Log: func(string, ...interface{}) {}})
 	inst.DryRun = true
 	inst.ClientOnly = true
@@ -67,11 +85,7 @@ func Template(ch *chart.Chart, vals map[string]interface{}) (string, error) {
 	inst.ReleaseName = ReleaseName
 	inst.Namespace = Namespace
 	inst.DisableOpenAPIValidation = true
-	rel, err := inst.Run(ch, vals)
-	if err != nil {
-		return "", err
-	}
-	return rel.Manifest, nil
+	return inst.Run(ch, vals)
 }
 
 // Objects splits a manifest into objects.
