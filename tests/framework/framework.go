@@ -20,6 +20,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
@@ -117,6 +118,9 @@ type ControllerOptions struct {
 	Driver  driver.ControllerOptions
 	// Node, when set, is served beside the controller (sanity needs both).
 	Node csi.NodeServer
+	// Config is the host identity the controller acts as; nil: the
+	// simulator's admin. It must reach the simulator's front proxy.
+	Config *rest.Config
 }
 
 // Controller is a running controller service.
@@ -136,7 +140,10 @@ type Controller struct {
 func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controller {
 	tb.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	cfg := h.Sim.ClientConfig()
+	cfg := opts.Config
+	if cfg == nil {
+		cfg = h.Sim.ClientConfig()
+	}
 	hc, err := host.NewForConfig(cfg, h.Namespace)
 	if err != nil {
 		tb.Fatal(err)
