@@ -71,7 +71,6 @@ func TestAgainstAPIServer(t *testing.T) {
 	t.Run("rbac-on-server", func(t *testing.T) { k.checkAccessReviews(ctx, t) })
 	t.Run("immutable-fields-are-enforced", func(t *testing.T) { k.checkImmutability(ctx, t) })
 	t.Run("respects-another-default-storageclass", func(t *testing.T) { k.checkDefaultStorageClass(ctx, t, helm) })
-	t.Run("host-rbac-script", func(t *testing.T) { k.checkHostRBACScript(ctx, t, env) })
 }
 
 type kube struct {
