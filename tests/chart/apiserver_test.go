@@ -19,6 +19,7 @@ import (
 	apiextensionsv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -68,6 +69,7 @@ func TestAgainstAPIServer(t *testing.T) {
 
 	helm := newHelm(t, env.Kubeconfig)
 	t.Run("upgrade-from-upstream", func(t *testing.T) { k.upgradeFromUpstream(ctx, t, helm) })
+	t.Run("upgrade-preflight-commands", func(t *testing.T) { k.checkUpgradePreflight(ctx, t, env.Kubeconfig) })
 	t.Run("rbac-on-server", func(t *testing.T) { k.checkAccessReviews(ctx, t) })
 	t.Run("immutable-fields-are-enforced", func(t *testing.T) { k.checkImmutability(ctx, t) })
 	t.Run("respects-another-default-storageclass", func(t *testing.T) { k.checkDefaultStorageClass(ctx, t, helm) })
@@ -535,3 +537,105 @@ func freshChart(t *testing.T) *chart.Chart {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// docCommand finds the shell command in docs/install.md that starts with
+// prefix (a whole line of a code block, or a `code span`).
+func docCommand(t *testing.T, prefix string) string {
+	t.Helper()
+	doc := readDoc(t, filepath.Join("docs", "install.md"))
+	i := strings.Index(doc, prefix)
+	if i < 0 {
+		t.Fatalf("docs/install.md has no command starting %q", prefix)
+	}
+	cmd := doc[i:]
+	end := strings.IndexAny(cmd, "\n`")
+	if end < 0 {
+		end = len(cmd)
+	}
+	return strings.TrimSpace(cmd[:end])
+}
+
+// checkUpgradePreflight runs docs/install.md's pre-flight commands for users
+// coming from upstream, as written, against objects of each kind they must
+// and must not report.
+func (k *kube) checkUpgradePreflight(ctx context.Context, t *testing.T, kubeconfig string) {
+	run := func(cmdline string) string {
+		t.Helper()
+		cmd := exec.CommandContext(ctx, "bash", "-o", "pipefail", "-c", cmdline)
+		cmd.Env = append(os.Environ(), "KUBECONFIG="+kubeconfig)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("%s: %v\n%s", cmdline, err, out)
+		}
+		return string(out)
+	}
+	if _, err := exec.LookPath("kubectl"); err != nil {
+		t.Skip("kubectl not installed")
+	}
+	pv := func(name, driverName string, mode corev1.PersistentVolumeAccessMode) *corev1.PersistentVolume {
+		p := &corev1.PersistentVolume{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: corev1.PersistentVolumeSpec{
+				Capacity:    corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+				AccessModes: []corev1.PersistentVolumeAccessMode{mode},
+				ClaimRef:    &corev1.ObjectReference{Namespace: "apps", Name: name + "-claim"},
+			},
+		}
+		if driverName == "" {
+			p.Spec.HostPath = &corev1.HostPathVolumeSource{Path: "/tmp/" + name}
+		} else {
+			p.Spec.CSI = &corev1.CSIPersistentVolumeSource{Driver: driverName, VolumeHandle: name}
+		}
+		return p
+	}
+	for _, p := range []*corev1.PersistentVolume{
+		pv("pv-rwx", driverName, corev1.ReadWriteMany), pv("pv-rwo", driverName, corev1.ReadWriteOnce),
+		pv("pv-other-rwx", "other.csi.example.com", corev1.ReadWriteMany), pv("pv-hostpath-rwx", "", corev1.ReadWriteMany),
+	} {
+		if _, err := k.client.CoreV1().PersistentVolumes().Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if out := run(docCommand(t, "kubectl get pv -o jsonpath=")); strings.TrimSpace(out) != `apps/pv-rwx-claim ["ReadWriteMany"]` {
+		t.Errorf("the RWX pre-flight printed %q, want only apps/pv-rwx-claim", out)
+	}
+
+	va := func(name, attacher, pvName string, finalizers []string) *storagev1.VolumeAttachment {
+		return &storagev1.VolumeAttachment{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Finalizers: finalizers},
+			Spec: storagev1.VolumeAttachmentSpec{Attacher: attacher, NodeName: "guest-1",
+				Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}},
+		}
+	}
+	vas := k.client.StorageV1().VolumeAttachments()
+	for _, v := range []*storagev1.VolumeAttachment{
+		va("va-stuck", driverName, "pv-rwo", []string{"external-attacher/driver-harvesterhci-io"}),
+		va("va-attached", driverName, "pv-rwx", nil),
+		va("va-other", "other.csi.example.com", "pv-other-rwx", nil),
+	} {
+		created, err := vas.Create(ctx, v, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		created.Status.Attached = v.Name != "va-stuck"
+		if v.Name == "va-stuck" {
+			created.Status.DetachError = &storagev1.VolumeError{Message: "removal in progress"}
+		}
+		if _, err := vas.UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := vas.Delete(ctx, "va-stuck", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	out := run(docCommand(t, "kubectl get volumeattachments -o jsonpath="))
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != 2 || !strings.HasPrefix(lines[0], "va-attached pv=pv-rwx node=guest-1 attached=true deleting= ") ||
+		!strings.HasPrefix(lines[1], "va-stuck pv=pv-rwo node=guest-1 attached=false deleting=20") || !strings.Contains(lines[1], "detachError=removal in progress") {
+		t.Errorf("the VolumeAttachment pre-flight printed:\n%s", out)
+	}
+	run(strings.ReplaceAll(docCommand(t, "kubectl patch volumeattachment <name>"), "<name>", "va-stuck"))
+	if _, err := vas.Get(ctx, "va-stuck", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("va-stuck is still there after the documented finalizer removal: %v", err)
+	}
+}

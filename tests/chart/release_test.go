@@ -200,7 +200,7 @@ func TestSetVersion(t *testing.T) {
 		t.Skip("make not installed")
 	}
 	root, dir := render.RepoRoot(), t.TempDir()
-	for _, f := range []string{"Makefile", "VERSION", filepath.Join("charts", "harvester-csi-driver", "Chart.yaml")} {
+	for _, f := range []string{"Makefile", "VERSION", filepath.Join("charts", "harvester-csi-driver", "Chart.yaml"), filepath.Join("docs", "install.md")} {
 		b, err := os.ReadFile(filepath.Join(root, f))
 		if err != nil {
 			t.Fatal(err)
@@ -234,6 +234,10 @@ func TestSetVersion(t *testing.T) {
 	b, _ := os.ReadFile(filepath.Join(dir, "VERSION"))
 	if strings.TrimSpace(string(b)) != "1.2.3-rc.1" || meta.Version != "1.2.3-rc.1" || meta.AppVersion != "v1.2.3-rc.1" {
 		t.Errorf("after set-version: VERSION %q, chart version %q, appVersion %q", b, meta.Version, meta.AppVersion)
+	}
+	doc, _ := os.ReadFile(filepath.Join(dir, "docs", "install.md"))
+	if !strings.Contains(string(doc), "\nharvester-csi/harvester-csi-driver:v1.2.3-rc.1\n") {
+		t.Error("set-version did not update the image list of docs/install.md")
 	}
 }
 
