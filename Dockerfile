@@ -4,8 +4,12 @@
 # resize, blkid, mount, nsenter, mount.nfs). The same image serves the controller (run as non-root by the
 # chart) and the node plugin (privileged).
 #
-#   make image                      # tags $(IMAGE), stamps `git describe` and the commit
-#   docker build --build-arg VERSION=v0.3.0 --build-arg COMMIT=$(git rev-parse --short HEAD) -t IMAGE .
+#   make image                      # this machine's architecture, tagged and stamped v$(cat VERSION)
+#   make release PUSH=true          # linux/amd64 and linux/arm64 with docker buildx (see docs/install.md)
+#   docker build --build-arg VERSION=v$(cat VERSION) --build-arg COMMIT=$(git rev-parse --short HEAD) -t IMAGE .
+#
+# The build stage runs on the build machine's platform and cross-compiles for BuildKit's TARGETARCH, so a
+# multi-platform build needs no emulation.
 #
 # Base images are pinned by tag and by the digest of their multi-architecture index; bump both together.
 

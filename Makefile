@@ -1,14 +1,33 @@
 # Harvester CSI driver (serialized hotplug fork).
 SHELL := /usr/bin/env bash
+comma := ,
 GO ?= go
-VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-COMMIT ?= $(shell git rev-parse --short HEAD 2>/dev/null || echo unknown)
-LDFLAGS := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
+# One version for everything: the VERSION file (SemVer, no "v"). The binary, the image tag and the chart's
+# appVersion (its default image tag) are v$(VERSION); the chart's version is $(VERSION). `make set-version`
+# changes all of them; tests/chart fails when Chart.yaml and VERSION disagree.
+override VERSION := $(strip $(shell cat VERSION))
+TAG := v$(VERSION)
+# The commit (-dirty when the tree has changes), never a tag name: the version comes from VERSION only.
+COMMIT ?= $(shell git describe --always --dirty --abbrev=12 --exclude='*' 2>/dev/null || echo unknown)
+LDFLAGS := -s -w -X main.version=$(TAG) -X main.commit=$(COMMIT)
 TEST_FLAGS ?= -race -count=1 -timeout 40m
 # The Helm chart's tests and tools are a separate Go module (Helm needs newer Kubernetes modules than the
 # driver); -mod=mod lets that module follow changes of the main go.mod. No -race: nothing concurrent there.
 CHART_TEST_FLAGS ?= -count=1 -timeout 20m
-IMAGE ?= harvester-csi/harvester-csi-driver:$(VERSION)
+# The image: $(REGISTRY)/$(IMAGE_REPO):$(TAG). Releases go to Docker Hub under the chart's default repository
+# (no registry prefix, so Rancher's system default registry applies); REGISTRY=<host> builds for a mirror.
+REGISTRY ?=
+IMAGE_REPO ?= harvester-csi/harvester-csi-driver
+IMAGE ?= $(if $(REGISTRY),$(REGISTRY:%/=%)/)$(IMAGE_REPO):$(TAG)
+# Architectures of `make release` (the Dockerfile cross-compiles with BuildKit's TARGETARCH; both bases are
+# multi-architecture indexes).
+PLATFORMS ?= linux/amd64,linux/arm64
+# Where `make release` writes: the chart archive, index.yaml, images.txt and (without PUSH) the image as an
+# OCI archive. CHART_REPO_URL is the URL the chart repository is served from (index.yaml's chart URLs).
+DIST ?= dist
+CHART_REPO_URL ?=
+# PUSH=true: push the multi-architecture image to $(REGISTRY) instead of writing the OCI archive.
+PUSH ?=
 
 .PHONY: help
 help: ## Show this help.
@@ -35,16 +54,44 @@ bench: tools ## Run the Go benchmarks only (no tests).
 	HCSI_TOOLS_BIN=$$(bash hack/tools.sh) $(GO) test -run '^$$' -bench . -benchmem -count=1 -timeout 40m ./...
 
 .PHONY: manifests
-manifests: ## Regenerate deploy/ from the chart with default values.
+manifests: ## Regenerate deploy/ from the chart with default values (a test fails when it is stale).
 	cd tests/chart && $(GO) run -mod=mod ./cmd/chartctl manifests
 
 .PHONY: chart
 chart: ## Lint the chart (default and ci/ values) and package it into bin/.
 	cd tests/chart && $(GO) run -mod=mod ./cmd/chartctl lint && $(GO) run -mod=mod ./cmd/chartctl package ../../bin
 
+.PHONY: version
+version: ## Print the version (from the VERSION file).
+	@echo $(TAG)
+
+.PHONY: set-version
+set-version: ## Set the version everywhere: make set-version NEW=0.3.1 (VERSION, Chart.yaml, the image list in docs).
+	@[[ "$(NEW)" =~ ^[0-9]+\.[0-9]+\.[0-9]+(-[0-9A-Za-z.-]+)?$$ ]] || { echo "NEW=<major.minor.patch[-pre]> is required, got '$(NEW)'" >&2; exit 2; }
+	echo "$(NEW)" > VERSION
+	sed -i -e 's/^version: .*/version: $(NEW)/' -e 's/^appVersion: .*/appVersion: "v$(NEW)"/' charts/harvester-csi-driver/Chart.yaml
+	[ ! -f docs/install.md ] || sed -i 's#^$(IMAGE_REPO):$(TAG)$$#$(IMAGE_REPO):v$(NEW)#' docs/install.md
+
 .PHONY: image
-image: ## Build the container image (IMAGE=harvester-csi/harvester-csi-driver:<version>; needs Docker with BuildKit).
-	docker build --build-arg VERSION=$(VERSION) --build-arg COMMIT=$(COMMIT) -t $(IMAGE) .
+image: ## Build the image for this machine's architecture (IMAGE; needs Docker with BuildKit).
+	docker build --build-arg VERSION=$(TAG) --build-arg COMMIT=$(COMMIT) -t $(IMAGE) .
+
+.PHONY: images
+images: ## List every image the chart deploys with its default values (what an air-gapped registry must mirror).
+	@cd tests/chart && $(GO) run -mod=mod ./cmd/chartctl images
+
+.PHONY: release
+release: release-image release-chart ## Build the multi-arch image and package the chart with index.yaml into DIST/.
+
+.PHONY: release-image
+release-image: ## The image for PLATFORMS: pushed with PUSH=true, else an OCI archive in DIST/ (docker buildx).
+	mkdir -p $(DIST)
+	docker buildx build --platform $(PLATFORMS) --build-arg VERSION=$(TAG) --build-arg COMMIT=$(COMMIT) -t $(IMAGE) \
+		$(if $(filter true,$(PUSH)),--push,--output type=oci$(comma)dest=$(DIST)/harvester-csi-driver-$(TAG).oci.tar) .
+
+.PHONY: release-chart
+release-chart: ## Lint and package the chart, write index.yaml (CHART_REPO_URL) and images.txt into DIST/.
+	cd tests/chart && $(GO) run -mod=mod ./cmd/chartctl release $(abspath $(DIST)) $(VERSION) $(CHART_REPO_URL)
 
 .PHONY: lint
 lint: ## gofmt, go vet, and a tidy go.mod (the main module stays lean).

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Creates the Harvester-side identity of the CSI driver for a guest cluster and writes the kubeconfig the
-# driver reads (/var/lib/harvester/cloud-provider-config), for installs where Rancher did not provide one.
-# See docs/host-rbac.md for what the identity is granted and why.
+# The Harvester-side identity of the CSI driver of one guest cluster, with exactly the access the driver's code
+# uses, in the namespace of the guest cluster's VMs only. See docs/host-rbac.md for every rule and the call that
+# needs it.
 #
-# On the Harvester (host) cluster it creates, idempotently:
-#   ServiceAccount      <sa> in <namespace>                       (the namespace of the guest cluster's VMs)
-#   RoleBinding         <sa> in <namespace> -> ClusterRole harvesterhci.io:cloudprovider
-#   ClusterRoleBinding  <namespace>-<sa>-csi-driver -> ClusterRole harvesterhci.io:csi-driver
-#   Role/RoleBinding    harvester-csi-driver:hotplug-requests: patch virtualmachines/status in <namespace>
-#   Secret              <sa>-token in <namespace>: a long-lived token of the ServiceAccount
-#   (with --kubevirt-read) ClusterRole harvester-csi-driver:kubevirt-reader and its binding
-# and writes a kubeconfig whose context namespace is <namespace>. With --guest-kubeconfig it also stores the
-# kubeconfig in the guest cluster as Secret <secret-name> (key cloud-provider-config), ready for the chart's
-# cloudConfig.secretName.
+# Modes:
+#   (default)   create or update the driver's own ServiceAccount and its grants on the Harvester cluster, issue
+#               a token of bounded lifetime (TokenRequest) and write the kubeconfig the driver reads
+#               (--output FILE and/or the guest Secret with --guest-kubeconfig). Re-running it is the rotation.
+#   --rotate    only issue a new token and rewrite the kubeconfig; the grants are left alone.
+#   --existing-service-account NAME
+#               an identity someone else made, such as the one Rancher created for the guest cluster's cloud
+#               provider: grant only what it lacks (e.g. virtualmachines/status); no token, no kubeconfig.
+#   --print     print the RBAC objects of the default mode and exit, without contacting any cluster.
+#
+# Every object carries the label app.kubernetes.io/managed-by=harvester-csi-driver-host-rbac.
 set -euo pipefail
 
 usage() {
@@ -22,182 +23,333 @@ usage: hack/host-rbac.sh --namespace NS [options]
   --namespace NS           Harvester namespace of the guest cluster's VMs (required)
   --host-kubeconfig FILE   kubeconfig of the Harvester cluster (default: $KUBECONFIG or ~/.kube/config)
   --host-context NAME      context in that kubeconfig (default: its current context)
-  --service-account NAME   ServiceAccount to create (default: harvester-csi-driver)
+  --service-account NAME   the driver's ServiceAccount (default: harvester-csi-driver)
+  --token-duration DUR     lifetime of the token, e.g. 720h (default: 2160h, 90 days); the API server may
+                           shorten it (--service-account-max-token-expiration)
   --server URL             Harvester API URL written into the kubeconfig (default: the host kubeconfig's)
   --output FILE            write the kubeconfig here (default: stdout, unless --guest-kubeconfig is given)
   --guest-kubeconfig FILE  also create/update the Secret in the guest cluster with this kubeconfig
+  --guest-context NAME     context in the guest kubeconfig (default: its current context)
   --secret-name NAME       guest Secret name (default: harvester-cloud-config)
   --secret-namespace NS    guest Secret namespace (default: kube-system)
-  --kubevirt-read          also grant reading KubeVirt CRs, for exact hotplug backend detection
-  --timeout SECONDS        how long to wait for the token (default: 60)
+  --restart                after updating the guest Secret, restart the driver (rollout restart of
+                           deploy/harvester-csi-driver-controllers and ds/harvester-csi-driver) to use the new token
+  --kubevirt-read          also grant listing KubeVirt CRs (cluster-wide), for exact hotplug backend detection
+  --rotate                 only issue a new token and rewrite the kubeconfig / guest Secret
+  --existing-service-account NAME
+                           grant an existing identity (e.g. Rancher's) only what it lacks; no token
+  --print                  print the RBAC objects and exit (no cluster needed)
 EOF
 }
 
 namespace="" host_kubeconfig="${KUBECONFIG:-$HOME/.kube/config}" host_context="" sa="harvester-csi-driver"
-server="" output="" guest_kubeconfig="" secret_name="harvester-cloud-config" secret_namespace="kube-system"
-kubevirt_read=false timeout=60
+duration="2160h" server="" output="" guest_kubeconfig="" guest_context="" secret_name="harvester-cloud-config"
+secret_namespace="kube-system" restart=false kubevirt_read=false rotate=false existing="" print=false
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--namespace) namespace=$2; shift 2 ;;
 	--host-kubeconfig) host_kubeconfig=$2; shift 2 ;;
 	--host-context) host_context=$2; shift 2 ;;
 	--service-account) sa=$2; shift 2 ;;
+	--token-duration) duration=$2; shift 2 ;;
 	--server) server=$2; shift 2 ;;
 	--output) output=$2; shift 2 ;;
 	--guest-kubeconfig) guest_kubeconfig=$2; shift 2 ;;
+	--guest-context) guest_context=$2; shift 2 ;;
 	--secret-name) secret_name=$2; shift 2 ;;
 	--secret-namespace) secret_namespace=$2; shift 2 ;;
+	--restart) restart=true; shift ;;
 	--kubevirt-read) kubevirt_read=true; shift ;;
-	--timeout) timeout=$2; shift 2 ;;
+	--rotate) rotate=true; shift ;;
+	--existing-service-account) existing=$2; shift 2 ;;
+	--print) print=true; shift ;;
 	-h | --help) usage; exit 0 ;;
 	*) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
 	esac
 done
 [ -n "$namespace" ] || { echo "--namespace is required" >&2; usage >&2; exit 2; }
-command -v kubectl >/dev/null || { echo "kubectl is required" >&2; exit 1; }
+if [ -n "$existing" ] && { $rotate || $print || [ -n "$output" ] || [ -n "$guest_kubeconfig" ]; }; then
+	echo "--existing-service-account only adds grants: it takes no --rotate, --print, --output or --guest-kubeconfig" >&2
+	exit 2
+fi
+$restart && [ -z "$guest_kubeconfig" ] && { echo "--restart needs --guest-kubeconfig" >&2; exit 2; }
+[ -z "$existing" ] || sa=$existing
 
-host=(kubectl --kubeconfig "$host_kubeconfig")
-[ -z "$host_context" ] || host+=(--context "$host_context")
 log() { echo "host-rbac: $*" >&2; }
+managed=harvester-csi-driver-host-rbac
 
-"${host[@]}" get namespace "$namespace" >/dev/null ||
-	{ log "namespace $namespace does not exist on the Harvester cluster"; exit 1; }
-for role in harvesterhci.io:cloudprovider harvesterhci.io:csi-driver; do
-	"${host[@]}" get clusterrole "$role" >/dev/null 2>&1 ||
-		{ log "ClusterRole $role does not exist: is this a Harvester cluster (v1.2 or later)?"; exit 1; }
-done
+# What the driver calls on the host, one rule a line: scope (ns: the VM namespace, cluster: cluster-wide),
+# API group ("" is core), resource[/subresource], verbs, resource names ("-": any). docs/host-rbac.md lists the
+# call behind each line and tests/rbac runs the driver with exactly these grants.
+permissions() {
+	cat <<'EOF'
+ns      kubevirt.io               virtualmachines                      get,list,watch,patch   -
+ns      kubevirt.io               virtualmachines/status               patch                  -
+ns      kubevirt.io               virtualmachineinstances              get,list,watch         -
+ns      subresources.kubevirt.io  virtualmachines/addvolume            update                 -
+ns      subresources.kubevirt.io  virtualmachines/removevolume         update                 -
+ns      subresources.kubevirt.io  virtualmachineinstances/removevolume update                 -
+ns      ""                        persistentvolumeclaims               get,list,watch,create,update,delete -
+ns      snapshot.storage.k8s.io   volumesnapshots                      get,list,create,delete -
+cluster storage.k8s.io            storageclasses                       get                    -
+cluster harvesterhci.io           settings                             get                    server-version,csi-driver-config
+EOF
+	if $kubevirt_read; then
+		echo 'cluster kubevirt.io               kubevirts                            list                   -'
+	fi
+}
 
-crb="${namespace}-${sa}-csi-driver"
-log "creating ServiceAccount $namespace/$sa and its bindings"
-"${host[@]}" apply -f - >&2 <<EOF
+# rules SCOPE [KEYS]: the RBAC rules (YAML list items) of the permissions of SCOPE; with KEYS (a list of
+# "group|resource|verb" lines), only those verbs.
+rules() {
+	local scope=$1 keys=${2-} s group resource verbs names v keep
+	while read -r s group resource verbs names; do
+		[ "$s" = "$scope" ] || continue
+		[ "$group" = '""' ] && group=""
+		if [ -n "$keys" ] || [ $# -gt 1 ]; then
+			keep=""
+			for v in ${verbs//,/ }; do
+				grep -qxF "$group|$resource|$v" <<<"$keys" && keep+="${keep:+,}$v"
+			done
+			[ -n "$keep" ] || continue
+			verbs=$keep
+		fi
+		printf '  - apiGroups: ["%s"]\n    resources: ["%s"]\n    verbs: ["%s"]\n' "$group" "$resource" "${verbs//,/\", \"}"
+		[ "$names" = "-" ] || printf '    resourceNames: ["%s"]\n' "${names//,/\", \"}"
+	done < <(permissions)
+}
+
+labels() {
+	printf '  labels:\n    app.kubernetes.io/managed-by: %s\n' "$managed"
+	[ -z "${1-}" ] || printf '    app.kubernetes.io/instance: %s\n' "$1"
+}
+
+# binding KIND NAME NAMESPACE ROLEKIND ROLE (NAMESPACE "" for a ClusterRoleBinding)
+binding() {
+	local kind=$1 name=$2 ns=$3 rolekind=$4 role=$5
+	cat <<EOF
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ${kind}
+metadata:
+  name: ${name}${ns:+
+  namespace: ${ns}}
+$(labels "${namespace}.${sa}")
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ${rolekind}
+  name: ${role}
+subjects:
+  - kind: ServiceAccount
+    name: ${sa}
+    namespace: ${namespace}
+EOF
+}
+
+# The objects of the default mode. The Role is per namespace, the ClusterRole shared by every guest cluster.
+manifests() {
+	cat <<EOF
 apiVersion: v1
 kind: ServiceAccount
 metadata:
   name: ${sa}
   namespace: ${namespace}
-  labels:
-    app.kubernetes.io/managed-by: harvester-csi-driver-host-rbac
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata:
-  name: ${sa}
-  namespace: ${namespace}
-  labels:
-    app.kubernetes.io/managed-by: harvester-csi-driver-host-rbac
-roleRef:
-  apiGroup: rbac.authorization.k8s.io
-  kind: ClusterRole
-  name: harvesterhci.io:cloudprovider
-subjects:
-  - kind: ServiceAccount
-    name: ${sa}
-    namespace: ${namespace}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
-metadata:
-  name: ${crb}
-  labels:
-    app.kubernetes.io/managed-by: harvester-csi-driver-host-rbac
-roleRef:
-  apiGroup: rbac.authorization.k8s.io
-  kind: ClusterRole
-  name: harvesterhci.io:csi-driver
-subjects:
-  - kind: ServiceAccount
-    name: ${sa}
-    namespace: ${namespace}
+$(labels "${namespace}.${sa}")
 ---
 apiVersion: rbac.authorization.k8s.io/v1
 kind: Role
 metadata:
-  name: harvester-csi-driver:hotplug-requests
+  name: harvester-csi-driver
   namespace: ${namespace}
-  labels:
-    app.kubernetes.io/managed-by: harvester-csi-driver-host-rbac
+$(labels)
 rules:
-  # Withdraw a legacy add request that a webhook refused: it blocks every later hotplug on the VM.
-  - apiGroups: ["kubevirt.io"]
-    resources: ["virtualmachines/status"]
-    verbs: ["patch"]
+$(rules ns)
 ---
 apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
+kind: ClusterRole
 metadata:
-  name: ${sa}-hotplug-requests
-  namespace: ${namespace}
-  labels:
-    app.kubernetes.io/managed-by: harvester-csi-driver-host-rbac
-roleRef:
-  apiGroup: rbac.authorization.k8s.io
-  kind: Role
-  name: harvester-csi-driver:hotplug-requests
-subjects:
-  - kind: ServiceAccount
-    name: ${sa}
-    namespace: ${namespace}
----
-apiVersion: v1
-kind: Secret
-type: kubernetes.io/service-account-token
-metadata:
-  name: ${sa}-token
-  namespace: ${namespace}
-  labels:
-    app.kubernetes.io/managed-by: harvester-csi-driver-host-rbac
-  annotations:
-    kubernetes.io/service-account.name: ${sa}
+  name: harvester-csi-driver:host-reads
+$(labels)
+rules:
+$(kubevirt_read=false rules cluster)
 EOF
-
-if $kubevirt_read; then
-	log "granting read access to KubeVirt CRs"
-	"${host[@]}" apply -f - >&2 <<EOF
+	binding RoleBinding "${sa}" "$namespace" Role harvester-csi-driver
+	binding ClusterRoleBinding "${namespace}-${sa}-host-reads" "" ClusterRole harvester-csi-driver:host-reads
+	if $kubevirt_read; then
+		cat <<EOF
+---
 apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRole
 metadata:
   name: harvester-csi-driver:kubevirt-reader
-  labels:
-    app.kubernetes.io/managed-by: harvester-csi-driver-host-rbac
+$(labels)
 rules:
   - apiGroups: ["kubevirt.io"]
     resources: ["kubevirts"]
-    verbs: ["get", "list"]
+    verbs: ["list"]
+EOF
+		binding ClusterRoleBinding "${namespace}-${sa}-kubevirt-reader" "" ClusterRole harvester-csi-driver:kubevirt-reader
+	fi
+}
+
+if $print; then
+	manifests
+	exit 0
+fi
+
+command -v kubectl >/dev/null || { echo "kubectl is required" >&2; exit 1; }
+host=(kubectl --kubeconfig "$host_kubeconfig")
+[ -z "$host_context" ] || host+=(--context "$host_context")
+
+"${host[@]}" get namespace "$namespace" >/dev/null ||
+	{ log "namespace $namespace does not exist on the Harvester cluster"; exit 1; }
+
+# allowed VERB GROUP RESOURCE[/SUB] NAME: whether the ServiceAccount may, by a SubjectAccessReview (needs no
+# impersonation rights, and counts the groups every ServiceAccount is in).
+allowed() {
+	local verb=$1 group=$2 resource=${3%%/*} sub="" name=$4 ns=$5
+	[ "$3" = "$resource" ] || sub=${3#*/}
+	"${host[@]}" create -o 'jsonpath={.status.allowed}' -f - <<EOF
+apiVersion: authorization.k8s.io/v1
+kind: SubjectAccessReview
+spec:
+  user: system:serviceaccount:${namespace}:${sa}
+  groups: ["system:serviceaccounts", "system:serviceaccounts:${namespace}", "system:authenticated"]
+  resourceAttributes:
+    namespace: "${ns}"
+    verb: ${verb}
+    group: "${group}"
+    resource: ${resource}
+    subresource: "${sub}"
+    name: "${name}"
+EOF
+}
+
+if [ -n "$existing" ]; then
+	"${host[@]}" -n "$namespace" get serviceaccount "$sa" >/dev/null ||
+		{ log "ServiceAccount $namespace/$sa does not exist"; exit 1; }
+	role="${sa}-harvester-csi-driver"
+	clusterrole="harvester-csi-driver:${namespace}:${sa}"
+	annotation=harvester-csi-driver-grants
+	# Grants made by an earlier run stay: they are why the review now says "allowed".
+	earlier=$({ "${host[@]}" -n "$namespace" get role "$role" -o "jsonpath={.metadata.annotations.${annotation}}" 2>/dev/null || true
+		echo
+		"${host[@]}" get clusterrole "$clusterrole" -o "jsonpath={.metadata.annotations.${annotation}}" 2>/dev/null || true; } | tr ' ' '\n')
+	missing=""
+	while read -r scope group resource verbs names; do
+		[ "$group" = '""' ] && group=""
+		ns=$namespace
+		[ "$scope" = ns ] || ns=""
+		for verb in ${verbs//,/ }; do
+			key="$group|$resource|$verb"
+			if grep -qxF "$key" <<<"$earlier"; then
+				missing+="$key"$'\n'
+				continue
+			fi
+			ok=true
+			for name in ${names//,/ }; do
+				[ "$name" = "-" ] && name=""
+				[ "$(allowed "$verb" "$group" "$resource" "$name" "$ns")" = true ] || ok=false
+			done
+			if ! $ok; then
+				log "$sa lacks: $verb ${group:-core}/$resource${ns:+ in $ns}"
+				missing+="$key"$'\n'
+			fi
+		done
+	done < <(permissions)
+	nsrules=$(rules ns "$missing")
+	clrules=$(rules cluster "$missing")
+	grants=$(grep -v '^$' <<<"$missing" | tr '\n' ' ' | sed 's/ $//' || true)
+	if [ -z "$nsrules" ] && [ -z "$clrules" ]; then
+		log "$namespace/$sa already has every grant the driver needs"
+		exit 0
+	fi
+	{
+		if [ -n "$nsrules" ]; then
+			cat <<EOF
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: ${role}
+  namespace: ${namespace}
+$(labels "${namespace}.${sa}")
+  annotations:
+    ${annotation}: "${grants}"
+rules:
+${nsrules}
+EOF
+			binding RoleBinding "$role" "$namespace" Role "$role"
+		fi
+		if [ -n "$clrules" ]; then
+			cat <<EOF
 ---
 apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
+kind: ClusterRole
 metadata:
-  name: ${namespace}-${sa}-kubevirt-reader
-  labels:
-    app.kubernetes.io/managed-by: harvester-csi-driver-host-rbac
-roleRef:
-  apiGroup: rbac.authorization.k8s.io
-  kind: ClusterRole
-  name: harvester-csi-driver:kubevirt-reader
-subjects:
-  - kind: ServiceAccount
-    name: ${sa}
-    namespace: ${namespace}
+  name: ${clusterrole}
+$(labels "${namespace}.${sa}")
+  annotations:
+    ${annotation}: "${grants}"
+rules:
+${clrules}
 EOF
+			binding ClusterRoleBinding "$clusterrole" "" ClusterRole "$clusterrole"
+		fi
+	} | "${host[@]}" apply -f - >&2
+	log "granted $namespace/$sa what it lacked (Role/ClusterRole ${role}, ${clusterrole})"
+	exit 0
 fi
 
-log "waiting for the token of $namespace/$sa"
-token=""
-for ((i = 0; i < timeout; i++)); do
-	token=$("${host[@]}" -n "$namespace" get secret "${sa}-token" -o 'jsonpath={.data.token}' 2>/dev/null || true)
-	[ -n "$token" ] && break
-	sleep 1
-done
-[ -n "$token" ] || { log "the token controller did not fill Secret $namespace/${sa}-token within ${timeout}s"; exit 1; }
-token=$(printf '%s' "$token" | base64 -d)
-ca=$("${host[@]}" -n "$namespace" get secret "${sa}-token" -o 'jsonpath={.data.ca\.crt}')
+if $rotate; then
+	"${host[@]}" -n "$namespace" get serviceaccount "$sa" >/dev/null ||
+		{ log "ServiceAccount $namespace/$sa does not exist: run without --rotate first"; exit 1; }
+else
+	# Earlier versions of this script bound Harvester's roles (csi-driver cluster-wide) and stored a token that
+	# never expires; remove what they made (only objects carrying this script's label). The RoleBinding of the
+	# same name goes first: its roleRef cannot change in place.
+	if [ "$("${host[@]}" -n "$namespace" get rolebinding "$sa" -o 'jsonpath={.metadata.labels.app\.kubernetes\.io/managed-by}/{.roleRef.name}' 2>/dev/null || true)" = "$managed/harvesterhci.io:cloudprovider" ]; then
+		"${host[@]}" -n "$namespace" delete rolebinding "$sa" >&2
+	fi
+	log "creating ServiceAccount $namespace/$sa and its grants"
+	manifests | "${host[@]}" apply -f - >&2
+	for obj in "clusterrolebinding/${namespace}-${sa}-csi-driver" \
+		"-n $namespace rolebinding/${sa}-hotplug-requests" "-n $namespace secret/${sa}-token"; do
+		# shellcheck disable=SC2086 # obj carries its own -n
+		if [ "$("${host[@]}" get $obj -o "jsonpath={.metadata.labels.app\.kubernetes\.io/managed-by}" 2>/dev/null || true)" = "$managed" ]; then
+			# shellcheck disable=SC2086
+			"${host[@]}" delete $obj >&2
+		fi
+	done
+	# The old Role stays if another ServiceAccount of the namespace is still bound to it.
+	if [ "$("${host[@]}" -n "$namespace" get role harvester-csi-driver:hotplug-requests -o 'jsonpath={.metadata.labels.app\.kubernetes\.io/managed-by}' 2>/dev/null || true)" = "$managed" ] &&
+		! "${host[@]}" -n "$namespace" get rolebindings -o 'jsonpath={range .items[*]}{.roleRef.name}{"\n"}{end}' | grep -qxF harvester-csi-driver:hotplug-requests; then
+		"${host[@]}" -n "$namespace" delete role harvester-csi-driver:hotplug-requests >&2
+	fi
+fi
 
-# Server URL and, when the token Secret has no CA, the CA of the host kubeconfig's current cluster.
+log "issuing a token of $namespace/$sa for $duration"
+token=$("${host[@]}" -n "$namespace" create token "$sa" --duration="$duration")
+# The expiry the API server granted (it may shorten the request), from the token's claims.
+claims=$(cut -d. -f2 <<<"$token" | tr '_-' '/+')
+while [ $((${#claims} % 4)) -ne 0 ]; do claims+="="; done
+exp=$(base64 -d <<<"$claims" 2>/dev/null | grep -o '"exp":[0-9]*' | cut -d: -f2 || true)
+if [ -n "$exp" ]; then
+	when=$(date -u -d "@$exp" '+%Y-%m-%dT%H:%M:%SZ' 2>/dev/null || date -u -r "$exp" '+%Y-%m-%dT%H:%M:%SZ' 2>/dev/null || echo "at unix time $exp")
+	log "the token expires $when: rotate it before then (hack/host-rbac.sh --rotate ...)"
+fi
+
+# Server URL and CA: the host kubeconfig's, else the namespace's kube-root-ca.crt.
 [ -n "$server" ] || server=$("${host[@]}" config view --minify -o 'jsonpath={.clusters[0].cluster.server}')
-if [ -z "$ca" ]; then
-	ca=$("${host[@]}" config view --minify --raw -o 'jsonpath={.clusters[0].cluster.certificate-authority-data}')
-fi
 [ -n "$server" ] || { log "no server URL: pass --server"; exit 1; }
+ca=$("${host[@]}" config view --minify --raw -o 'jsonpath={.clusters[0].cluster.certificate-authority-data}')
+if [ -z "$ca" ]; then
+	cafile=$("${host[@]}" config view --minify --raw -o 'jsonpath={.clusters[0].cluster.certificate-authority}')
+	if [ -n "$cafile" ] && [ -r "$cafile" ]; then
+		ca=$(base64 <"$cafile" | tr -d '\n')
+	else
+		ca=$("${host[@]}" -n "$namespace" get configmap kube-root-ca.crt -o 'jsonpath={.data.ca\.crt}' 2>/dev/null | base64 | tr -d '\n' || true)
+	fi
+fi
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -222,8 +374,18 @@ fi
 
 if [ -n "$guest_kubeconfig" ]; then
 	guest=(kubectl --kubeconfig "$guest_kubeconfig")
+	[ -z "$guest_context" ] || guest+=(--context "$guest_context")
 	"${guest[@]}" -n "$secret_namespace" create secret generic "$secret_name" \
 		--from-file=cloud-provider-config="$kc" --dry-run=client -o yaml | "${guest[@]}" apply -f - >&2
 	log "stored the kubeconfig in the guest cluster as Secret $secret_namespace/$secret_name"
-	log "install the chart with: --set cloudConfig.secretName=$secret_name (namespace $secret_namespace)"
+	if $restart; then
+		for w in deploy/harvester-csi-driver-controllers ds/harvester-csi-driver; do
+			if "${guest[@]}" -n "$secret_namespace" get "$w" >/dev/null 2>&1; then
+				"${guest[@]}" -n "$secret_namespace" rollout restart "$w" >&2
+			fi
+		done
+	else
+		log "the driver reads the kubeconfig at start-up: restart it to use the new token (or re-run with --restart)"
+	fi
+	$rotate || log "install the chart with: --set cloudConfig.secretName=$secret_name (namespace $secret_namespace)"
 fi

@@ -7,9 +7,12 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime"
+	"runtime/debug"
 	"strconv"
 	"syscall"
 	"time"
@@ -26,7 +29,8 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
-// Stamped at build time with -ldflags "-X main.version=... -X main.commit=...".
+// Stamped at build time with -ldflags "-X main.version=... -X main.commit=...";
+// the Makefile takes the version from the VERSION file.
 var (
 	version = "dev"
 	commit  = "unknown"
@@ -45,20 +49,26 @@ type options struct {
 	showVersion                                    bool
 }
 
-func parseFlags(args []string) (*options, error) {
-	o := &options{queue: hotplug.DefaultConfig()}
+// newFlagSet defines the command line into o. Of klog's many flags only the
+// verbosity is offered (--v; --debug is --v=4): the rest are for programs
+// that write log files, which a pod does not.
+func newFlagSet(o *options) *flag.FlagSet {
 	fs := flag.NewFlagSet("harvester-csi-driver", flag.ContinueOnError)
+	// The flag package would print the error and the whole usage on every
+	// parse error; the caller prints one line instead.
+	fs.SetOutput(io.Discard)
 	fs.StringVar(&o.endpoint, "endpoint", "unix:///csi/csi.sock", "CSI endpoint (unix:///path or tcp://host:port)")
 	fs.StringVar(&o.nodeID, "nodeid", "", "node ID (the guest's VM name); discovered when empty")
-	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "host (Harvester) kubeconfig; its context's namespace holds the guest VMs (default "+host.DefaultKubeconfig+")")
+	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "host (Harvester) kubeconfig; its context's namespace holds the guest VMs. "+
+		"When the file does not exist, "+host.DefaultKubeconfig+" is used, as upstream")
 	fs.StringVar(&o.hostStorageClass, "host-storage-class", os.Getenv("HOST_STORAGE_CLASS"), "host storage class for new volumes [$HOST_STORAGE_CLASS]")
-	fs.BoolVar(&o.debug, "debug", envBool("DEBUG"), "verbose logs [$DEBUG]")
+	fs.BoolVar(&o.debug, "debug", envBool("DEBUG"), "verbose logs, the same as --v=4 [$DEBUG]")
 	fs.StringVar(&o.mode, "mode", "all", "services to run: all, controller or node")
 	fs.StringVar(&o.backend, "hotplug-backend", host.BackendAuto, "hotplug backend: auto, declarative or subresource")
 	fs.DurationVar(&o.queue.BatchWindow, "batch-window", o.queue.BatchWindow, "how long the first hotplug request on an idle VM waits for more")
 	fs.DurationVar(&o.queue.MaxHold, "max-hold", o.queue.MaxHold, "longest wait for a VM's previous hotplug change to settle before the next")
 	fs.IntVar(&o.queue.Workers, "hotplug-workers", o.queue.Workers, "VMs worked on at once")
-	fs.Float64Var(&o.queue.QPS, "hotplug-qps", o.queue.QPS, "token-bucket rate of hotplug retries across all VMs")
+	fs.Float64Var(&o.queue.QPS, "hotplug-qps", o.queue.QPS, "token-bucket rate of hotplug retries across all VMs (first attempts are not limited)")
 	fs.IntVar(&o.queue.Burst, "hotplug-burst", o.queue.Burst, "token-bucket burst of hotplug retries")
 	fs.Float64Var(&o.kubeQPS, "kube-api-qps", 20, "host API client QPS")
 	fs.IntVar(&o.kubeBurst, "kube-api-burst", 40, "host API client burst")
@@ -68,7 +78,13 @@ func parseFlags(args []string) (*options, error) {
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
-	klogFlags.VisitAll(func(f *flag.Flag) { fs.Var(f.Value, f.Name, f.Usage) })
+	fs.Var(klogFlags.Lookup("v").Value, "v", "log verbosity (0-10)")
+	return fs
+}
+
+func parseFlags(args []string) (*options, error) {
+	o := &options{queue: hotplug.DefaultConfig()}
+	fs := newFlagSet(o)
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -80,10 +96,111 @@ func parseFlags(args []string) (*options, error) {
 	default:
 		return nil, fmt.Errorf("invalid --mode %q: want all, controller or node", o.mode)
 	}
-	if o.debug {
-		_ = klogFlags.Set("v", "4")
+	// Checked here, not when the backend is built: that happens only after
+	// the host kubeconfig loaded and the host API answered.
+	switch o.backend {
+	case host.BackendAuto, host.BackendDeclarative, host.BackendSubresource:
+	default:
+		return nil, fmt.Errorf("invalid --hotplug-backend %q: want %s, %s or %s", o.backend, host.BackendAuto, host.BackendDeclarative, host.BackendSubresource)
+	}
+	explicitV := false
+	fs.Visit(func(f *flag.Flag) { explicitV = explicitV || f.Name == "v" })
+	if o.debug && !explicitV {
+		_ = fs.Set("v", "4")
 	}
 	return o, nil
+}
+
+// printUsage lists the flags the way they are written on a command line
+// (--name), with their defaults.
+func printUsage(w io.Writer) {
+	fs := newFlagSet(&options{queue: hotplug.DefaultConfig()})
+	fmt.Fprintf(w, "Usage: harvester-csi-driver [flags]\n\nCSI driver for Kubernetes guest clusters on Harvester, with a per-VM hotplug queue.\n\nFlags:\n")
+	fs.VisitAll(func(f *flag.Flag) {
+		kind, usage := flag.UnquoteUsage(f)
+		line := "  --" + f.Name
+		if kind != "" {
+			line += " " + kind
+		}
+		if f.DefValue != "" && f.DefValue != "false" && f.DefValue != "0" {
+			usage += fmt.Sprintf(" (default %s)", f.DefValue)
+		}
+		fmt.Fprintf(w, "%s\n      %s\n", line, usage)
+	})
+}
+
+// printVersion prints what the binary is, one labeled value a line.
+func printVersion(w io.Writer) {
+	fmt.Fprintf(w, "version: %s\ncommit: %s\ngo: %s\nplatform: %s/%s\n", version, buildCommit(), runtime.Version(), runtime.GOOS, runtime.GOARCH)
+}
+
+// buildCommit is the stamped commit or, for a plain `go build` in a git
+// checkout, the revision Go recorded.
+func buildCommit() string {
+	if commit != "unknown" {
+		return commit
+	}
+	info, ok := debug.ReadBuildInfo()
+	if !ok {
+		return commit
+	}
+	rev, dirty := "", false
+	for _, s := range info.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.modified":
+			dirty = s.Value == "true"
+		}
+	}
+	if rev == "" {
+		return commit
+	}
+	if len(rev) > 12 {
+		rev = rev[:12]
+	}
+	if dirty {
+		rev += "-dirty"
+	}
+	return rev
+}
+
+// parseCommandLine deals with everything that ends the process before the
+// driver starts: --help, --version and a bad command line (one short line on
+// stderr). It returns nil options and the exit code in those cases.
+func parseCommandLine(args []string, stdout, stderr io.Writer) (*options, int) {
+	o, err := parseFlags(args)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		printUsage(stdout)
+		return nil, 0
+	case err != nil:
+		fmt.Fprintf(stderr, "harvester-csi-driver: %v\nRun 'harvester-csi-driver --help' for the list of flags.\n", err)
+		return nil, 2
+	case o.showVersion:
+		printVersion(stdout)
+		return nil, 0
+	}
+	return o, 0
+}
+
+// hostKubeconfig resolves --kubeconfig as the driver will load it (falling
+// back to fallback when the file does not exist) and logs the file used. On
+// failure it leaves the flag as given: a node plugin with --nodeid needs no
+// host access, and the loading step reports the error where it is needed.
+func hostKubeconfig(ctx context.Context, given, fallback string) string {
+	logger := klog.FromContext(ctx)
+	path, fellBack, err := host.ResolveKubeconfig(given, fallback)
+	switch {
+	case err != nil:
+		logger.Info("No host kubeconfig found", "reason", err.Error())
+		return given
+	case fellBack && given != "":
+		logger.Info("The --kubeconfig file does not exist: using the fallback host kubeconfig", "kubeconfig", given, "file", path)
+	default:
+		logger.Info("Host kubeconfig", "file", path)
+	}
+	return path
 }
 
 func envBool(name string) bool {
@@ -92,22 +209,16 @@ func envBool(name string) bool {
 }
 
 func main() {
-	o, err := parseFlags(os.Args[1:])
-	if errors.Is(err, flag.ErrHelp) {
-		os.Exit(0)
-	}
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "harvester-csi-driver:", err)
-		os.Exit(2)
-	}
-	if o.showVersion {
-		fmt.Println(version, commit)
-		return
+	o, code := parseCommandLine(os.Args[1:], os.Stdout, os.Stderr)
+	if o == nil {
+		os.Exit(code)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	logger := klog.Background()
 	ctx = klog.NewContext(ctx, logger)
+	logger.Info("Starting harvester-csi-driver", "version", version, "commit", buildCommit(), "mode", o.mode)
+	o.kubeconfig = hostKubeconfig(ctx, o.kubeconfig, host.DefaultKubeconfig)
 	if err := run(ctx, o); err != nil {
 		logger.Error(err, "driver stopped")
 		klog.Flush()

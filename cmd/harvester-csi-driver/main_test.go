@@ -1,9 +1,22 @@
 package main
 
 import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
+
+	"k8s.io/klog/v2"
+	"k8s.io/klog/v2/ktesting"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 )
 
 func TestUpstreamFlagsAndEnvironment(t *testing.T) {
@@ -42,14 +55,210 @@ func TestDefaults(t *testing.T) {
 
 func TestBadCommandLinesAreClearErrors(t *testing.T) {
 	for args, want := range map[string]string{
-		"--no-such-flag":    "no-such-flag",
-		"--mode=everything": "invalid --mode",
-		"stray":             "unexpected arguments",
-		"--batch-window=x":  "batch-window",
+		"--no-such-flag":      "no-such-flag",
+		"--mode=everything":   "invalid --mode",
+		"stray":               "unexpected arguments",
+		"--batch-window=x":    "batch-window",
+		"--hotplug-backend=x": "invalid --hotplug-backend",
 	} {
 		_, err := parseFlags([]string{args})
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("%s: got %v, want an error mentioning %q", args, err, want)
 		}
+	}
+}
+
+// TestMain lets the tests run this test binary as the driver itself
+// (HCSI_RUN_MAIN=1): the command line is then checked end to end, exit code,
+// stdout and stderr, exactly as a user or the kubelet sees them.
+func TestMain(m *testing.M) {
+	if os.Getenv("HCSI_RUN_MAIN") == "1" {
+		main()
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+type result struct {
+	code           int
+	stdout, stderr string
+}
+
+// runDriver runs the driver with args and returns how it ended.
+func runDriver(t *testing.T, args ...string) result {
+	t.Helper()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, self, args...)
+	cmd.Env = append(os.Environ(), "HCSI_RUN_MAIN=1", "DEBUG=", "HOST_STORAGE_CLASS=")
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err = cmd.Run()
+	var exit *exec.ExitError
+	code := 0
+	switch {
+	case errors.As(err, &exit):
+		code = exit.ExitCode()
+	case err != nil:
+		t.Fatalf("run the driver %v: %v", args, err)
+	}
+	return result{code: code, stdout: stdout.String(), stderr: stderr.String()}
+}
+
+// klog's file-logging flags that --help must not list.
+var klogOnlyFlags = []string{"logtostderr", "alsologtostderr", "log_dir", "log_file", "log_file_max_size",
+	"add_dir_header", "skip_headers", "skip_log_headers", "stderrthreshold", "one_output", "log_backtrace_at", "vmodule"}
+
+func TestHelpListsTheDriversFlags(t *testing.T) {
+	r := runDriver(t, "--help")
+	if r.code != 0 || r.stderr != "" {
+		t.Fatalf("--help: exit %d, stderr %q", r.code, r.stderr)
+	}
+	for _, f := range []string{"endpoint", "nodeid", "kubeconfig", "host-storage-class", "debug", "mode", "hotplug-backend",
+		"batch-window", "hotplug-qps", "metrics-address", "sysfs-root", "sweep-interval", "version", "v"} {
+		if !regexp.MustCompile(`(?m)^\s+--` + regexp.QuoteMeta(f) + `\b`).MatchString(r.stdout) {
+			t.Errorf("--help does not list --%s:\n%s", f, r.stdout)
+		}
+	}
+	for _, f := range klogOnlyFlags {
+		if strings.Contains(r.stdout, f) {
+			t.Errorf("--help lists klog's --%s", f)
+		}
+	}
+	if n := strings.Count(r.stdout, "\n  --"); n > 25 {
+		t.Errorf("--help lists %d flags; the driver has about 20", n)
+	}
+}
+
+func TestVerbosityStaysReachable(t *testing.T) {
+	if _, err := parseFlags([]string{"--v=5"}); err != nil {
+		t.Fatalf("--v: %v", err)
+	}
+	if !klog.V(5).Enabled() || klog.V(6).Enabled() {
+		t.Error("--v=5 did not set klog's verbosity")
+	}
+	if _, err := parseFlags([]string{"--debug"}); err != nil {
+		t.Fatal(err)
+	}
+	if !klog.V(4).Enabled() || klog.V(5).Enabled() {
+		t.Error("--debug did not set verbosity 4")
+	}
+	if _, err := parseFlags([]string{"--debug", "--v=6"}); err != nil {
+		t.Fatal(err)
+	}
+	if !klog.V(6).Enabled() {
+		t.Error("--debug overrode an explicit --v=6")
+	}
+	if _, err := parseFlags([]string{"--v=0"}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestUnknownFlagIsOneShortError(t *testing.T) {
+	r := runDriver(t, "--no-such-flag")
+	if r.code != 2 || r.stdout != "" {
+		t.Errorf("exit %d (want 2), stdout %q", r.code, r.stdout)
+	}
+	if n := strings.Count(r.stderr, "no-such-flag"); n != 1 {
+		t.Errorf("the error names the flag %d times, want once:\n%s", n, r.stderr)
+	}
+	if lines := strings.Count(strings.TrimSpace(r.stderr), "\n") + 1; lines > 2 || strings.Contains(r.stderr, "--endpoint") {
+		t.Errorf("the error is %d lines or carries the usage; want one line and a hint:\n%s", lines, r.stderr)
+	}
+	if !strings.Contains(r.stderr, "--help") {
+		t.Errorf("the error does not point at --help:\n%s", r.stderr)
+	}
+}
+
+func TestVersionIsLabeled(t *testing.T) {
+	r := runDriver(t, "--version")
+	if r.code != 0 {
+		t.Fatalf("--version: exit %d\n%s", r.code, r.stderr)
+	}
+	for _, want := range []string{"version: " + version, "commit: ", "go: " + runtime.Version()} {
+		if !strings.Contains(r.stdout, want+"") {
+			t.Errorf("--version printed %q, want a line %q", r.stdout, want)
+		}
+	}
+	for _, line := range strings.Split(strings.TrimSpace(r.stdout), "\n") {
+		if k, v, ok := strings.Cut(line, ": "); !ok || k == "" || strings.TrimSpace(v) == "" {
+			t.Errorf("unlabeled or empty line %q in --version", line)
+		}
+	}
+}
+
+// A bad --hotplug-backend must be caught before anything touches the host:
+// the kubeconfig given here does not exist, and the error must be about the
+// backend.
+func TestBadBackendIsCaughtAtParsing(t *testing.T) {
+	r := runDriver(t, "--mode=controller", "--hotplug-backend=fastest", "--kubeconfig=/nonexistent/cloud-provider-config")
+	if r.code != 2 {
+		t.Errorf("exit %d, want 2 (a command-line error)", r.code)
+	}
+	if !strings.Contains(r.stderr, "--hotplug-backend") || !strings.Contains(r.stderr, "fastest") || strings.Contains(r.stderr, "kubeconfig") {
+		t.Errorf("want an error about --hotplug-backend only:\n%s", r.stderr)
+	}
+}
+
+func TestMissingKubeconfigErrorNamesTheFlag(t *testing.T) {
+	if _, err := os.Stat(host.DefaultKubeconfig); err == nil {
+		t.Skipf("%s exists on this machine: the driver would use it", host.DefaultKubeconfig)
+	}
+	sock := filepath.Join(t.TempDir(), "csi.sock")
+	r := runDriver(t, "--mode=controller", "--endpoint=unix://"+sock, "--kubeconfig=/nonexistent/cloud-provider-config")
+	if r.code == 0 {
+		t.Fatal("the driver started without a host kubeconfig")
+	}
+	if !strings.Contains(r.stderr, "--kubeconfig /nonexistent/cloud-provider-config") || !strings.Contains(r.stderr, host.DefaultKubeconfig) {
+		t.Errorf("the error must name --kubeconfig, its value and the fallback:\n%s", r.stderr)
+	}
+}
+
+// The chart always passes --kubeconfig; on a node that only has upstream's
+// /etc/kubernetes/cloud-config the driver must use that, and say so.
+func TestKubeconfigFallsBackAndLogsTheFile(t *testing.T) {
+	dir := t.TempDir()
+	given := filepath.Join(dir, "cloud-provider-config")
+	fallback := filepath.Join(dir, "cloud-config")
+	if err := os.WriteFile(fallback, []byte("apiVersion: v1\nkind: Config\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	logged := func(given string) (string, string) {
+		logger := ktesting.NewLogger(t, ktesting.NewConfig(ktesting.BufferLogs(true)))
+		got := hostKubeconfig(klog.NewContext(context.Background(), logger), given, fallback)
+		return got, logger.GetSink().(ktesting.Underlier).GetBuffer().String()
+	}
+
+	got, logs := logged(given)
+	if got != fallback {
+		t.Errorf("--kubeconfig missing: resolved %q, want the fallback %q", got, fallback)
+	}
+	if !strings.Contains(logs, fallback) || !strings.Contains(logs, given) {
+		t.Errorf("the log does not say that %s replaced %s:\n%s", fallback, given, logs)
+	}
+
+	got, logs = logged("")
+	if got != fallback || !strings.Contains(logs, fallback) {
+		t.Errorf("no --kubeconfig: resolved %q (want %q), log:\n%s", got, fallback, logs)
+	}
+
+	if err := os.WriteFile(given, []byte("apiVersion: v1\nkind: Config\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	got, logs = logged(given)
+	if got != given || !strings.Contains(logs, given) || strings.Contains(logs, fallback) {
+		t.Errorf("--kubeconfig present: resolved %q (want %q), log:\n%s", got, given, logs)
+	}
+
+	// Neither file: the flag stays as given, the loader reports the error.
+	_ = os.Remove(given)
+	_ = os.Remove(fallback)
+	got, logs = logged(given)
+	if got != given || !strings.Contains(logs, "--kubeconfig") {
+		t.Errorf("no file: resolved %q (want %q unchanged), log:\n%s", got, given, logs)
 	}
 }

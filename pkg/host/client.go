@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"time"
 
@@ -22,7 +23,8 @@ import (
 	"kubevirt.io/client-go/kubevirt"
 )
 
-// DefaultKubeconfig is where upstream looks when --kubeconfig is not given.
+// DefaultKubeconfig is where upstream looks when --kubeconfig is not given
+// or names a file that does not exist.
 const DefaultKubeconfig = "/etc/kubernetes/cloud-config"
 
 // Client reaches the host namespace that holds the guest cluster's VMs.
@@ -34,14 +36,36 @@ type Client struct {
 	Dynamic   dynamic.Interface
 }
 
-// Load reads a host kubeconfig (DefaultKubeconfig when path is empty); the
-// current context's namespace is the host namespace.
-func Load(path string, qps float32, burst int) (*Client, error) {
-	if path == "" {
-		path = DefaultKubeconfig
+// ResolveKubeconfig picks the host kubeconfig file as upstream does: the
+// given path when it exists, else fallback (also when nothing was given).
+// fellBack says the fallback was taken. The error names --kubeconfig, which
+// is where an operator sets the path.
+func ResolveKubeconfig(given, fallback string) (path string, fellBack bool, err error) {
+	if given != "" {
+		_, err := os.Stat(given)
+		if err == nil {
+			return given, false, nil
+		}
+		if !errors.Is(err, fs.ErrNotExist) {
+			return "", false, fmt.Errorf("host kubeconfig (--kubeconfig): %w", err)
+		}
 	}
-	if _, err := os.Stat(path); err != nil {
-		return nil, fmt.Errorf("host kubeconfig: %w", err)
+	if _, err := os.Stat(fallback); err != nil {
+		if given == "" {
+			return "", false, fmt.Errorf("host kubeconfig: --kubeconfig not given and the default %s cannot be read: %w", fallback, err)
+		}
+		return "", false, fmt.Errorf("host kubeconfig: --kubeconfig %s does not exist and the fallback %s cannot be read: %w", given, fallback, err)
+	}
+	return fallback, true, nil
+}
+
+// Load reads the host kubeconfig at path (DefaultKubeconfig when path is
+// empty or does not exist, see ResolveKubeconfig); the current context's
+// namespace is the host namespace.
+func Load(path string, qps float32, burst int) (*Client, error) {
+	path, _, err := ResolveKubeconfig(path, DefaultKubeconfig)
+	if err != nil {
+		return nil, err
 	}
 	loader := clientcmd.NewNonInteractiveDeferredLoadingClientConfig(
 		&clientcmd.ClientConfigLoadingRules{ExplicitPath: path}, &clientcmd.ConfigOverrides{})

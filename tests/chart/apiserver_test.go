@@ -20,6 +20,7 @@ import (
 	apiextensionsclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
@@ -68,10 +69,10 @@ func TestAgainstAPIServer(t *testing.T) {
 
 	helm := newHelm(t, env.Kubeconfig)
 	t.Run("upgrade-from-upstream", func(t *testing.T) { k.upgradeFromUpstream(ctx, t, helm) })
+	t.Run("upgrade-preflight-commands", func(t *testing.T) { k.checkUpgradePreflight(ctx, t, env.Kubeconfig) })
 	t.Run("rbac-on-server", func(t *testing.T) { k.checkAccessReviews(ctx, t) })
 	t.Run("immutable-fields-are-enforced", func(t *testing.T) { k.checkImmutability(ctx, t) })
 	t.Run("respects-another-default-storageclass", func(t *testing.T) { k.checkDefaultStorageClass(ctx, t, helm) })
-	t.Run("host-rbac-script", func(t *testing.T) { k.checkHostRBACScript(ctx, t, env) })
 }
 
 type kube struct {
@@ -229,11 +230,14 @@ func (h *helmClient) upgrade(ch *chart.Chart, vals map[string]interface{}, opts 
 }
 
 // upgradeFromUpstream installs a release shaped like the upstream chart
-// (testdata/upstream-shape) with values written for upstream, then
-// `helm upgrade --reset-then-reuse-values`s it to this chart. The API server
-// rejects any change of an immutable field (workload selectors, CSIDriver
-// attachRequired/podInfoOnMount, StorageClass provisioner/parameters/
-// reclaimPolicy/volumeBindingMode), so success means an in-place upgrade works.
+// (testdata/upstream-shape, a stand-in with upstream's object names,
+// selectors and immutable fields) with values written for upstream, including
+// a pinned upstream driver image, then `helm upgrade --reset-then-reuse-values`s
+// it to this chart. The API server rejects any change of an immutable field
+// (workload selectors, CSIDriver attachRequired/podInfoOnMount, StorageClass
+// provisioner/parameters/reclaimPolicy/volumeBindingMode), so success means an
+// in-place upgrade works. It then rolls back to the upstream release and
+// upgrades again, as docs/install.md describes.
 func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmClient) {
 	upstream, err := render.Load(filepath.Join("testdata", "upstream-shape"))
 	if err != nil {
@@ -243,6 +247,9 @@ func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmCli
 		"replicasCount":    2,
 		"hostStorageClass": "longhorn",
 		"cloudConfig":      map[string]interface{}{"hostPath": "/var/lib/rancher/rke2/etc/config-files/", "secretName": ""},
+		// Pinned by the user for upstream: carried over by --reset-then-reuse-values.
+		"image": map[string]interface{}{"harvester": map[string]interface{}{"csiDriver": map[string]interface{}{
+			"repository": "rancher/harvester-csi-driver", "tag": "v0.2.9"}}},
 	}
 	if err := h.install(upstream, userValues); err != nil {
 		t.Fatalf("install the upstream-shaped release: %v", err)
@@ -266,10 +273,30 @@ func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmCli
 	if err == nil || !strings.Contains(err.Error(), "--reset-then-reuse-values") {
 		t.Fatalf("helm upgrade --reuse-values: got %v, want the chart's explanation", err)
 	}
-	// `helm upgrade --reset-then-reuse-values`: this chart's defaults, the user's upstream values on top.
-	if err := h.upgrade(freshChart(t), nil, func(u *action.Upgrade) { u.ResetThenReuseValues = true }); err != nil {
-		t.Fatalf("helm upgrade from the upstream chart's shape fails: %v", err)
+	// `helm upgrade --reset-then-reuse-values` keeps the pinned upstream image, whose binary does not know this
+	// chart's flags: the chart refuses, saying how to drop the pin, and nothing changes.
+	err = h.upgrade(freshChart(t), nil, func(u *action.Upgrade) { u.ResetThenReuseValues = true })
+	if err == nil || !strings.Contains(err.Error(), `"rancher/harvester-csi-driver" is not this driver's image`) ||
+		!strings.Contains(err.Error(), "--set image.harvester.csiDriver.repository=harvester-csi/harvester-csi-driver") {
+		t.Fatalf("helm upgrade --reset-then-reuse-values with upstream's image pinned: got %v, want the chart's refusal", err)
 	}
+	if ds := k.nodeDriverImage(ctx, t); ds != "rancher/harvester-csi-driver:v0.2.9" {
+		t.Fatalf("a refused upgrade changed the DaemonSet's image to %s", ds)
+	}
+	// `helm upgrade --reset-then-reuse-values` with the pin dropped as the message says: this chart's defaults,
+	// the user's other upstream values on top.
+	dropPin := map[string]interface{}{"image": map[string]interface{}{"harvester": map[string]interface{}{"csiDriver": map[string]interface{}{
+		"repository": "harvester-csi/harvester-csi-driver", "tag": ""}}}}
+	upgradeToThisChart := func() {
+		t.Helper()
+		if err := h.upgrade(freshChart(t), dropPin, func(u *action.Upgrade) { u.ResetThenReuseValues = true }); err != nil {
+			t.Fatalf("helm upgrade from the upstream chart's shape fails: %v", err)
+		}
+		if img, want := k.nodeDriverImage(ctx, t), "harvester-csi/harvester-csi-driver:"+freshChart(t).Metadata.AppVersion; img != want {
+			t.Errorf("after the upgrade the node plugin runs %s, want %s", img, want)
+		}
+	}
+	upgradeToThisChart()
 	for key, old := range before {
 		ri, err := k.resource(old)
 		if err != nil {
@@ -299,6 +326,57 @@ func (k *kube) upgradeFromUpstream(ctx context.Context, t *testing.T, h *helmCli
 			}
 		}
 	}
+
+	// Rolling back to the upstream release (docs/install.md) restores its objects in place, and upgrading
+	// again works the same way.
+	hist, err := action.NewHistory(h.cfg).Run(render.ReleaseName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	upstreamRev := 0
+	for _, r := range hist {
+		if r.Chart.Metadata.Version == upstream.Metadata.Version && (upstreamRev == 0 || r.Version < upstreamRev) {
+			upstreamRev = r.Version
+		}
+	}
+	rb := action.NewRollback(h.cfg)
+	rb.Version = upstreamRev
+	rb.Timeout = time.Minute
+	if err := rb.Run(render.ReleaseName); err != nil {
+		t.Fatalf("helm rollback to the upstream revision %d: %v", upstreamRev, err)
+	}
+	if img := k.nodeDriverImage(ctx, t); img != "rancher/harvester-csi-driver:v0.2.9" {
+		t.Errorf("after the rollback the node plugin runs %s, want upstream's", img)
+	}
+	if _, err := k.client.CoreV1().ServiceAccounts(render.Namespace).Get(ctx, "harvester-csi-driver-node", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the rollback left this chart's ServiceAccount harvester-csi-driver-node behind (err %v)", err)
+	}
+	for key, old := range before {
+		ri, err := k.resource(old)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if live, err := ri.Get(ctx, old.GetName(), metav1.GetOptions{}); err != nil || live.GetUID() != old.GetUID() {
+			t.Errorf("%s after the rollback: %v (recreated: %v)", key, err, err == nil && live.GetUID() != old.GetUID())
+		}
+	}
+	upgradeToThisChart()
+}
+
+// nodeDriverImage is the driver image of the installed node DaemonSet.
+func (k *kube) nodeDriverImage(ctx context.Context, t *testing.T) string {
+	t.Helper()
+	ds, err := k.client.AppsV1().DaemonSets(render.Namespace).Get(ctx, nodeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range ds.Spec.Template.Spec.Containers {
+		if c.Name == "harvester-csi-driver" {
+			return c.Image
+		}
+	}
+	t.Fatalf("DaemonSet %s has no harvester-csi-driver container", nodeName)
+	return ""
 }
 
 func renderWith(t *testing.T, ch *chart.Chart, vals map[string]interface{}) []*unstructured.Unstructured {
@@ -459,3 +537,105 @@ func freshChart(t *testing.T) *chart.Chart {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// docCommand finds the shell command in docs/install.md that starts with
+// prefix (a whole line of a code block, or a `code span`).
+func docCommand(t *testing.T, prefix string) string {
+	t.Helper()
+	doc := readDoc(t, filepath.Join("docs", "install.md"))
+	i := strings.Index(doc, prefix)
+	if i < 0 {
+		t.Fatalf("docs/install.md has no command starting %q", prefix)
+	}
+	cmd := doc[i:]
+	end := strings.IndexAny(cmd, "\n`")
+	if end < 0 {
+		end = len(cmd)
+	}
+	return strings.TrimSpace(cmd[:end])
+}
+
+// checkUpgradePreflight runs docs/install.md's pre-flight commands for users
+// coming from upstream, as written, against objects of each kind they must
+// and must not report.
+func (k *kube) checkUpgradePreflight(ctx context.Context, t *testing.T, kubeconfig string) {
+	run := func(cmdline string) string {
+		t.Helper()
+		cmd := exec.CommandContext(ctx, "bash", "-o", "pipefail", "-c", cmdline)
+		cmd.Env = append(os.Environ(), "KUBECONFIG="+kubeconfig)
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("%s: %v\n%s", cmdline, err, out)
+		}
+		return string(out)
+	}
+	if _, err := exec.LookPath("kubectl"); err != nil {
+		t.Skip("kubectl not installed")
+	}
+	pv := func(name, driverName string, mode corev1.PersistentVolumeAccessMode) *corev1.PersistentVolume {
+		p := &corev1.PersistentVolume{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: corev1.PersistentVolumeSpec{
+				Capacity:    corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+				AccessModes: []corev1.PersistentVolumeAccessMode{mode},
+				ClaimRef:    &corev1.ObjectReference{Namespace: "apps", Name: name + "-claim"},
+			},
+		}
+		if driverName == "" {
+			p.Spec.HostPath = &corev1.HostPathVolumeSource{Path: "/tmp/" + name}
+		} else {
+			p.Spec.CSI = &corev1.CSIPersistentVolumeSource{Driver: driverName, VolumeHandle: name}
+		}
+		return p
+	}
+	for _, p := range []*corev1.PersistentVolume{
+		pv("pv-rwx", driverName, corev1.ReadWriteMany), pv("pv-rwo", driverName, corev1.ReadWriteOnce),
+		pv("pv-other-rwx", "other.csi.example.com", corev1.ReadWriteMany), pv("pv-hostpath-rwx", "", corev1.ReadWriteMany),
+	} {
+		if _, err := k.client.CoreV1().PersistentVolumes().Create(ctx, p, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if out := run(docCommand(t, "kubectl get pv -o jsonpath=")); strings.TrimSpace(out) != `apps/pv-rwx-claim ["ReadWriteMany"]` {
+		t.Errorf("the RWX pre-flight printed %q, want only apps/pv-rwx-claim", out)
+	}
+
+	va := func(name, attacher, pvName string, finalizers []string) *storagev1.VolumeAttachment {
+		return &storagev1.VolumeAttachment{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Finalizers: finalizers},
+			Spec: storagev1.VolumeAttachmentSpec{Attacher: attacher, NodeName: "guest-1",
+				Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}},
+		}
+	}
+	vas := k.client.StorageV1().VolumeAttachments()
+	for _, v := range []*storagev1.VolumeAttachment{
+		va("va-stuck", driverName, "pv-rwo", []string{"external-attacher/driver-harvesterhci-io"}),
+		va("va-attached", driverName, "pv-rwx", nil),
+		va("va-other", "other.csi.example.com", "pv-other-rwx", nil),
+	} {
+		created, err := vas.Create(ctx, v, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		created.Status.Attached = v.Name != "va-stuck"
+		if v.Name == "va-stuck" {
+			created.Status.DetachError = &storagev1.VolumeError{Message: "removal in progress"}
+		}
+		if _, err := vas.UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := vas.Delete(ctx, "va-stuck", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	out := run(docCommand(t, "kubectl get volumeattachments -o jsonpath="))
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	if len(lines) != 2 || !strings.HasPrefix(lines[0], "va-attached pv=pv-rwx node=guest-1 attached=true deleting= ") ||
+		!strings.HasPrefix(lines[1], "va-stuck pv=pv-rwo node=guest-1 attached=false deleting=20") || !strings.Contains(lines[1], "detachError=removal in progress") {
+		t.Errorf("the VolumeAttachment pre-flight printed:\n%s", out)
+	}
+	run(strings.ReplaceAll(docCommand(t, "kubectl patch volumeattachment <name>"), "<name>", "va-stuck"))
+	if _, err := vas.Get(ctx, "va-stuck", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("va-stuck is still there after the documented finalizer removal: %v", err)
+	}
+}

@@ -20,6 +20,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
@@ -120,6 +121,9 @@ type ControllerOptions struct {
 	// InformerLag delays every watch event the controller's informers get;
 	// its live reads and writes are not delayed.
 	InformerLag time.Duration
+	// Config is the host identity the controller acts as; nil: the
+	// simulator's admin. It must reach the simulator's front proxy.
+	Config *rest.Config
 }
 
 // Controller is a running controller service.
@@ -139,7 +143,10 @@ type Controller struct {
 func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controller {
 	tb.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	cfg := h.Sim.ClientConfig()
+	cfg := opts.Config
+	if cfg == nil {
+		cfg = h.Sim.ClientConfig()
+	}
 	if opts.InformerLag > 0 {
 		cfg = withInformerLag(tb, cfg, opts.InformerLag)
 	}

@@ -154,13 +154,28 @@ volumeMounts:
 {{- end -}}
 
 {{/*
-Stop early when this chart's own values are missing: `helm upgrade --reuse-values` from the upstream chart
-renders with the upstream chart's values.yaml instead of this one's.
+Stop early when the values cannot be this chart's:
+- this chart's own values are missing: `helm upgrade --reuse-values` from the upstream chart renders with the
+  upstream chart's values.yaml instead of this one's;
+- the driver image is not this driver's: an image pinned for the upstream chart (rancher/harvester-csi-driver,
+  or any tag below this fork's first release, 0.3.0) carried over by --reset-then-reuse-values would run the
+  upstream binary with this chart's flags (--mode, --kube-api-qps, ...), which it does not know: a crash loop.
 */}}
 {{- define "hcsi.validate" -}}
 {{- range $key := list "hotplug" "kubeAPI" "metrics" "controller" "node" "storageClass" "volumeSnapshotClass" -}}
 {{- if not (hasKey $.Values $key) -}}
 {{- fail (printf "value %q is missing: upgrading from the upstream chart with --reuse-values keeps the old chart's defaults; use --reset-then-reuse-values or pass your values file instead" $key) -}}
 {{- end -}}
+{{- end -}}
+{{- $img := .Values.image.harvester.csiDriver -}}
+{{- $repo := trimSuffix "/" (toString $img.repository) -}}
+{{- $ours := "harvester-csi/harvester-csi-driver" -}}
+{{- $fix := printf "drop the override (--set image.harvester.csiDriver.repository=%s --set image.harvester.csiDriver.tag=) to get this chart's image" $ours -}}
+{{- if not (or (eq $repo $ours) (hasSuffix (printf "/%s" $ours) $repo) $img.acceptRepository) -}}
+{{- fail (printf "image.harvester.csiDriver.repository %q is not this driver's image (%s): with this chart's flags another driver, such as the upstream rancher/harvester-csi-driver, crash-loops. Values pinned for the upstream chart are carried over by --reset-then-reuse-values: %s. For this driver's image mirrored under another name, also set image.harvester.csiDriver.acceptRepository=true" $repo $ours $fix) -}}
+{{- end -}}
+{{- $tag := toString ($img.tag | default "") -}}
+{{- if and (regexMatch "^v?[0-9]+\\.[0-9]+\\.[0-9]+" $tag) (semverCompare "< 0.3.0-0" (regexFind "^v?[0-9]+\\.[0-9]+\\.[0-9]+" $tag)) -}}
+{{- fail (printf "image.harvester.csiDriver.tag %q is an upstream driver version (this driver starts at v0.3.0): %s" $tag $fix) -}}
 {{- end -}}
 {{- end -}}

@@ -17,7 +17,9 @@ import (
 	"helm.sh/helm/v3/pkg/chart"
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
+	"helm.sh/helm/v3/pkg/release"
 	"helm.sh/helm/v3/pkg/releaseutil"
+	"helm.sh/helm/v3/pkg/repo"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/yaml"
 )
@@ -59,6 +61,23 @@ func ValuesFile(path string) (map[string]interface{}, error) {
 // Template renders the chart client-side like `helm template` and returns
 // the manifest text (objects in Helm's install order).
 func Template(ch *chart.Chart, vals map[string]interface{}) (string, error) {
+	rel, err := dryRun(ch, vals)
+	if err != nil {
+		return "", err
+	}
+	return rel.Manifest, nil
+}
+
+// Notes renders the chart's NOTES.txt as `helm install` prints it.
+func Notes(ch *chart.Chart, vals map[string]interface{}) (string, error) {
+	rel, err := dryRun(ch, vals)
+	if err != nil {
+		return "", err
+	}
+	return rel.Info.Notes, nil
+}
+
+func dryRun(ch *chart.Chart, vals map[string]interface{}) (*release.Release, error) {
 	inst := action.NewInstall(&action.Configuration{Log: func(string, ...interface{}) {}})
 	inst.DryRun = true
 	inst.ClientOnly = true
@@ -66,11 +85,7 @@ func Template(ch *chart.Chart, vals map[string]interface{}) (string, error) {
 	inst.ReleaseName = ReleaseName
 	inst.Namespace = Namespace
 	inst.DisableOpenAPIValidation = true
-	rel, err := inst.Run(ch, vals)
-	if err != nil {
-		return "", err
-	}
-	return rel.Manifest, nil
+	return inst.Run(ch, vals)
 }
 
 // Objects splits a manifest into objects.
@@ -154,4 +169,85 @@ func Package(dir, outDir string) (string, error) {
 	p := action.NewPackage()
 	p.Destination = outDir
 	return p.Run(dir, nil)
+}
+
+// Images lists, sorted and without duplicates, every container image of the
+// chart rendered with vals (init containers included): what a registry for an
+// air-gapped cluster must hold.
+func Images(ch *chart.Chart, vals map[string]interface{}) ([]string, error) {
+	manifest, err := Template(ch, vals)
+	if err != nil {
+		return nil, err
+	}
+	objs, err := Objects(manifest)
+	if err != nil {
+		return nil, err
+	}
+	seen := map[string]bool{}
+	var out []string
+	for _, o := range objs {
+		for _, kind := range []string{"containers", "initContainers"} {
+			cs, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", kind)
+			for _, c := range cs {
+				img, _ := c.(map[string]interface{})["image"].(string)
+				if img != "" && !seen[img] {
+					seen[img] = true
+					out = append(out, img)
+				}
+			}
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+// CheckVersion fails unless the chart's version is version (the VERSION
+// file) and its appVersion, the default driver image tag, is "v"+version.
+func CheckVersion(ch *chart.Chart, version string) error {
+	if ch.Metadata.Version != version || ch.Metadata.AppVersion != "v"+version {
+		return fmt.Errorf("Chart.yaml has version %q and appVersion %q, VERSION says %q and %q: run `make set-version NEW=%s`",
+			ch.Metadata.Version, ch.Metadata.AppVersion, version, "v"+version, version)
+	}
+	return nil
+}
+
+// Release writes what a release publishes into outDir: the chart archive,
+// index.yaml of a chart repository served from url (merged with an
+// index.yaml already there, so old versions stay listed) and images.txt, the
+// images of the default values one per line. The chart must carry version.
+func Release(dir, outDir, version, url string) ([]string, error) {
+	ch, err := Load(dir)
+	if err != nil {
+		return nil, err
+	}
+	if err := CheckVersion(ch, version); err != nil {
+		return nil, err
+	}
+	archive, err := Package(dir, outDir)
+	if err != nil {
+		return nil, err
+	}
+	indexFile := filepath.Join(outDir, "index.yaml")
+	idx, err := repo.IndexDirectory(outDir, url)
+	if err != nil {
+		return nil, err
+	}
+	if old, err := repo.LoadIndexFile(indexFile); err == nil {
+		idx.Merge(old)
+	} else if !os.IsNotExist(err) {
+		return nil, fmt.Errorf("existing %s: %w", indexFile, err)
+	}
+	idx.SortEntries()
+	if err := idx.WriteFile(indexFile, 0o644); err != nil {
+		return nil, err
+	}
+	images, err := Images(ch, nil)
+	if err != nil {
+		return nil, err
+	}
+	imagesFile := filepath.Join(outDir, "images.txt")
+	if err := os.WriteFile(imagesFile, []byte(strings.Join(images, "\n")+"\n"), 0o644); err != nil {
+		return nil, err
+	}
+	return []string{archive, indexFile, imagesFile}, nil
 }
