@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/pprof"
 	"os"
 	"os/signal"
 	"runtime"
@@ -24,6 +25,7 @@ import (
 	"golang.org/x/sync/errgroup"
 	"k8s.io/klog/v2"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/diagnose"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
@@ -45,6 +47,7 @@ type options struct {
 	kubeBurst                                      int
 	publishMargin                                  time.Duration
 	metricsAddr                                    string
+	pprof                                          bool
 	node                                           nodeFlags
 	showVersion                                    bool
 }
@@ -73,7 +76,8 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.Float64Var(&o.kubeQPS, "kube-api-qps", 20, "host API client QPS")
 	fs.IntVar(&o.kubeBurst, "kube-api-burst", 40, "host API client burst")
 	fs.DurationVar(&o.publishMargin, "publish-margin", 2*time.Second, "time kept before the caller's deadline to answer a publish still in flight")
-	fs.StringVar(&o.metricsAddr, "metrics-address", "", "serve Prometheus metrics on this address (empty: off)")
+	fs.StringVar(&o.metricsAddr, "metrics-address", "", "serve Prometheus metrics, and the hotplug queue's state at "+diagnose.StatePath+", on this address (empty: off)")
+	fs.BoolVar(&o.pprof, "enable-pprof", false, "also serve Go's profiles at /debug/pprof/ on --metrics-address")
 	o.node.register(fs)
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
@@ -209,6 +213,12 @@ func envBool(name string) bool {
 }
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "diagnose" {
+		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+		code := runDiagnose(ctx, os.Args[2:], os.Stdout, os.Stderr)
+		stop()
+		os.Exit(code)
+	}
 	o, code := parseCommandLine(os.Args[1:], os.Stdout, os.Stderr)
 	if o == nil {
 		os.Exit(code)
@@ -224,6 +234,30 @@ func main() {
 		klog.Flush()
 		os.Exit(1)
 	}
+}
+
+// debugMux serves the metrics, the hotplug queue's state (controller) and,
+// when asked for, Go's profiles.
+func debugMux(reg *prometheus.Registry, controller *driver.Controller, profiles bool) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{}))
+	mux.Handle("/", promhttp.HandlerFor(reg, promhttp.HandlerOpts{})) // as before: metrics on every path
+	if controller != nil {
+		mux.Handle(diagnose.StatePath, diagnose.StateHandler(func() []hotplug.VMState {
+			if q := controller.Queue(); q != nil {
+				return q.State()
+			}
+			return nil
+		}))
+	}
+	if profiles {
+		mux.HandleFunc("/debug/pprof/", pprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
+	return mux
 }
 
 func run(ctx context.Context, o *options) error {
@@ -260,7 +294,7 @@ func run(ctx context.Context, o *options) error {
 		node = n
 	}
 	if o.metricsAddr != "" {
-		srv := &http.Server{Addr: o.metricsAddr, Handler: promhttp.HandlerFor(reg, promhttp.HandlerOpts{}), ReadHeaderTimeout: 10 * time.Second}
+		srv := &http.Server{Addr: o.metricsAddr, Handler: debugMux(reg, controller, o.pprof), ReadHeaderTimeout: 10 * time.Second}
 		g.Go(func() error {
 			go func() { <-ctx.Done(); _ = srv.Close() }()
 			if err := srv.ListenAndServe(); !errors.Is(err, http.ErrServerClosed) {

@@ -9,28 +9,28 @@ import (
 // VMState is what the queue is doing for one VM, for operators (a
 // diagnostic view, Events) and never for decisions.
 type VMState struct {
-	VM      string
-	Intents []IntentState
+	VM      string        `json:"vm"`
+	Intents []IntentState `json:"intents,omitempty"`
 	// Hold says why the VM's pending changes are not written yet.
-	Hold string
+	Hold string `json:"hold,omitempty"`
 	// LastError is the VM's last failed attempt at the host, if the
 	// attempts are failing, and FailingSince when they began to.
-	LastError    string
-	FailingSince time.Time
+	LastError    string    `json:"lastError,omitempty"`
+	FailingSince time.Time `json:"failingSince,omitzero"`
 	// Unobserved lists the volumes with a write of this process that the
 	// informers have not shown yet.
-	Unobserved []string
+	Unobserved []string `json:"unobserved,omitempty"`
 }
 
 // IntentState is one pending intent.
 type IntentState struct {
-	Volume string
-	Op     Op
-	Since  time.Time
+	Volume string    `json:"volume"`
+	Op     Op        `json:"op"`
+	Since  time.Time `json:"since"`
 	// WaitingFor says what the intent waits for (empty: it is being
 	// written), and WaitingSince since when.
-	WaitingFor   string
-	WaitingSince time.Time
+	WaitingFor   string    `json:"waitingFor,omitempty"`
+	WaitingSince time.Time `json:"waitingSince,omitzero"`
 }
 
 // State lists what the queue is doing, VM by VM.

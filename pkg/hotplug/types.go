@@ -36,6 +36,22 @@ func (o Op) String() string {
 	return "detach"
 }
 
+// MarshalText writes an Op as its name.
+func (o Op) MarshalText() ([]byte, error) { return []byte(o.String()), nil }
+
+// UnmarshalText reads an Op from its name.
+func (o *Op) UnmarshalText(b []byte) error {
+	switch string(b) {
+	case "attach":
+		*o = Attach
+	case "detach":
+		*o = Detach
+	default:
+		return fmt.Errorf("unknown hotplug op %q", b)
+	}
+	return nil
+}
+
 // Change is one volume addition or removal handed to a Backend. The volume
 // name, the claim name and the disk name are all the volume ID, as upstream.
 type Change struct {
