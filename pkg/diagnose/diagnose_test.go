@@ -46,7 +46,7 @@ func vmi(name string, phases map[string]kubevirtv1.VolumePhase) kubevirtv1.Virtu
 
 func va(name, pv, node string, attached bool) storagev1.VolumeAttachment {
 	return storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: name},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pv}},
+		Spec:   storagev1.VolumeAttachmentSpec{Attacher: drv, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pv}},
 		Status: storagev1.VolumeAttachmentStatus{Attached: attached}}
 }
 
