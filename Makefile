@@ -18,6 +18,12 @@ CHART_TEST_FLAGS ?= -count=1 -timeout 20m
 # (no registry prefix, so Rancher's system default registry applies); REGISTRY=<host> builds for a mirror.
 REGISTRY ?=
 IMAGE_REPO ?= harvester-csi/harvester-csi-driver
+# BENCH selects one benchmark: churn (the wave workload) or burst (20 volumes at once).
+BENCH ?=
+BENCH_PATTERN := $(if $(filter churn,$(BENCH)),BenchmarkChurn,$(if $(filter burst,$(BENCH)),BenchmarkPublishBurst,.))
+BENCH_PKGS := $(if $(filter churn,$(BENCH)),./tests/bench/,$(if $(filter burst,$(BENCH)),./tests/integration/,./tests/...))
+# BENCH_ARGS go to the benchmark binary, e.g. BENCH_ARGS='-args -churn.waves=2' (with BENCH=churn).
+BENCH_ARGS ?=
 IMAGE ?= $(if $(REGISTRY),$(REGISTRY:%/=%)/)$(IMAGE_REPO):$(TAG)
 # Architectures of `make release` (the Dockerfile cross-compiles with BuildKit's TARGETARCH; both bases are
 # multi-architecture indexes).
@@ -50,8 +56,8 @@ test-chart: tools ## Test the Helm chart: lint, render, API-server dry-run, upgr
 	cd tests/chart && HCSI_TOOLS_BIN=$$(bash ../../hack/tools.sh) $(GO) test -mod=mod $(CHART_TEST_FLAGS) ./...
 
 .PHONY: bench
-bench: tools ## Run the Go benchmarks only (no tests).
-	HCSI_TOOLS_BIN=$$(bash hack/tools.sh) $(GO) test -run '^$$' -bench . -benchmem -count=1 -timeout 40m ./...
+bench: tools ## Run the benchmarks (BENCH=churn or BENCH=burst for one; results under bench/results/).
+	HCSI_TOOLS_BIN=$$(bash hack/tools.sh) $(GO) test -run '^$$' -bench '$(BENCH_PATTERN)' -benchtime=1x -count=1 -timeout 120m $(BENCH_PKGS) $(BENCH_ARGS)
 
 .PHONY: manifests
 manifests: ## Regenerate deploy/ from the chart with default values (a test fails when it is stale).

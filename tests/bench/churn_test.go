@@ -1,0 +1,131 @@
+package bench
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
+)
+
+var (
+	def       = DefaultChurn()
+	vmsFlag   = flag.Int("churn.vms", def.VMs, "VMs (guest nodes)")
+	volsFlag  = flag.Int("churn.volumes", def.Volumes, "volumes")
+	wavesFlag = flag.Int("churn.waves", def.Waves, "waves")
+	period    = flag.Duration("churn.period", def.Period, "time between waves (simulated)")
+	sameVM    = flag.Float64("churn.same-vm", def.SameVM, "share of volumes landing on the VM they were on")
+	timeout   = flag.Duration("churn.call-timeout", def.CallTimeout, "the attacher's --timeout (simulated)")
+	deadline  = flag.Duration("churn.deadline", def.Deadline, "an operation not done after this is unfinished (simulated)")
+	seed      = flag.Uint64("churn.seed", def.Seed, "seed of the plan")
+	scale     = flag.Float64("churn.scale", def.Scale, "time scale (0.1: an 8 s attachment-pod start takes 0.8 s)")
+	workers   = flag.String("churn.workers", "10,100", "attacher worker threads to run with (the attacher's default, the chart's)")
+	only      = flag.String("churn.flavor", "", "run only flavors whose name contains this")
+	resultDir = flag.String("churn.results", "../../bench/results", "where the JSON results go")
+)
+
+// flavor is a KubeVirt the churn runs against.
+type flavor struct {
+	name    string
+	mode    kubevirtsim.Mode
+	profile kubevirtsim.Profile
+}
+
+var flavors = []flavor{
+	{"legacy-v1.5", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV15},
+	{"legacy-v1.7", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV17},
+	{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.ProfileV17},
+}
+
+// simHost adapts a framework host and controller to Host.
+type simHost struct {
+	h    *framework.Host
+	ctrl *framework.Controller
+}
+
+func (s simHost) Controller() csi.ControllerClient { return s.ctrl.Client }
+func (s simHost) Reset()                           { s.h.Sim.ResetStats() }
+func (s simHost) Counts() (int, int, map[string]int) {
+	st := s.h.Sim.Stats()
+	reqs := map[string]int{}
+	for k, n := range st.Requests {
+		if k.Verb == "watch" {
+			continue
+		}
+		name := k.Verb + " " + k.Resource
+		if k.Subresource != "" {
+			name += "/" + k.Subresource
+		}
+		reqs[name] += n
+	}
+	return st.VMSpecWrites + st.VMStatusWrites + st.VMIWrites + st.AddVolume + st.RemoveVolume, st.Conflicts + st.Unprocessable, reqs
+}
+
+// BenchmarkChurn runs the wave workload on every flavor with each worker
+// setting and writes bench/results/churn-<flavor>-w<workers>.json.
+//
+//	make bench BENCH=churn
+func BenchmarkChurn(b *testing.B) {
+	for _, f := range flavors {
+		if *only != "" && !strings.Contains(f.name, *only) {
+			continue
+		}
+		for _, w := range strings.Split(*workers, ",") {
+			var n int
+			if _, err := fmt.Sscan(w, &n); err != nil || n <= 0 {
+				b.Fatalf("bad -churn.workers %q", *workers)
+			}
+			b.Run(fmt.Sprintf("%s/workers=%d", f.name, n), func(b *testing.B) {
+				cfg := DefaultChurn()
+				cfg.VMs, cfg.Volumes, cfg.Waves, cfg.Period, cfg.SameVM = *vmsFlag, *volsFlag, *wavesFlag, *period, *sameVM
+				cfg.CallTimeout, cfg.Deadline, cfg.Seed, cfg.Scale, cfg.Workers = *timeout, *deadline, *seed, *scale, n
+				for range b.N {
+					res := churnOnce(b, f, cfg)
+					res.Name = fmt.Sprintf("churn-%s-w%d", f.name, n)
+					path, err := res.Write(*resultDir)
+					if err != nil {
+						b.Fatal(err)
+					}
+					b.Logf("%s: %d/%d unfinished, publish p50 %.1fs p99 %.1fs, unpublish p99 %.1fs, %.2f VM writes/op, %.2f host requests/op, %d conflicts -> %s",
+						res.Name, res.Unfinished, res.Operations, res.PublishToReady.P50, res.PublishToReady.P99, res.Unpublish.P99,
+						res.VMWritesPerOperation, res.HostRequestsPerOp, res.Conflicts, path)
+					b.ReportMetric(float64(res.Unfinished), "unfinished")
+					b.ReportMetric(res.PublishToReady.P99, "p99-publish-s")
+					b.ReportMetric(res.VMWritesPerOperation, "vm-writes/op")
+					b.ReportMetric(res.HostRequestsPerOp, "host-requests/op")
+				}
+			})
+		}
+	}
+}
+
+func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
+	b.Helper()
+	h := framework.StartHost(b, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: cfg.Scale, BindClasslessPVCs: true, Seed: cfg.Seed})
+	vms := make([]string, cfg.VMs)
+	for i := range vms {
+		vms[i] = fmt.Sprintf("node-%d", i)
+	}
+	h.CreateVMs(b, vms...)
+	vols := h.CreateVolumes(b, "churn", cfg.Volumes)
+	sc := func(d time.Duration) time.Duration { return time.Duration(float64(d) * cfg.Scale) }
+	d := hotplug.DefaultConfig()
+	ctrl := h.StartController(b, framework.ControllerOptions{Backend: host.BackendAuto,
+		Queue: hotplug.Config{BatchWindow: sc(d.BatchWindow), MaxHold: sc(d.MaxHold), BackoffBase: sc(d.BackoffBase), BackoffMax: sc(d.BackoffMax),
+			QPS: d.QPS / cfg.Scale, Burst: d.Burst, Workers: d.Workers},
+		Driver: driver.ControllerOptions{PublishMargin: sc(2 * time.Second)}})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
+	defer cancel()
+	res := RunChurn(ctx, simHost{h: h, ctrl: ctrl}, cfg, vms, vols)
+	res.ControllerDescription = "this driver, backend " + ctrl.Queue.BackendName()
+	return res
+}
