@@ -45,7 +45,7 @@ type options struct {
 	queue                                          hotplug.Config
 	kubeQPS                                        float64
 	kubeBurst                                      int
-	publishMargin                                  time.Duration
+	publishMargin, publishWait                     time.Duration
 	metricsAddr                                    string
 	pprof                                          bool
 	node                                           nodeFlags
@@ -76,6 +76,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.Float64Var(&o.kubeQPS, "kube-api-qps", 20, "host API client QPS")
 	fs.IntVar(&o.kubeBurst, "kube-api-burst", 40, "host API client burst")
 	fs.DurationVar(&o.publishMargin, "publish-margin", 2*time.Second, "time kept before the caller's deadline to answer a publish still in flight")
+	fs.DurationVar(&o.publishWait, "publish-wait", 0, "longest a publish or unpublish waits for KubeVirt before answering \"in progress\" for the caller to retry (0: up to the caller's deadline)")
 	fs.StringVar(&o.metricsAddr, "metrics-address", "", "serve Prometheus metrics, and the hotplug queue's state at "+diagnose.StatePath+", on this address (empty: off)")
 	fs.BoolVar(&o.pprof, "enable-pprof", false, "also serve Go's profiles at /debug/pprof/ on --metrics-address")
 	o.node.register(fs)
@@ -280,7 +281,7 @@ func run(ctx context.Context, o *options) error {
 			Host:    hostClient,
 			Backend: o.backend,
 			Queue:   o.queue,
-			Options: driver.ControllerOptions{HostStorageClass: o.hostStorageClass, PublishMargin: o.publishMargin},
+			Options: driver.ControllerOptions{HostStorageClass: o.hostStorageClass, PublishMargin: o.publishMargin, PublishWait: o.publishWait},
 			Metrics: reg,
 		})
 		g.Go(func() error { return controller.Run(ctx) })

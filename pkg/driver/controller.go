@@ -64,6 +64,12 @@ type ControllerOptions struct {
 	// PublishMargin is kept free before the caller's deadline so a publish or
 	// unpublish that is still in flight answers DeadlineExceeded in time.
 	PublishMargin time.Duration
+	// PublishWait, when set, bounds how long a publish or unpublish waits
+	// for KubeVirt before it answers "still in progress" (the intent stays
+	// queued, and the caller's retry finds it done). Zero: up to the
+	// caller's deadline. A short wait frees the attacher's worker for the
+	// next volume, so every change of a wave reaches the queue at once.
+	PublishWait time.Duration
 }
 
 type controllerService struct {
@@ -298,13 +304,22 @@ func notAVolume(id string) error {
 func (s *controllerService) withMargin(ctx context.Context) (context.Context, context.CancelFunc) {
 	deadline, ok := ctx.Deadline()
 	if !ok {
+		if s.opts.PublishWait > 0 {
+			return context.WithTimeout(ctx, s.opts.PublishWait)
+		}
 		return context.WithCancel(ctx)
 	}
 	margin := s.opts.PublishMargin
 	if left := time.Until(deadline); margin > left/2 {
 		margin = left / 2
 	}
-	return context.WithDeadline(ctx, deadline.Add(-margin))
+	deadline = deadline.Add(-margin)
+	if s.opts.PublishWait > 0 {
+		if short := time.Now().Add(s.opts.PublishWait); short.Before(deadline) {
+			deadline = short
+		}
+	}
+	return context.WithDeadline(ctx, deadline)
 }
 
 func apiStatus(err error, format string, args ...any) error {

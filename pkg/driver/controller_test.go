@@ -325,6 +325,27 @@ func TestPublishLeavesAMarginBeforeTheDeadline(t *testing.T) {
 	}
 }
 
+func TestPublishWaitAnswersInProgressBeforeTheDeadline(t *testing.T) {
+	s, vols, hp := newTestController(ControllerOptions{PublishMargin: 300 * time.Millisecond, PublishWait: 200 * time.Millisecond})
+	vols.pvcs["bound"] = &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "bound"}, Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound}}
+	var left time.Duration
+	hp.attach = func(ctx context.Context, _, _ string) error {
+		d, _ := ctx.Deadline()
+		left = time.Until(d)
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, err := s.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: "bound", NodeId: "vm1", VolumeCapability: rwo})
+	if status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("got %v, want DeadlineExceeded (in progress, retry)", err)
+	}
+	if left > 200*time.Millisecond {
+		t.Errorf("queue got %v of a one-minute call, want at most the publish wait", left)
+	}
+}
+
 func TestUnpublish(t *testing.T) {
 	ctx := context.Background()
 	s, _, hp := newTestController(ControllerOptions{})

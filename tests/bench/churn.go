@@ -39,6 +39,8 @@ type ChurnConfig struct {
 	// Deadline: an operation not finished this long after it began counts
 	// as unfinished.
 	Deadline time.Duration
+	// PublishWait is the driver's --publish-wait (0: up to the deadline).
+	PublishWait time.Duration
 	Seed     uint64
 	Scale    float64
 }

@@ -29,6 +29,7 @@ var (
 	seed      = flag.Uint64("churn.seed", def.Seed, "seed of the plan")
 	scale     = flag.Float64("churn.scale", def.Scale, "time scale (0.1: an 8 s attachment-pod start takes 0.8 s)")
 	workers   = flag.String("churn.workers", "10,100", "attacher worker threads to run with (the attacher's default, the chart's)")
+	pubWait   = flag.Duration("churn.publish-wait", 0, "the driver's --publish-wait (simulated; 0: up to the call's deadline)")
 	only      = flag.String("churn.flavor", "", "run only flavors whose name contains this")
 	resultDir = flag.String("churn.results", "../../bench/results", "where the JSON results go")
 )
@@ -88,9 +89,13 @@ func BenchmarkChurn(b *testing.B) {
 				cfg := DefaultChurn()
 				cfg.VMs, cfg.Volumes, cfg.Waves, cfg.Period, cfg.SameVM = *vmsFlag, *volsFlag, *wavesFlag, *period, *sameVM
 				cfg.CallTimeout, cfg.Deadline, cfg.Seed, cfg.Scale, cfg.Workers = *timeout, *deadline, *seed, *scale, n
+				cfg.PublishWait = *pubWait
 				for range b.N {
 					res := churnOnce(b, f, cfg)
 					res.Name = fmt.Sprintf("churn-%s-w%d", f.name, n)
+					if *pubWait > 0 {
+						res.Name += "-wait" + pubWait.String()
+					}
 					path, err := res.Write(*resultDir)
 					if err != nil {
 						b.Fatal(err)
@@ -122,7 +127,7 @@ func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 	ctrl := h.StartController(b, framework.ControllerOptions{Backend: host.BackendAuto,
 		Queue: hotplug.Config{BatchWindow: sc(d.BatchWindow), MaxHold: sc(d.MaxHold), BackoffBase: sc(d.BackoffBase), BackoffMax: sc(d.BackoffMax),
 			QPS: d.QPS / cfg.Scale, Burst: d.Burst, Workers: d.Workers},
-		Driver: driver.ControllerOptions{PublishMargin: sc(2 * time.Second)}})
+		Driver: driver.ControllerOptions{PublishMargin: sc(2 * time.Second), PublishWait: sc(cfg.PublishWait)}})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
 	defer cancel()
 	res := RunChurn(ctx, simHost{h: h, ctrl: ctrl}, cfg, vms, vols)
