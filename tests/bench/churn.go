@@ -41,8 +41,8 @@ type ChurnConfig struct {
 	Deadline time.Duration
 	// PublishWait is the driver's --publish-wait (0: up to the deadline).
 	PublishWait time.Duration
-	Seed     uint64
-	Scale    float64
+	Seed        uint64
+	Scale       float64
 }
 
 // DefaultChurn is the workload: 5 VMs, 40 volumes, a wave every 80 s,
