@@ -494,6 +494,15 @@ func TestMonitoringObjects(t *testing.T) {
 		r.must(t, "ConfigMap", dashboardName)
 		r.must(t, "PrometheusRule", ruleName)
 		check(t, r)
+		notes, err := render.Notes(loadChart(t), on)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, want := range []string{"ConfigMap " + render.Namespace + "/" + dashboardName, "PrometheusRule " + render.Namespace + "/" + ruleName} {
+			if !strings.Contains(notes, want) {
+				t.Errorf("NOTES.txt does not name %s:\n%s", want, notes)
+			}
+		}
 	})
 	t.Run("enabled-without-metrics", func(t *testing.T) {
 		off := map[string]interface{}{"metrics": map[string]interface{}{
@@ -503,6 +512,14 @@ func TestMonitoringObjects(t *testing.T) {
 		}}
 		r := renderVals(t, off)
 		check(t, r)
+	})
+	t.Run("values-of-a-chart-without-them", func(t *testing.T) {
+		// `helm upgrade --reuse-values` from a chart version that had
+		// neither key: nothing renders, nothing fails.
+		r := renderVals(t, map[string]interface{}{"metrics": map[string]interface{}{"dashboard": nil, "prometheusRule": nil}})
+		if r.find("ConfigMap", dashboardName) != nil || r.find("PrometheusRule", ruleName) != nil {
+			t.Errorf("rendered %v", r.names())
+		}
 	})
 	t.Run("dashboard-in-the-custom-values", func(t *testing.T) {
 		// The value sets must exercise both objects, or the checks above and
