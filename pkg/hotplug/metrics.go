@@ -23,7 +23,7 @@ type metrics struct {
 
 func newMetrics(q *Queue, backend string) *metrics {
 	constLabels := prometheus.Labels{"backend": backend}
-	return &metrics{
+	m := &metrics{
 		q: q,
 		depth: prometheus.NewDesc("harvester_csi_hotplug_queue_depth",
 			"Pending hotplug intents per VM.", []string{"vm"}, constLabels),
@@ -54,6 +54,13 @@ func newMetrics(q *Queue, backend string) *metrics {
 			ConstLabels: constLabels,
 		}),
 	}
+	// Every result is exported from the start at zero: a series born at its
+	// first increment is invisible to rate() and increase(), so the first
+	// rejection or host error after a restart would raise no alert.
+	for _, r := range resultNames {
+		m.results.WithLabelValues(r)
+	}
+	return m
 }
 
 func (m *metrics) register(reg Registerer) error {

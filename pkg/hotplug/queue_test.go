@@ -575,3 +575,19 @@ func histogramCount(t *testing.T, reg *prometheus.Registry, name string) uint64 
 	}
 	return 0
 }
+
+// TestResultCountersStartAtZero: every change result is exported before it
+// first happens, so alerts on increase() see the first rejection or host
+// error after a start.
+func TestResultCountersStartAtZero(t *testing.T) {
+	_, reg := startQueue(t, newFakeKubeVirt(t, "vm1"), fastConfig())
+	var want strings.Builder
+	want.WriteString("# HELP harvester_csi_hotplug_change_results_total Outcomes of volume changes by kind (conflict, in_flight, already_done, rejected, ...).\n")
+	want.WriteString("# TYPE harvester_csi_hotplug_change_results_total counter\n")
+	for r := Applied; r <= Failed; r++ {
+		fmt.Fprintf(&want, "harvester_csi_hotplug_change_results_total{backend=\"fake\",result=%q} 0\n", r)
+	}
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want.String()), "harvester_csi_hotplug_change_results_total"); err != nil {
+		t.Error(err)
+	}
+}

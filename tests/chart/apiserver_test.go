@@ -45,10 +45,11 @@ import (
 //
 // CRDs: VolumeSnapshotClass is checked against the real snapshot.storage.k8s.io
 // CRDs of the external-snapshotter client module (a Go dependency of this
-// test). ServiceMonitor is checked against a stand-in CRD with an open schema
-// (testdata/servicemonitor-crd.yaml): the dry-run validates its metadata, the
-// strict decoding into the Prometheus Operator's Go type in
-// TestEveryObjectMatchesItsAPIType validates its spec.
+// test). ServiceMonitor and PrometheusRule are checked against stand-in CRDs
+// with an open schema (testdata/servicemonitor-crd.yaml,
+// testdata/prometheusrule-crd.yaml): the dry-run validates their metadata, the
+// strict decoding into the Prometheus Operator's Go types in
+// TestEveryObjectMatchesItsAPIType validates their spec.
 func TestAgainstAPIServer(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a kube-apiserver")
@@ -121,7 +122,7 @@ func (k *kube) installCRDs(ctx context.Context, t *testing.T) {
 		t.Fatalf("locate the external-snapshotter client module: %v", err)
 	}
 	crdDir := filepath.Join(strings.TrimSpace(string(out)), "config", "crd")
-	files := []string{filepath.Join("testdata", "servicemonitor-crd.yaml")}
+	files := []string{filepath.Join("testdata", "servicemonitor-crd.yaml"), filepath.Join("testdata", "prometheusrule-crd.yaml")}
 	for _, n := range []string{"volumesnapshotclasses", "volumesnapshots", "volumesnapshotcontents"} {
 		files = append(files, filepath.Join(crdDir, "snapshot.storage.k8s.io_"+n+".yaml"))
 	}

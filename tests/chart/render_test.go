@@ -76,6 +76,8 @@ func TestEveryObjectMatchesItsAPIType(t *testing.T) {
 					target = &snapshotv1.VolumeSnapshotClass{}
 				case monitoringv1.SchemeGroupVersion.WithKind("ServiceMonitor"):
 					target = &monitoringv1.ServiceMonitor{}
+				case monitoringv1.SchemeGroupVersion.WithKind("PrometheusRule"):
+					target = &monitoringv1.PrometheusRule{}
 				default:
 					obj, err := scheme.Scheme.New(gvk)
 					if err != nil {
