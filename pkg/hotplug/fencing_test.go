@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -231,6 +232,9 @@ func TestDeadlineAnswerNamesTheLastFailure(t *testing.T) {
 	}
 	if want := "connection refused"; !strings.Contains(err.Error(), want) {
 		t.Fatalf("answer %q does not name the cause %q", err, want)
+	}
+	if n := testutil.ToFloat64(q.metrics.hostFailures.WithLabelValues(causeUnavailable)); n < 1 {
+		t.Fatalf("host failures{cause=unavailable} = %v, want the failed attempts counted", n)
 	}
 }
 

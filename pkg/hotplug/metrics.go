@@ -16,6 +16,9 @@ type metrics struct {
 	results    *prometheus.CounterVec
 	completion *prometheus.HistogramVec
 	superseded prometheus.Counter
+	// hostFailures counts failed attempts at the host, reads included: a host
+	// that cannot be reached fails the reads before any change is sent.
+	hostFailures *prometheus.CounterVec
 	// applyDuration is the latency of the host API calls themselves, apart
 	// from the time KubeVirt then takes (completion).
 	applyDuration prometheus.Histogram
@@ -49,6 +52,10 @@ func newMetrics(q *Queue, backend string) *metrics {
 			Name: "harvester_csi_hotplug_apply_duration_seconds", Help: "Time of one backend attempt (the VM patch, or the addvolume/removevolume calls).",
 			ConstLabels: constLabels, Buckets: prometheus.ExponentialBuckets(0.01, 2, 12),
 		}),
+		hostFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "harvester_csi_hotplug_host_failures_total", Help: "Failed attempts at the host API (reads and writes) by cause: refused (403/401), unavailable, other.",
+			ConstLabels: constLabels,
+		}, []string{"cause"}),
 		superseded: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "harvester_csi_hotplug_intents_superseded_total", Help: "Intents replaced by a newer opposite intent.",
 			ConstLabels: constLabels,
@@ -64,7 +71,10 @@ func newMetrics(q *Queue, backend string) *metrics {
 }
 
 func (m *metrics) register(reg Registerer) error {
-	for _, c := range []prometheus.Collector{m, m.batchSize, m.writes, m.results, m.completion, m.superseded, m.applyDuration} {
+	for _, cause := range []string{causeRefused, causeUnavailable, causeOther} {
+		m.hostFailures.WithLabelValues(cause)
+	}
+	for _, c := range []prometheus.Collector{m, m.batchSize, m.writes, m.results, m.completion, m.superseded, m.applyDuration, m.hostFailures} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

@@ -392,6 +392,7 @@ func (q *Queue) noteFailure(ctx context.Context, key cache.ObjectName, err error
 	if w == nil {
 		return err
 	}
+	q.metrics.hostFailures.WithLabelValues(failureCause(err)).Inc()
 	if w.lastErr == nil {
 		w.failingSince = q.now()
 	}
@@ -402,6 +403,29 @@ func (q *Queue) noteFailure(ctx context.Context, key cache.ObjectName, err error
 	}
 	klog.FromContext(ctx).Info("attempt at the host failed", "err", err, "failingSince", w.failingSince, "pending", len(w.intents))
 	return err
+}
+
+const (
+	causeRefused     = "refused"
+	causeUnavailable = "unavailable"
+	causeOther       = "other"
+)
+
+// failureCause sorts a failed attempt for the host failures metric.
+func failureCause(err error) string {
+	switch {
+	case permanent(err):
+		return causeRefused
+	case errors.Is(err, context.DeadlineExceeded), apierrors.IsServiceUnavailable(err), apierrors.IsTimeout(err),
+		apierrors.IsServerTimeout(err), apierrors.IsTooManyRequests(err), !refused(err) && !isAPIStatus(err):
+		return causeUnavailable
+	}
+	return causeOther
+}
+
+func isAPIStatus(err error) bool {
+	var status apierrors.APIStatus
+	return errors.As(err, &status)
 }
 
 // permanent reports an error retrying cannot cure until an operator acts:
