@@ -22,6 +22,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
@@ -41,6 +42,9 @@ type options struct {
 	kubeBurst                                      int
 	publishMargin                                  time.Duration
 	metricsAddr                                    string
+	guestKubeconfig                                string
+	detachGuardTimeout                             time.Duration
+	nodeMonitor                                    bool
 	node                                           nodeFlags
 	showVersion                                    bool
 }
@@ -64,6 +68,9 @@ func parseFlags(args []string) (*options, error) {
 	fs.IntVar(&o.kubeBurst, "kube-api-burst", 40, "host API client burst")
 	fs.DurationVar(&o.publishMargin, "publish-margin", 2*time.Second, "time kept before the caller's deadline to answer a publish still in flight")
 	fs.StringVar(&o.metricsAddr, "metrics-address", "", "serve Prometheus metrics on this address (empty: off)")
+	fs.StringVar(&o.guestKubeconfig, "guest-kubeconfig", "", "guest cluster kubeconfig, for the detach guard and the guest node monitor (default: the pod's in-cluster configuration)")
+	fs.DurationVar(&o.detachGuardTimeout, "detach-guard-timeout", guest.DefaultDetachGuardTimeout, "how long an unpublish waits while the guest Node still lists the volume in use before unplugging it anyway (0: never wait)")
+	fs.BoolVar(&o.nodeMonitor, "node-monitor", true, "run the guest node monitor (elected; taints Nodes of stopped VMs out of service and releases their volumes)")
 	o.node.register(fs)
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
@@ -82,6 +89,9 @@ func parseFlags(args []string) (*options, error) {
 	}
 	if o.debug {
 		_ = klogFlags.Set("v", "4")
+	}
+	if o.detachGuardTimeout < 0 {
+		return nil, fmt.Errorf("invalid --detach-guard-timeout %s: want 0 (off) or more", o.detachGuardTimeout)
 	}
 	return o, nil
 }
@@ -131,12 +141,21 @@ func run(ctx context.Context, o *options) error {
 		hostClient = c
 	}
 	if o.mode != "node" {
+		guestClient, err := guest.Load(o.guestKubeconfig, float32(o.kubeQPS), o.kubeBurst)
+		if err != nil {
+			// Controller.Run says loudly what is off without it.
+			klog.FromContext(ctx).Error(err, "no guest cluster client")
+			guestClient = nil
+		}
 		controller = driver.NewController(driver.ControllerConfig{
-			Host:    hostClient,
-			Backend: o.backend,
-			Queue:   o.queue,
-			Options: driver.ControllerOptions{HostStorageClass: o.hostStorageClass, PublishMargin: o.publishMargin},
-			Metrics: reg,
+			Host:               hostClient,
+			Backend:            o.backend,
+			Queue:              o.queue,
+			Options:            driver.ControllerOptions{HostStorageClass: o.hostStorageClass, PublishMargin: o.publishMargin},
+			Metrics:            reg,
+			Guest:              guestClient,
+			DetachGuardTimeout: o.detachGuardTimeout,
+			NodeMonitor:        o.nodeMonitor,
 		})
 		g.Go(func() error { return controller.Run(ctx) })
 	}
