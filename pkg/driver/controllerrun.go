@@ -102,6 +102,10 @@ func (c *Controller) buildGuest() error {
 // Monitor is the guest node monitor, nil when it does not run.
 func (c *Controller) Monitor() *guest.Monitor { return c.monitor }
 
+// GuestNodes is the cache of guest Nodes and CSINodes, nil without a guest
+// client.
+func (c *Controller) GuestNodes() *guest.Nodes { return c.guestNodes }
+
 // Service is the CSI controller service.
 func (c *Controller) Service() csi.ControllerServer { return c.service }
 
