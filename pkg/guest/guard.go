@@ -71,25 +71,30 @@ func NewGuard(nodes *Nodes, events EventSink, timeout time.Duration) *Guard {
 }
 
 // Allow returns nil when the volume may be unplugged from vm now, an
-// *InUseError while the guest still uses it, or ErrNotSynced.
+// *InUseError while the guest still uses it, or an error wrapping
+// ErrNotSynced while the guest caches cannot tell; either only until the
+// timeout has passed since the first refusal.
 func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
-	if !g.nodes.HasSynced() {
-		return ErrNotSynced
-	}
+	// Unsynced caches (a guest API that does not answer, an identity the
+	// guest refuses) cannot say the volume is free, but they must not keep
+	// it on the VM for ever either: they count toward the same timeout.
+	synced := g.nodes.HasSynced()
 	var users []*corev1.Node
-	for _, node := range g.nodes.NodesOfVM(vm) {
-		if OutOfService(node) {
-			continue
-		}
-		if inUse(node, g.nodes.driver, volume) {
-			users = append(users, node)
+	if synced {
+		for _, node := range g.nodes.NodesOfVM(vm) {
+			if OutOfService(node) {
+				continue
+			}
+			if inUse(node, g.nodes.driver, volume) {
+				users = append(users, node)
+			}
 		}
 	}
 	key := refusalKey{vm, volume}
 	now := g.now()
 	g.mu.Lock()
 	g.pruneLocked(now)
-	if len(users) == 0 {
+	if synced && len(users) == 0 {
 		delete(g.refused, key)
 		g.mu.Unlock()
 		return nil
@@ -106,6 +111,9 @@ func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 	}
 	if until := r.first.Add(g.timeout); now.Before(until) {
 		g.mu.Unlock()
+		if !synced {
+			return fmt.Errorf("%w (volume %s on VM %s is unplugged without asking the guest after %s)", ErrNotSynced, volume, vm, until.UTC().Format(time.RFC3339))
+		}
 		klog.FromContext(ctx).V(2).Info("unplug refused: the guest still uses the volume", "volume", volume, "vm", vm, "guestNodes", names, "until", until)
 		return &InUseError{Volume: volume, VM: vm, Nodes: names, Since: r.first, Until: until}
 	}
@@ -113,14 +121,19 @@ func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 	r.forced = true
 	since := r.first
 	g.mu.Unlock()
-	if first {
-		msg := fmt.Sprintf("volume %s is being unplugged from VM %s although this node still lists it in status.volumesInUse: the detach guard waited %s since %s (--detach-guard-timeout) for kubelet to unmount it",
-			volume, vm, g.timeout, since.UTC().Format(time.RFC3339))
-		klog.FromContext(ctx).Info("forcing an unplug the guest still uses", "volume", volume, "vm", vm, "guestNodes", names, "refusedSince", since)
-		if g.events != nil {
-			for _, n := range users {
-				g.events.NodeEvent(ctx, n, corev1.EventTypeWarning, "VolumeDetachForced", msg)
-			}
+	if !first {
+		return nil
+	}
+	if !synced {
+		klog.FromContext(ctx).Error(ErrNotSynced, "unplugging without asking the guest: its caches never synced within the detach guard's timeout", "volume", volume, "vm", vm, "refusedSince", since)
+		return nil
+	}
+	msg := fmt.Sprintf("volume %s is being unplugged from VM %s although this node still lists it in status.volumesInUse: the detach guard waited %s since %s (--detach-guard-timeout) for kubelet to unmount it",
+		volume, vm, g.timeout, since.UTC().Format(time.RFC3339))
+	klog.FromContext(ctx).Info("forcing an unplug the guest still uses", "volume", volume, "vm", vm, "guestNodes", names, "refusedSince", since)
+	if g.events != nil {
+		for _, n := range users {
+			g.events.NodeEvent(ctx, n, corev1.EventTypeWarning, "VolumeDetachForced", msg)
 		}
 	}
 	return nil

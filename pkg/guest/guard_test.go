@@ -168,8 +168,16 @@ func TestGuardNotSynced(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := NewGuard(nodes, nil, time.Minute).Allow(ctx, "vm-1", "pvc-a"); !errors.Is(err, ErrNotSynced) {
+	g := NewGuard(nodes, nil, time.Minute)
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	g.now = func() time.Time { return now }
+	if err := g.Allow(ctx, "vm-1", "pvc-a"); !errors.Is(err, ErrNotSynced) {
 		t.Fatalf("before the caches sync = %v, want ErrNotSynced", err)
+	}
+	// A guest that never answers does not keep the volume for ever.
+	now = now.Add(time.Minute)
+	if err := g.Allow(ctx, "vm-1", "pvc-a"); err != nil {
+		t.Fatalf("after the timeout without guest caches: %v, want the unplug to proceed", err)
 	}
 }
 
