@@ -98,6 +98,7 @@ func TestMonitorDecisions(t *testing.T) {
 					t.Errorf("taint %+v, want node.kubernetes.io/out-of-service=nodeshutdown:NoExecute with its time", got)
 				}
 			}
+			slices.Sort(vms.detached) // detached concurrently, in any order
 			if !slices.Equal(vms.detached, tc.wantDetach) {
 				t.Errorf("detached %v, want %v", vms.detached, tc.wantDetach)
 			}
