@@ -27,6 +27,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/diagnose"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
@@ -48,6 +49,9 @@ type options struct {
 	publishMargin, publishWait                     time.Duration
 	metricsAddr                                    string
 	pprof                                          bool
+	guestKubeconfig                                string
+	detachGuardTimeout                             time.Duration
+	nodeMonitor                                    bool
 	node                                           nodeFlags
 	showVersion                                    bool
 }
@@ -79,6 +83,9 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.DurationVar(&o.publishWait, "publish-wait", 0, "longest a publish or unpublish waits for KubeVirt before answering \"in progress\" for the caller to retry (0: up to the caller's deadline)")
 	fs.StringVar(&o.metricsAddr, "metrics-address", "", "serve Prometheus metrics, and the hotplug queue's state at "+diagnose.StatePath+", on this address (empty: off)")
 	fs.BoolVar(&o.pprof, "enable-pprof", false, "also serve Go's profiles at /debug/pprof/ on --metrics-address")
+	fs.StringVar(&o.guestKubeconfig, "guest-kubeconfig", "", "guest cluster kubeconfig, for the detach guard and the guest node monitor (default: the pod's in-cluster configuration)")
+	fs.DurationVar(&o.detachGuardTimeout, "detach-guard-timeout", guest.DefaultDetachGuardTimeout, "how long an unpublish waits while the guest Node still lists the volume in use before unplugging it anyway (0: never wait)")
+	fs.BoolVar(&o.nodeMonitor, "node-monitor", true, "run the guest node monitor (elected; taints Nodes of stopped VMs out of service and releases their volumes)")
 	o.node.register(fs)
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
@@ -112,6 +119,9 @@ func parseFlags(args []string) (*options, error) {
 	fs.Visit(func(f *flag.Flag) { explicitV = explicitV || f.Name == "v" })
 	if o.debug && !explicitV {
 		_ = fs.Set("v", "4")
+	}
+	if o.detachGuardTimeout < 0 {
+		return nil, fmt.Errorf("invalid --detach-guard-timeout %s: want 0 (off) or more", o.detachGuardTimeout)
 	}
 	return o, nil
 }
@@ -277,12 +287,21 @@ func run(ctx context.Context, o *options) error {
 		hostClient = c
 	}
 	if o.mode != "node" {
+		guestClient, err := guest.Load(o.guestKubeconfig, float32(o.kubeQPS), o.kubeBurst)
+		if err != nil {
+			// Controller.Run says loudly what is off without it.
+			klog.FromContext(ctx).Error(err, "no guest cluster client")
+			guestClient = nil
+		}
 		controller = driver.NewController(driver.ControllerConfig{
-			Host:    hostClient,
-			Backend: o.backend,
-			Queue:   o.queue,
-			Options: driver.ControllerOptions{HostStorageClass: o.hostStorageClass, PublishMargin: o.publishMargin, PublishWait: o.publishWait},
-			Metrics: reg,
+			Host:               hostClient,
+			Backend:            o.backend,
+			Queue:              o.queue,
+			Options:            driver.ControllerOptions{HostStorageClass: o.hostStorageClass, PublishMargin: o.publishMargin, PublishWait: o.publishWait},
+			Metrics:            reg,
+			Guest:              guestClient,
+			DetachGuardTimeout: o.detachGuardTimeout,
+			NodeMonitor:        o.nodeMonitor,
 		})
 		g.Go(func() error { return controller.Run(ctx) })
 	}

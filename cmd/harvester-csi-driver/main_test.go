@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"flag"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -51,15 +52,31 @@ func TestDefaults(t *testing.T) {
 	if o.endpoint != "unix:///csi/csi.sock" || o.mode != "all" || o.backend != "auto" || o.debug {
 		t.Errorf("defaults: %+v", o)
 	}
+	// The guard waits as long as the attach/detach controller's own force
+	// detach bound; the guest client is the pod's own; the monitor runs.
+	if o.detachGuardTimeout != 6*time.Minute || o.guestKubeconfig != "" || !o.nodeMonitor {
+		t.Errorf("guest defaults: guard %s, guest kubeconfig %q, monitor %v", o.detachGuardTimeout, o.guestKubeconfig, o.nodeMonitor)
+	}
+}
+
+func TestGuestFlags(t *testing.T) {
+	o, err := parseFlags([]string{"--guest-kubeconfig=/etc/guest.yaml", "--detach-guard-timeout=0", "--node-monitor=false"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.guestKubeconfig != "/etc/guest.yaml" || o.detachGuardTimeout != 0 || o.nodeMonitor {
+		t.Errorf("guest flags not taken: %+v", o)
+	}
 }
 
 func TestBadCommandLinesAreClearErrors(t *testing.T) {
 	for args, want := range map[string]string{
-		"--no-such-flag":      "no-such-flag",
-		"--mode=everything":   "invalid --mode",
-		"stray":               "unexpected arguments",
-		"--batch-window=x":    "batch-window",
-		"--hotplug-backend=x": "invalid --hotplug-backend",
+		"--no-such-flag":             "no-such-flag",
+		"--mode=everything":          "invalid --mode",
+		"stray":                      "unexpected arguments",
+		"--batch-window=x":           "batch-window",
+		"--detach-guard-timeout=-1s": "invalid --detach-guard-timeout",
+		"--hotplug-backend=x":        "invalid --hotplug-backend",
 	} {
 		_, err := parseFlags([]string{args})
 		if err == nil || !strings.Contains(err.Error(), want) {
@@ -129,8 +146,10 @@ func TestHelpListsTheDriversFlags(t *testing.T) {
 			t.Errorf("--help lists klog's --%s", f)
 		}
 	}
-	if n := strings.Count(r.stdout, "\n  --"); n > 25 {
-		t.Errorf("--help lists %d flags; the driver has about 20", n)
+	driverFlags := 0
+	newFlagSet(&options{}).VisitAll(func(*flag.Flag) { driverFlags++ })
+	if n := strings.Count(r.stdout, "\n  --"); n != driverFlags {
+		t.Errorf("--help lists %d flags; the driver defines %d", n, driverFlags)
 	}
 }
 

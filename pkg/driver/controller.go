@@ -15,6 +15,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/klog/v2"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
@@ -39,6 +40,20 @@ type Hotplug interface {
 	Detach(ctx context.Context, vm, volume string) error
 	Holders(volume string) []string
 	Published() map[string][]string
+	// Lost lists the VMs whose spec holds the volume while their running
+	// VMI dropped it.
+	Lost(volume string) []string
+}
+
+// DetachGuard decides whether a volume may leave a VM now, from what the
+// guest cluster says about its use (pkg/guest.Guard).
+type DetachGuard interface {
+	// Allow returns nil to go ahead, or why not (*guest.InUseError,
+	// guest.ErrNotSynced).
+	Allow(ctx context.Context, vm, volume string) error
+	// Done ends an unplug's count: it finished, or the volume was
+	// published to the VM again.
+	Done(vm, volume string)
 }
 
 // HostVolumes is what the controller needs from the host cluster's PVCs.
@@ -70,6 +85,9 @@ type ControllerOptions struct {
 	// caller's deadline. A short wait frees the attacher's worker for the
 	// next volume, so every change of a wave reaches the queue at once.
 	PublishWait time.Duration
+	// DetachGuard, when set, is asked before a volume is unplugged from a
+	// VM on ControllerUnpublishVolume (never for the queue's own cleanup).
+	DetachGuard DetachGuard
 }
 
 type controllerService struct {
@@ -97,6 +115,8 @@ func (s *controllerService) ControllerGetCapabilities(context.Context, *csi.Cont
 		csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
 		csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
 		csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
+		csi.ControllerServiceCapability_RPC_GET_VOLUME,
+		csi.ControllerServiceCapability_RPC_VOLUME_CONDITION,
 	} {
 		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
 			Rpc: &csi.ControllerServiceCapability_RPC{Type: c},
@@ -255,6 +275,9 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 	if err := s.hotplug.Attach(ctx, vm, vol, true); err != nil {
 		return nil, hotplugStatus(err)
 	}
+	if g := s.opts.DetachGuard; g != nil {
+		g.Done(vm, vol) // a new attachment: an older refused unplug is over
+	}
 	klog.FromContext(ctx).Info("volume attached", "volume", vol, "vm", vm)
 	return &csi.ControllerPublishVolumeResponse{}, nil
 }
@@ -276,12 +299,41 @@ func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *
 	ctx, cancel := s.withMargin(ctx)
 	defer cancel()
 	for _, vm := range vms {
+		if err := s.guardDetach(ctx, vm, vol); err != nil {
+			return nil, err
+		}
 		if err := s.hotplug.Detach(ctx, vm, vol); err != nil {
 			return nil, hotplugStatus(err)
+		}
+		if g := s.opts.DetachGuard; g != nil {
+			g.Done(vm, vol)
 		}
 		klog.FromContext(ctx).Info("volume detached", "volume", vol, "vm", vm)
 	}
 	return &csi.ControllerUnpublishVolumeResponse{}, nil
+}
+
+// guardDetach asks the detach guard before a volume the VM holds is
+// unplugged (the attach/detach controller may ask while the guest still has
+// it mounted: seed 000). Aborted, not Unavailable: the external-attacher
+// retries both with backoff, and Aborted is CSI's "an operation on this
+// volume is still pending" (the guest's unmount), where Unavailable would
+// say the driver itself is down.
+func (s *controllerService) guardDetach(ctx context.Context, vm, vol string) error {
+	g := s.opts.DetachGuard
+	if g == nil || !slices.Contains(s.hotplug.Holders(vol), vm) {
+		return nil
+	}
+	err := g.Allow(ctx, vm, vol)
+	var inUse *guest.InUseError
+	switch {
+	case err == nil:
+		return nil
+	case errors.As(err, &inUse):
+		return status.Error(codes.Aborted, err.Error())
+	default:
+		return status.Errorf(codes.Unavailable, "volume %s on VM %s: cannot tell whether the guest still uses it: %v", vol, vm, err)
+	}
 }
 
 // getVolume reads a host PVC within hostCallTimeout and answers in CSI terms.

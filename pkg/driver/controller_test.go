@@ -138,6 +138,7 @@ type fakeHotplug struct {
 	attach, detach func(ctx context.Context, vm, vol string) error
 	holders        map[string][]string
 	published      map[string][]string
+	lost           map[string][]string
 }
 
 func (f *fakeHotplug) Attach(ctx context.Context, vm, vol string, _ bool) error {
@@ -151,6 +152,8 @@ func (f *fakeHotplug) Detach(ctx context.Context, vm, vol string) error {
 func (f *fakeHotplug) Holders(vol string) []string { return f.holders[vol] }
 
 func (f *fakeHotplug) Published() map[string][]string { return f.published }
+
+func (f *fakeHotplug) Lost(vol string) []string { return f.lost[vol] }
 
 func newTestController(opts ControllerOptions) (*controllerService, *fakeVolumes, *fakeHotplug) {
 	vols := &fakeVolumes{pvcs: map[string]*corev1.PersistentVolumeClaim{}, classes: map[string]bool{"longhorn": true, "fast": true}}

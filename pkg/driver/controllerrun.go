@@ -5,10 +5,15 @@ import (
 	"errors"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sync/errgroup"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
@@ -25,6 +30,16 @@ type ControllerConfig struct {
 	Options ControllerOptions
 	// Metrics, when set, receives the queue's metrics.
 	Metrics hotplug.Registerer
+	// Guest reaches the guest cluster this driver serves; nil turns the
+	// detach guard and the guest node monitor off.
+	Guest kubernetes.Interface
+	// DetachGuardTimeout is --detach-guard-timeout: how long an unplug
+	// waits for the guest to stop using the volume (0: the guard is off).
+	DetachGuardTimeout time.Duration
+	// NodeMonitor runs the guest node monitor (elected) when Guest is set.
+	NodeMonitor bool
+	// Monitor tunes the guest node monitor.
+	Monitor guest.MonitorConfig
 }
 
 // Controller is the controller side of the driver: the hotplug backend, the
@@ -36,6 +51,12 @@ type Controller struct {
 	cfg     ControllerConfig
 	service csi.ControllerServer
 	queue   atomic.Pointer[hotplug.Queue]
+	// guestNodes, guard and monitor exist only with a guest client.
+	guestNodes *guest.Nodes
+	guard      *guest.Guard
+	monitor    *guest.Monitor
+	// buildErr is a failure of NewController, returned by Run.
+	buildErr error
 
 	mu      sync.Mutex
 	waiting string // why the controller is not ready yet
@@ -44,9 +65,46 @@ type Controller struct {
 // NewController builds the controller side. It does no I/O: Run does.
 func NewController(cfg ControllerConfig) *Controller {
 	c := &Controller{cfg: cfg, waiting: "starting"}
-	c.service = NewControllerService(cfg.Options, c, cfg.Host)
+	if cfg.Guest != nil {
+		c.buildErr = c.buildGuest()
+	}
+	opts := cfg.Options
+	if c.guard != nil {
+		opts.DetachGuard = c.guard
+	}
+	c.service = NewControllerService(opts, c, cfg.Host)
 	return c
 }
+
+// guestResync re-delivers every guest Node to the monitor now and then, so a
+// decision that also depends on the host side is taken again even when
+// nothing in the guest changes.
+const guestResync = time.Minute
+
+func (c *Controller) buildGuest() error {
+	nodes, err := guest.NewNodes(c.cfg.Guest, Name, guestResync)
+	if err != nil {
+		return err
+	}
+	c.guestNodes = nodes
+	events := guest.Events{Client: c.cfg.Guest, Component: Name}
+	if c.cfg.DetachGuardTimeout > 0 {
+		c.guard = guest.NewGuard(nodes, events, c.cfg.DetachGuardTimeout)
+	}
+	if c.cfg.NodeMonitor {
+		if c.monitor, err = guest.NewMonitor(c.cfg.Monitor, c.cfg.Guest, nodes, monitorVMs{c}, events); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Monitor is the guest node monitor, nil when it does not run.
+func (c *Controller) Monitor() *guest.Monitor { return c.monitor }
+
+// GuestNodes is the cache of guest Nodes and CSINodes, nil without a guest
+// client.
+func (c *Controller) GuestNodes() *guest.Nodes { return c.guestNodes }
 
 // Service is the CSI controller service.
 func (c *Controller) Service() csi.ControllerServer { return c.service }
@@ -75,6 +133,16 @@ func (c *Controller) setWaiting(why string) {
 // answer), builds the queue, runs the informers and works the queue until
 // ctx ends.
 func (c *Controller) Run(ctx context.Context) error {
+	if c.buildErr != nil {
+		return c.buildErr
+	}
+	logger := klog.FromContext(ctx)
+	switch {
+	case c.guestNodes == nil:
+		logger.Error(nil, "NO GUEST CLUSTER CLIENT: the detach guard and the guest node monitor are OFF; a volume may be unplugged while its guest still has it mounted, and Nodes of stopped VMs are not fenced")
+	case c.guard == nil:
+		logger.Info("detach guard off (--detach-guard-timeout=0): volumes are unplugged without asking the guest")
+	}
 	backend, err := host.NewBackend(ctx, c.cfg.Host, c.cfg.Backend, c.setWaiting)
 	if err != nil {
 		return err
@@ -88,11 +156,57 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 	c.setWaiting("waiting for the host's VM and VMI caches to sync")
 	c.queue.Store(q)
+	if c.monitor != nil {
+		h := cache.ResourceEventHandlerFuncs{
+			AddFunc:    c.vmChanged,
+			UpdateFunc: func(_, obj any) { c.vmChanged(obj) },
+			DeleteFunc: c.vmChanged,
+		}
+		for _, inf := range []cache.SharedIndexInformer{vmInf, vmiInf} {
+			if _, err := inf.AddEventHandler(h); err != nil {
+				return err
+			}
+		}
+	}
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { vmInf.RunWithContext(ctx); return nil })
 	g.Go(func() error { vmiInf.RunWithContext(ctx); return nil })
 	g.Go(func() error { return q.Run(ctx) })
+	if c.guestNodes != nil {
+		c.guestNodes.Start(ctx.Done())
+	}
+	if c.monitor != nil {
+		g.Go(func() error { return c.monitor.Run(ctx) })
+	}
 	return g.Wait()
+}
+
+func (c *Controller) vmChanged(obj any) {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	if o, ok := obj.(interface{ GetName() string }); ok {
+		c.monitor.VMChanged(o.GetName())
+	}
+}
+
+// monitorVMs gives the guest node monitor the queue's view of the host.
+type monitorVMs struct{ c *Controller }
+
+func (m monitorVMs) Synced() bool {
+	q := m.c.queue.Load()
+	return q != nil && q.Ready()
+}
+
+func (m monitorVMs) View(vm string) hotplug.VMView {
+	if q := m.c.queue.Load(); q != nil && q.Ready() {
+		return q.View(vm)
+	}
+	return hotplug.VMView{}
+}
+
+func (m monitorVMs) Detach(ctx context.Context, vm, volume string) error {
+	return m.c.Detach(ctx, vm, volume)
 }
 
 // The controller service reaches the queue through these, so that it can be
@@ -124,6 +238,13 @@ func (c *Controller) Holders(volume string) []string {
 func (c *Controller) Published() map[string][]string {
 	if q := c.queue.Load(); q != nil {
 		return q.Published()
+	}
+	return nil
+}
+
+func (c *Controller) Lost(volume string) []string {
+	if q := c.queue.Load(); q != nil {
+		return q.Lost(volume)
 	}
 	return nil
 }

@@ -53,7 +53,8 @@ func (s *controllerService) ListVolumes(ctx context.Context, req *csi.ListVolume
 		}
 		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
 			Volume: vol,
-			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: published[id]},
+			// VOLUME_CONDITION is offered, so every entry carries one.
+			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: published[id], VolumeCondition: s.condition(id, byID[id])},
 		})
 	}
 	return resp, nil

@@ -1,6 +1,7 @@
 package driver
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"sync"
@@ -42,7 +43,9 @@ type NodeOptions struct {
 	ProcRoot string
 	// MountInfoPath (default /proc/self/mountinfo) is the mount table.
 	MountInfoPath string
-	// DeviceWait bounds the wait for a disk to appear (default 15s).
+	// DeviceWait bounds the wait for a disk to appear. By default a stage
+	// or publish waits as long as its caller allows (less a margin to
+	// answer in), at most 2 minutes.
 	DeviceWait time.Duration
 	// DevicePollInterval is the delay between looks (default 200ms).
 	DevicePollInterval time.Duration
@@ -95,7 +98,8 @@ func NewNodeService(opts NodeOptions) (*NodeService, error) {
 	s := &NodeService{
 		opts: opts,
 		finder: device.NewFinder(device.FinderOptions{
-			ByIDDir: opts.ByIDDir, SysfsRoot: opts.SysfsRoot, Wait: opts.DeviceWait, PollInterval: opts.DevicePollInterval,
+			// waitDisk bounds each wait by the call's deadline.
+			ByIDDir: opts.ByIDDir, SysfsRoot: opts.SysfsRoot, Wait: cmp.Or(opts.DeviceWait, maxDeviceWait), PollInterval: opts.DevicePollInterval,
 		}),
 		inUse: device.NewInUseChecker(device.InUseOptions{
 			ProcRoot: opts.ProcRoot, MountInfoPath: opts.MountInfoPath,

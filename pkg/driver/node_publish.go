@@ -24,7 +24,7 @@ func (s *NodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 
 	readOnly := req.GetReadonly() || readOnlyMode(capability)
 	if capability.GetBlock() != nil {
-		dev, err := s.finder.Wait(ctx, id)
+		dev, err := s.waitDisk(ctx, id)
 		if err != nil {
 			return nil, toStatus(err)
 		}
@@ -51,7 +51,7 @@ func (s *NodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 		// volume it published is mounted only on its old target. Stage it
 		// now; mounting the same filesystem a second time shares it.
 		logger.Info("staging path not mounted; staging the volume first", "path", staging)
-		dev, err := s.finder.Wait(ctx, id)
+		dev, err := s.waitDisk(ctx, id)
 		if err != nil {
 			return nil, toStatus(err)
 		}

@@ -21,7 +21,7 @@ func (s *NodeService) NodeStageVolume(ctx context.Context, req *csi.NodeStageVol
 	}
 	defer release()
 
-	dev, err := s.finder.Wait(ctx, id)
+	dev, err := s.waitDisk(ctx, id)
 	if err != nil {
 		return nil, toStatus(err)
 	}

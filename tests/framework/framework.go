@@ -26,6 +26,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
@@ -124,6 +125,13 @@ type ControllerOptions struct {
 	// Config is the host identity the controller acts as; nil: the
 	// simulator's admin. It must reach the simulator's front proxy.
 	Config *rest.Config
+	// Guest, when set, is the guest cluster's API server: the detach guard
+	// (DetachGuardTimeout > 0) and, with NodeMonitor, the guest node
+	// monitor run against it.
+	Guest              *rest.Config
+	DetachGuardTimeout time.Duration
+	NodeMonitor        bool
+	Monitor            guest.MonitorConfig
 }
 
 // Controller is a running controller service.
@@ -133,8 +141,10 @@ type Controller struct {
 	Client   csi.ControllerClient
 	Queue    *hotplug.Queue
 	Metrics  *prometheus.Registry
-	cancel   context.CancelFunc
-	done     chan struct{}
+	// Driver is the controller side itself (its guest node monitor, say).
+	Driver *driver.Controller
+	cancel context.CancelFunc
+	done   chan struct{}
 }
 
 // StartController runs the driver's controller service (and identity) over
@@ -155,14 +165,21 @@ func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controlle
 		tb.Fatal(err)
 	}
 	reg := prometheus.NewRegistry()
-	ctrl := driver.NewController(driver.ControllerConfig{Host: hc, Backend: opts.Backend, Queue: opts.Queue, Options: opts.Driver, Metrics: reg})
+	cc := driver.ControllerConfig{Host: hc, Backend: opts.Backend, Queue: opts.Queue, Options: opts.Driver, Metrics: reg,
+		DetachGuardTimeout: opts.DetachGuardTimeout, NodeMonitor: opts.NodeMonitor, Monitor: opts.Monitor}
+	if opts.Guest != nil {
+		if cc.Guest, err = kubernetes.NewForConfig(opts.Guest); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	ctrl := driver.NewController(cc)
 	dir, err := os.MkdirTemp("", "hcsi-") // unix socket paths must stay short
 	if err != nil {
 		tb.Fatal(err)
 	}
 	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
 	d := driver.New("test", ctrl, opts.Node)
-	c := &Controller{Endpoint: endpoint, Metrics: reg, cancel: cancel, done: make(chan struct{})}
+	c := &Controller{Endpoint: endpoint, Metrics: reg, Driver: ctrl, cancel: cancel, done: make(chan struct{})}
 	var wg sync.WaitGroup
 	wg.Add(2)
 	go func() { defer wg.Done(); _ = ctrl.Run(ctx) }()

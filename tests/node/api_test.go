@@ -150,16 +150,18 @@ func TestRequestValidation(t *testing.T) {
 	must(t, err, "unstage of a missing staging path")
 }
 
-// A disk that does not show up ends the wait with NotFound saying what was
-// looked for and where.
-func TestStageWithoutDiskIsNotFound(t *testing.T) {
+// A disk that does not show up ends the wait with Unavailable (it may still
+// be on its way: harvester 10217), saying what was looked for and where; the
+// wait ends at the configured bound or a little before the caller's
+// deadline, whichever comes first.
+func TestStageWithoutDiskIsUnavailable(t *testing.T) {
 	ns := plainNode(t, nil)
 	ctx := testContext(t)
 	staging := t.TempDir()
 	start := time.Now()
 	_, err := ns.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: "pvc-nowhere", StagingTargetPath: staging,
 		VolumeCapability: mountCap("", rwo)})
-	wantCode(t, err, codes.NotFound, "stage without disk")
+	wantCode(t, err, codes.Unavailable, "stage without disk")
 	for _, want := range []string{"pvc-nowhere", "by-id", "scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-nowhere", "waiting"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("message %q lacks %q", err, want)
@@ -168,6 +170,13 @@ func TestStageWithoutDiskIsNotFound(t *testing.T) {
 	if d := time.Since(start); d < 300*time.Millisecond {
 		t.Errorf("gave up after %s, before the configured 300ms", d)
 	}
+
+	patient := plainNode(t, func(o *driver.NodeOptions) { o.DeviceWait = time.Hour })
+	dctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	_, err = patient.NodeStageVolume(dctx, &csi.NodeStageVolumeRequest{VolumeId: "pvc-nowhere", StagingTargetPath: staging,
+		VolumeCapability: mountCap("", rwo)})
+	wantCode(t, err, codes.Unavailable, "stage without disk, ended by the caller's deadline")
 }
 
 // Two operations on one volume: the second is told to come back. The stage

@@ -43,7 +43,7 @@ func TestStageNeverTakesAnotherVolumesDisk(t *testing.T) {
 		dev := h.plug("vm-a", plugged)
 		staging, _ := a.paths(asked, "pod")
 		err := a.stage(ctx, asked, staging, c)
-		wantCode(t, err, codes.NotFound, "stage "+asked+" with only "+plugged+" plugged")
+		wantCode(t, err, codes.Unavailable, "stage "+asked+" with only "+plugged+" plugged")
 		if isMountPoint(t, staging) {
 			t.Fatalf("staging %s mounted %s's disk", asked, plugged)
 		}

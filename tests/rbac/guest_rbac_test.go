@@ -15,14 +15,18 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
 	"sigs.k8s.io/yaml"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/sweeper"
 )
 
@@ -138,3 +142,87 @@ func resourceQuantity(s string) *resource.Quantity {
 	q := resource.MustParse(s)
 	return &q
 }
+
+// TestControllerGuestCallsFitTheListedPermissions runs the controller's
+// guest side (the caches of the detach guard, its forced-detach Event, the
+// node monitor's election, taint and Events) as a user holding only the
+// listed rules of the driver under the controller's service account.
+func TestControllerGuestCallsFitTheListedPermissions(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	env, err := testenv.Start(ctx, testenv.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer env.Stop()
+	admin := kubernetes.NewForConfigOrDie(env.Config)
+	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "rke2-worker-1"}}
+	if _, err := admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	node.Status = corev1.NodeStatus{
+		Conditions:   []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionUnknown}},
+		VolumesInUse: []corev1.UniqueVolumeName{guest.UniqueVolumeName(driver.Name, "pvc-a")},
+	}
+	if _, err := admin.CoreV1().Nodes().UpdateStatus(ctx, node, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{
+		ObjectMeta: metav1.ObjectMeta{Name: node.Name},
+		Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: "vm-1"}}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	client := asUser(t, ctx, env.Config, "system:serviceaccount:kube-system:harvester-csi-driver", rulesFor(t, "controller"))
+	nodes, err := guest.NewNodes(client, driver.Name, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := guest.Events{Client: client, Component: driver.Name}
+	vms := stoppedVM{}
+	monitor, err := guest.NewMonitor(guest.MonitorConfig{LeaseDuration: 4 * time.Second, RenewDeadline: 3 * time.Second, RetryPeriod: 200 * time.Millisecond},
+		client, nodes, vms, events)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nodes.Start(ctx.Done())
+	if !cache.WaitForCacheSync(ctx.Done(), nodes.HasSynced) {
+		t.Fatal("the guest caches did not sync with the listed permissions (list/watch of nodes or csinodes refused)")
+	}
+	// A zero timeout forces at once: the Event needs "create" on events.
+	if err := guest.NewGuard(nodes, events, 0).Allow(ctx, "vm-1", "pvc-a"); err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = monitor.Run(ctx) }()
+
+	want := map[string]bool{"VolumeDetachForced": false, "NodeOutOfService": false}
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		n, err := admin.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		list, err := admin.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range list.Items {
+			if _, ok := want[e.Reason]; ok {
+				want[e.Reason] = true
+			}
+		}
+		if guest.OutOfService(n) && want["VolumeDetachForced"] && want["NodeOutOfService"] && monitor.Leading() {
+			return
+		}
+	}
+	t.Fatalf("with only the listed permissions: leading %v, events %v (a missing one means the driver needs a permission the list and chart lack)", monitor.Leading(), want)
+}
+
+// stoppedVM is a host where every VM exists and is stopped.
+type stoppedVM struct{}
+
+func (stoppedVM) Synced() bool { return true }
+
+func (stoppedVM) View(string) hotplug.VMView { return hotplug.VMView{Exists: true} }
+
+func (stoppedVM) Detach(context.Context, string, string) error { return nil }

@@ -100,6 +100,10 @@ func (e *NotFoundError) Error() string {
 
 func (e *NotFoundError) Unwrap() error { return ErrNotFound }
 
+// StillArriving reports a disk that Wait waited for in vain but that may
+// still come: the hotplug is in progress or udev has not linked it yet.
+func (e *NotFoundError) StillArriving() bool { return e.Reason == "" && e.Waited > 0 }
+
 // AmbiguousError is returned when the by-id entries cannot name one disk for
 // the volume: they point at different disks, at a partition, or only a
 // truncated serial matches. Picking one could mount the wrong disk.
@@ -249,8 +253,9 @@ func (f *Finder) isPartition(d Device) (bool, error) {
 	}
 }
 
-// Wait polls Lookup until the disk appears, the finder's bound passes (a
-// NotFoundError naming the wait) or ctx ends (ctx's error).
+// Wait polls Lookup until the disk appears, or until the finder's bound or
+// ctx's deadline passes (a NotFoundError naming the wait), or ctx is
+// cancelled (ctx's error).
 func (f *Finder) Wait(ctx context.Context, volumeID string) (Device, error) {
 	logger := klog.FromContext(ctx)
 	start := time.Now()
@@ -282,6 +287,12 @@ func (f *Finder) Wait(ctx context.Context, volumeID string) (Device, error) {
 		}
 		select {
 		case <-ctx.Done():
+			// The caller's deadline ends a wait as the finder's bound
+			// does; only a cancelled caller gets the context's error.
+			if nf != nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
+				nf.Waited = time.Since(start)
+				return Device{}, err
+			}
 			return Device{}, fmt.Errorf("waiting for the disk of volume %s in %s: %w", volumeID, f.byIDDir, ctx.Err())
 		case <-deadline.C:
 			if nf != nil {

@@ -230,6 +230,19 @@ func TestWait(t *testing.T) {
 	if _, err := fi.Wait(cctx, "pvc-never"); !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled wait: %v", err)
 	}
+
+	// The caller's deadline ends the wait as the bound does: the disk may
+	// still come.
+	dctx, dcancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer dcancel()
+	_, err = patient.Wait(dctx, "pvc-never")
+	var nf *NotFoundError
+	if !errors.As(err, &nf) || !nf.StillArriving() || !strings.Contains(err.Error(), "pvc-never") {
+		t.Fatalf("wait ended by the caller's deadline: %v", err)
+	}
+	if _, err := fi.Wait(ctx, "X"); !errors.As(err, &nf) || nf.StillArriving() {
+		t.Fatalf("an ID that can never have a disk is not still arriving: %v", err)
+	}
 }
 
 func TestPresent(t *testing.T) {

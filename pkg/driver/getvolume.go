@@ -1,0 +1,75 @@
+package driver
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+)
+
+// ControllerGetVolume reports one volume: the VMs it is attached to (by the
+// same test a finished publish passes, as ListVolumes does) and whether it is
+// healthy (volumeCondition). A volume whose host PVC does not exist and that
+// no VM holds is NotFound.
+func (s *controllerService) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
+	}
+	if !validObjectName(id) {
+		return nil, notAVolume(id)
+	}
+	readCtx, cancel := context.WithTimeout(ctx, hostCallTimeout)
+	pvc, err := s.volumes.GetVolume(readCtx, id)
+	cancel()
+	switch {
+	case apierrors.IsNotFound(err):
+		if len(s.hotplug.Holders(id)) == 0 {
+			return nil, status.Errorf(codes.NotFound, "volume %s does not exist: no host PVC of that name", id)
+		}
+		pvc = nil // gone behind the driver's back while VMs still hold it
+	case err != nil:
+		return nil, apiStatus(err, "get host PVC %s", id)
+	}
+	vol := &csi.Volume{VolumeId: id}
+	if pvc != nil {
+		capacity := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+		vol.CapacityBytes = capacity.Value()
+	}
+	return &csi.ControllerGetVolumeResponse{
+		Volume: vol,
+		Status: &csi.ControllerGetVolumeResponse_VolumeStatus{
+			PublishedNodeIds: slices.Clone(s.hotplug.Published()[id]),
+			VolumeCondition:  s.condition(id, pvc),
+		},
+	}, nil
+}
+
+// condition says whether a volume is healthy. It is abnormal when its host
+// PVC is gone (pvc nil) or going while VMs still hold it, or Lost, or when a
+// VM's spec has it but the VM's running VMI lost the hotplug (harvester
+// 10588: the guest has no disk although every object says attached).
+func (s *controllerService) condition(id string, pvc *corev1.PersistentVolumeClaim) *csi.VolumeCondition {
+	var problems []string
+	switch {
+	case pvc == nil:
+		problems = append(problems, fmt.Sprintf("host PVC %s does not exist, but VM %s still holds the volume", id, strings.Join(s.hotplug.Holders(id), ", ")))
+	case pvc.DeletionTimestamp != nil:
+		problems = append(problems, fmt.Sprintf("host PVC %s is being deleted", id))
+	case pvc.Status.Phase == corev1.ClaimLost:
+		problems = append(problems, fmt.Sprintf("host PVC %s is Lost: its host volume is gone", id))
+	}
+	if lost := s.hotplug.Lost(id); len(lost) > 0 {
+		problems = append(problems, fmt.Sprintf("VM %s has the volume in its spec but its running VMI lost the hotplug: the guest has no disk for it", strings.Join(lost, ", ")))
+	}
+	if len(problems) > 0 {
+		return &csi.VolumeCondition{Abnormal: true, Message: "volume " + id + ": " + strings.Join(problems, "; ")}
+	}
+	return &csi.VolumeCondition{Message: "volume " + id + " is healthy"}
+}

@@ -1,0 +1,179 @@
+package guest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/klog/v2"
+)
+
+// DefaultDetachGuardTimeout is how long the guard holds a volume for a guest
+// that still uses it: the attach/detach controller's own bound
+// (maxWaitForUnmountDuration) before it force-detaches.
+const DefaultDetachGuardTimeout = 6 * time.Minute
+
+// ErrNotSynced answers while the guest caches are not filled yet: the guard
+// cannot tell whether the guest still uses the volume.
+var ErrNotSynced = errors.New("the guest Node and CSINode caches have not synced yet")
+
+// InUseError refuses an unplug while the guest still lists the volume as in
+// use: kubelet has not unmounted it (the attach/detach controller can call
+// ControllerUnpublish before NodeUnstage, or without it; seed 000).
+type InUseError struct {
+	Volume, VM string
+	Nodes      []string
+	// Since is the first refusal, Until when the guard gives up.
+	Since, Until time.Time
+}
+
+func (e *InUseError) Error() string {
+	return fmt.Sprintf("volume %s is still in use by guest node %s (listed in its status.volumesInUse; kubelet has not unmounted it): not unplugging it from VM %s yet; refused since %s, unplugged anyway after %s",
+		e.Volume, strings.Join(e.Nodes, ", "), e.VM, e.Since.UTC().Format(time.RFC3339), e.Until.UTC().Format(time.RFC3339))
+}
+
+// EventSink writes an Event on a guest Node.
+type EventSink interface {
+	NodeEvent(ctx context.Context, node *corev1.Node, eventType, reason, message string)
+}
+
+// Guard decides whether a volume may be unplugged from a VM now. It reads the
+// guest Node of the VM: while that Node lists the volume in
+// status.volumesInUse, unplugging would pull the disk from under a mounted
+// filesystem, so the guard refuses, up to Timeout counted from the first
+// refusal of that volume and VM; then it lets the unplug through and says so
+// in an Event on the Node. A VM without guest Node, a Node that is gone and a
+// Node tainted out of service (its kubelet is declared dead) never block.
+type Guard struct {
+	nodes   *Nodes
+	events  EventSink
+	timeout time.Duration
+	now     func() time.Time
+
+	mu      sync.Mutex
+	refused map[refusalKey]*refusal
+}
+
+type refusalKey struct{ vm, volume string }
+
+type refusal struct {
+	first, last time.Time
+	forced      bool
+}
+
+// NewGuard builds a guard over the guest caches; events may be nil.
+func NewGuard(nodes *Nodes, events EventSink, timeout time.Duration) *Guard {
+	return &Guard{nodes: nodes, events: events, timeout: timeout, now: time.Now, refused: map[refusalKey]*refusal{}}
+}
+
+// Allow returns nil when the volume may be unplugged from vm now, an
+// *InUseError while the guest still uses it, or an error wrapping
+// ErrNotSynced while the guest caches cannot tell; either only until the
+// timeout has passed since the first refusal.
+func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
+	// Unsynced caches (a guest API that does not answer, an identity the
+	// guest refuses) cannot say the volume is free, but they must not keep
+	// it on the VM for ever either: they count toward the same timeout.
+	synced := g.nodes.HasSynced()
+	var users []*corev1.Node
+	if synced {
+		for _, node := range g.nodes.NodesOfVM(vm) {
+			if OutOfService(node) {
+				continue
+			}
+			if inUse(node, g.nodes.driver, volume) {
+				users = append(users, node)
+			}
+		}
+	}
+	key := refusalKey{vm, volume}
+	now := g.now()
+	g.mu.Lock()
+	g.pruneLocked(now)
+	if synced && len(users) == 0 {
+		delete(g.refused, key)
+		g.mu.Unlock()
+		return nil
+	}
+	r := g.refused[key]
+	if r == nil {
+		r = &refusal{first: now}
+		g.refused[key] = r
+	}
+	r.last = now
+	names := make([]string, len(users))
+	for i, n := range users {
+		names[i] = n.Name
+	}
+	if until := r.first.Add(g.timeout); now.Before(until) {
+		g.mu.Unlock()
+		if !synced {
+			return fmt.Errorf("%w (volume %s on VM %s is unplugged without asking the guest after %s)", ErrNotSynced, volume, vm, until.UTC().Format(time.RFC3339))
+		}
+		klog.FromContext(ctx).V(2).Info("unplug refused: the guest still uses the volume", "volume", volume, "vm", vm, "guestNodes", names, "until", until)
+		return &InUseError{Volume: volume, VM: vm, Nodes: names, Since: r.first, Until: until}
+	}
+	first := !r.forced
+	r.forced = true
+	since := r.first
+	g.mu.Unlock()
+	if !first {
+		return nil
+	}
+	if !synced {
+		klog.FromContext(ctx).Error(ErrNotSynced, "unplugging without asking the guest: its caches never synced within the detach guard's timeout", "volume", volume, "vm", vm, "refusedSince", since)
+		return nil
+	}
+	msg := fmt.Sprintf("volume %s is being unplugged from VM %s although this node still lists it in status.volumesInUse: the detach guard waited %s since %s (--detach-guard-timeout) for kubelet to unmount it",
+		volume, vm, g.timeout, since.UTC().Format(time.RFC3339))
+	klog.FromContext(ctx).Info("forcing an unplug the guest still uses", "volume", volume, "vm", vm, "guestNodes", names, "refusedSince", since)
+	if g.events != nil {
+		for _, n := range users {
+			g.events.NodeEvent(ctx, n, corev1.EventTypeWarning, "VolumeDetachForced", msg)
+		}
+	}
+	return nil
+}
+
+// Done forgets what the guard counted for the volume on vm: the unplug
+// finished, or the volume was published to the VM again.
+func (g *Guard) Done(vm, volume string) {
+	g.mu.Lock()
+	delete(g.refused, refusalKey{vm, volume})
+	g.mu.Unlock()
+}
+
+// pruneLocked drops refusals nobody asked about for long: the
+// VolumeAttachment went away some other way. The external-attacher retries
+// a detach at least every few minutes, so a refusal still being asked about
+// keeps its count.
+func (g *Guard) pruneLocked(now time.Time) {
+	idle := max(2*g.timeout, 15*time.Minute)
+	for k, r := range g.refused {
+		if now.Sub(r.last) > idle {
+			delete(g.refused, k)
+		}
+	}
+}
+
+// OutOfServiceTaint is the taint of Kubernetes' non-graceful node shutdown:
+// with it, the attach/detach controller detaches at once and pod GC deletes
+// the Node's terminating pods. Kubernetes matches the key only; the value is
+// the one its documentation uses.
+var OutOfServiceTaint = corev1.Taint{Key: corev1.TaintNodeOutOfService, Value: "nodeshutdown", Effect: corev1.TaintEffectNoExecute}
+
+// OutOfService reports whether the Node carries the out-of-service taint
+// with effect NoExecute (any value: an administrator's or upstream's taint,
+// which has none, counts too).
+func OutOfService(node *corev1.Node) bool {
+	for _, t := range node.Spec.Taints {
+		if t.Key == OutOfServiceTaint.Key && t.Effect == corev1.TaintEffectNoExecute {
+			return true
+		}
+	}
+	return false
+}

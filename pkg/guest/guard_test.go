@@ -1,0 +1,209 @@
+package guest
+
+import (
+	"context"
+	"errors"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes/fake"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/klog/v2/ktesting"
+)
+
+const testDriver = "driver.harvesterhci.io"
+
+func guestNode(name string, inUse ...string) *corev1.Node {
+	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID("uid-" + name)}}
+	for _, v := range inUse {
+		n.Status.VolumesInUse = append(n.Status.VolumesInUse, UniqueVolumeName(testDriver, v))
+	}
+	return n
+}
+
+func csiNode(name, vm string) *storagev1.CSINode {
+	return &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: "other.csi", NodeID: "x"}, {Name: testDriver, NodeID: vm}}}}
+}
+
+type recordedEvent struct{ node, eventType, reason, message string }
+
+type fakeEvents struct {
+	mu  sync.Mutex
+	got []recordedEvent
+}
+
+func (f *fakeEvents) NodeEvent(_ context.Context, node *corev1.Node, eventType, reason, message string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.got = append(f.got, recordedEvent{node.Name, eventType, reason, message})
+}
+
+func (f *fakeEvents) list() []recordedEvent {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]recordedEvent(nil), f.got...)
+}
+
+// startNodes runs the caches over a fake clientset holding objs.
+func startNodes(t *testing.T, objs ...runtime.Object) (*Nodes, *fake.Clientset) {
+	t.Helper()
+	client := fake.NewClientset(objs...)
+	nodes, err := NewNodes(client, testDriver, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	t.Cleanup(func() { close(stop) })
+	nodes.Start(stop)
+	if !cache.WaitForCacheSync(stop, nodes.HasSynced) {
+		t.Fatal("caches did not sync")
+	}
+	return nodes, client
+}
+
+func TestNodesOfVM(t *testing.T) {
+	nodes, _ := startNodes(t,
+		guestNode("rke2-worker-1"), csiNode("rke2-worker-1", "vm-a"), // renamed guest: CSINode maps it
+		guestNode("vm-b"),                          // not registered yet: same name as its VM
+		guestNode("vm-c"), csiNode("vm-c", "vm-d"), // named like a VM but registered as another
+	)
+	for vm, want := range map[string]string{"vm-a": "rke2-worker-1", "vm-b": "vm-b", "vm-c": "", "vm-d": "vm-c", "vm-none": ""} {
+		var got []string
+		for _, n := range nodes.NodesOfVM(vm) {
+			got = append(got, n.Name)
+		}
+		if strings.Join(got, ",") != want {
+			t.Errorf("nodes of %s = %v, want %q", vm, got, want)
+		}
+	}
+	for node, want := range map[string]string{"rke2-worker-1": "vm-a", "vm-b": "vm-b", "vm-c": "vm-d"} {
+		if got := nodes.VMOfNode(node); got != want {
+			t.Errorf("VM of %s = %s, want %s", node, got, want)
+		}
+	}
+}
+
+func TestGuardRefusesWhileInUseThenForces(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	nodes, _ := startNodes(t, guestNode("worker-1", "pvc-a"), csiNode("worker-1", "vm-1"))
+	ev := &fakeEvents{}
+	g := NewGuard(nodes, ev, 6*time.Minute)
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	g.now = func() time.Time { return now }
+
+	err := g.Allow(ctx, "vm-1", "pvc-a")
+	var inUse *InUseError
+	if !errors.As(err, &inUse) || inUse.Volume != "pvc-a" || inUse.VM != "vm-1" || strings.Join(inUse.Nodes, ",") != "worker-1" {
+		t.Fatalf("first unplug of an in-use volume = %v, want InUseError naming volume, VM and node", err)
+	}
+	for _, want := range []string{"pvc-a", "worker-1", "vm-1", "still in use"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("message %q lacks %q", err, want)
+		}
+	}
+	// The count runs from the first refusal, not from each retry.
+	now = now.Add(5 * time.Minute)
+	if err := g.Allow(ctx, "vm-1", "pvc-a"); !errors.As(err, &inUse) || !inUse.Until.Equal(time.Date(2026, 1, 1, 0, 6, 0, 0, time.UTC)) {
+		t.Fatalf("retry within the timeout = %v", err)
+	}
+	if len(ev.list()) != 0 {
+		t.Fatalf("events before forcing: %v", ev.list())
+	}
+	now = now.Add(time.Minute)
+	if err := g.Allow(ctx, "vm-1", "pvc-a"); err != nil {
+		t.Fatalf("after the timeout the unplug must proceed: %v", err)
+	}
+	if err := g.Allow(ctx, "vm-1", "pvc-a"); err != nil {
+		t.Fatalf("a retry of the forced unplug: %v", err)
+	}
+	got := ev.list()
+	if len(got) != 1 || got[0].node != "worker-1" || got[0].eventType != corev1.EventTypeWarning || got[0].reason != "VolumeDetachForced" ||
+		!strings.Contains(got[0].message, "pvc-a") || !strings.Contains(got[0].message, "vm-1") {
+		t.Fatalf("want one Warning on worker-1 saying the unplug of pvc-a from vm-1 was forced, got %+v", got)
+	}
+	// Done ends the episode: a new unpublish counts from zero again.
+	g.Done("vm-1", "pvc-a")
+	if err := g.Allow(ctx, "vm-1", "pvc-a"); !errors.As(err, &inUse) {
+		t.Fatalf("after Done the guard must count again: %v", err)
+	}
+}
+
+func TestGuardLetsThrough(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	tainted := guestNode("worker-dead", "pvc-a")
+	tainted.Spec.Taints = []corev1.Taint{{Key: corev1.TaintNodeOutOfService, Effect: corev1.TaintEffectNoExecute}} // upstream's, no value
+	nodes, client := startNodes(t,
+		guestNode("worker-1", "pvc-other"), csiNode("worker-1", "vm-1"),
+		tainted, csiNode("worker-dead", "vm-dead"),
+		guestNode("worker-gone"), csiNode("worker-gone", "vm-gone"),
+	)
+	if err := client.CoreV1().Nodes().Delete(ctx, "worker-gone", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, func() bool { _, ok := nodes.Node("worker-gone"); return !ok })
+	g := NewGuard(nodes, nil, time.Hour)
+	for what, vm := range map[string]string{
+		"a volume the guest does not list": "vm-1",
+		"a VM without guest node":          "vm-lonely",
+		"a node tainted out of service":    "vm-dead",
+		"a VM whose guest node is deleted": "vm-gone",
+	} {
+		if err := g.Allow(ctx, vm, "pvc-a"); err != nil {
+			t.Errorf("%s: %v", what, err)
+		}
+	}
+}
+
+func TestGuardNotSynced(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	nodes, err := NewNodes(fake.NewClientset(), testDriver, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := NewGuard(nodes, nil, time.Minute)
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	g.now = func() time.Time { return now }
+	if err := g.Allow(ctx, "vm-1", "pvc-a"); !errors.Is(err, ErrNotSynced) {
+		t.Fatalf("before the caches sync = %v, want ErrNotSynced", err)
+	}
+	// A guest that never answers does not keep the volume for ever.
+	now = now.Add(time.Minute)
+	if err := g.Allow(ctx, "vm-1", "pvc-a"); err != nil {
+		t.Fatalf("after the timeout without guest caches: %v, want the unplug to proceed", err)
+	}
+}
+
+func TestEventsWritesANodeEvent(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	client := fake.NewClientset()
+	Events{Client: client, Component: testDriver, Instance: "replica-1"}.NodeEvent(ctx, guestNode("worker-1"), corev1.EventTypeWarning, "VolumeDetachForced", "forced")
+	list, err := client.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list.Items) != 1 {
+		t.Fatalf("events: %+v", list.Items)
+	}
+	e := list.Items[0]
+	if e.InvolvedObject.Kind != "Node" || e.InvolvedObject.Name != "worker-1" || e.InvolvedObject.UID != "uid-worker-1" ||
+		e.Reason != "VolumeDetachForced" || e.Type != corev1.EventTypeWarning || e.ReportingController != testDriver || e.ReportingInstance != "replica-1" {
+		t.Errorf("event %+v", e)
+	}
+}
+
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not met within 10s")
+		}
+	}
+}

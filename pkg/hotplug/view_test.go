@@ -1,0 +1,92 @@
+package hotplug
+
+import (
+	"context"
+	"reflect"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// waitView polls the queue's view until cond holds: the informers follow the
+// fake clientset asynchronously.
+func waitView(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not seen within 5s", what)
+		}
+	}
+}
+
+func TestViewFollowsTheInformers(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if got := q.View("vm-missing"); got.Exists || got.Running || len(got.Volumes) != 0 {
+		t.Errorf("view of a VM that does not exist: %+v", got)
+	}
+	for _, vol := range []string{"pvc-b", "pvc-a"} {
+		if err := q.Attach(ctx, "vm1", vol, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got, want := q.View("vm1"), (VMView{Exists: true, Running: true, Volumes: []string{"pvc-a", "pvc-b"}}); !reflect.DeepEqual(got, want) {
+		t.Errorf("view %+v, want %+v", got, want)
+	}
+	// The VMI goes away (the VM stopped): not running, and the volumes are
+	// still in the VM spec, so still the VM's to give back.
+	if err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Delete(ctx, "vm1", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitView(t, "VMI gone", func() bool { return !q.View("vm1").Running })
+	if got := q.View("vm1").Volumes; !reflect.DeepEqual(got, []string{"pvc-a", "pvc-b"}) {
+		t.Errorf("volumes of the stopped VM: %v", got)
+	}
+}
+
+func TestLostListsOnlyADroppedHotplug(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, vol := range []string{"pvc-a", "pvc-b"} {
+		if err := q.Attach(ctx, "vm1", vol, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := q.Lost("pvc-a"); len(got) != 0 {
+		t.Fatalf("an attached volume is lost on %v", got)
+	}
+	// KubeVirt drops pvc-a from the running VMI; the VM spec keeps it.
+	setVMI := func(mutate func(*kubevirtv1.VirtualMachineInstance)) {
+		t.Helper()
+		f.vmiMu.Lock()
+		defer f.vmiMu.Unlock()
+		vmi, err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Get(ctx, "vm1", metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		mutate(vmi)
+		if _, err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Update(ctx, vmi, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	setVMI(func(vmi *kubevirtv1.VirtualMachineInstance) {
+		next := vmiWith(map[string]kubevirtv1.VolumePhase{"pvc-b": kubevirtv1.VolumeReady})
+		vmi.Spec.Volumes, vmi.Status.VolumeStatus = next.Spec.Volumes, next.Status.VolumeStatus
+	})
+	waitView(t, "pvc-a lost", func() bool { return reflect.DeepEqual(q.Lost("pvc-a"), []string{"vm1"}) })
+	if got := q.Lost("pvc-b"); len(got) != 0 {
+		t.Errorf("pvc-b is still on the VMI but lost on %v", got)
+	}
+	// A VMI that does not run has lost nothing: the VM is stopped or starting.
+	setVMI(func(vmi *kubevirtv1.VirtualMachineInstance) { vmi.Status.Phase = kubevirtv1.Scheduled })
+	waitView(t, "VMI not running", func() bool { return !q.View("vm1").Running })
+	if got := q.Lost("pvc-a"); len(got) != 0 {
+		t.Errorf("lost on a VMI that does not run: %v", got)
+	}
+}

@@ -1,0 +1,107 @@
+package framework
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/util/retry"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
+)
+
+// Guest is a guest cluster's control plane: a real API server with no
+// kubelet, whose Nodes and CSINodes a test writes as kubelet and the
+// node-driver-registrar would.
+type Guest struct {
+	Env  *testenv.Env
+	Kube kubernetes.Interface
+}
+
+// StartGuest starts a guest API server; it is stopped when tb ends.
+func StartGuest(tb testing.TB) *Guest {
+	tb.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	env, err := testenv.Start(ctx, testenv.Options{})
+	if err != nil {
+		tb.Fatalf("start guest control plane: %v", err)
+	}
+	tb.Cleanup(env.Stop)
+	return &Guest{Env: env, Kube: kubernetes.NewForConfigOrDie(env.Config)}
+}
+
+// AddNode registers a Ready guest Node running on VM vm, and its CSINode
+// giving this driver the node ID vm (the Node name may differ).
+func (g *Guest) AddNode(tb testing.TB, name, vm string) {
+	tb.Helper()
+	ctx := context.Background()
+	if _, err := g.Kube.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{}); err != nil {
+		tb.Fatal(err)
+	}
+	if _, err := g.Kube.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{
+		ObjectMeta: metav1.ObjectMeta{Name: name},
+		Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: vm}}},
+	}, metav1.CreateOptions{}); err != nil {
+		tb.Fatal(err)
+	}
+	g.SetReady(tb, name, corev1.ConditionTrue)
+}
+
+// UpdateNodeStatus changes a guest Node's status as kubelet or the node
+// lifecycle controller would.
+func (g *Guest) UpdateNodeStatus(tb testing.TB, name string, mutate func(*corev1.NodeStatus)) {
+	tb.Helper()
+	ctx := context.Background()
+	err := retry.RetryOnConflict(retry.DefaultBackoff, func() error {
+		n, err := g.Kube.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		mutate(&n.Status)
+		_, err = g.Kube.CoreV1().Nodes().UpdateStatus(ctx, n, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// SetReady sets the Node's Ready condition.
+func (g *Guest) SetReady(tb testing.TB, name string, ready corev1.ConditionStatus) {
+	tb.Helper()
+	g.UpdateNodeStatus(tb, name, func(st *corev1.NodeStatus) {
+		now := metav1.Now()
+		st.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: ready, LastHeartbeatTime: now, LastTransitionTime: now, Reason: "Test"}}
+	})
+}
+
+// SetVolumesInUse sets status.volumesInUse to this driver's volumes.
+func (g *Guest) SetVolumesInUse(tb testing.TB, name string, volumes ...string) {
+	tb.Helper()
+	g.UpdateNodeStatus(tb, name, func(st *corev1.NodeStatus) {
+		st.VolumesInUse = nil
+		for _, v := range volumes {
+			st.VolumesInUse = append(st.VolumesInUse, guest.UniqueVolumeName(driver.Name, v))
+		}
+	})
+}
+
+// NodeEvents lists the Events written on a guest Node.
+func (g *Guest) NodeEvents(tb testing.TB, node string) []corev1.Event {
+	tb.Helper()
+	list, err := g.Kube.CoreV1().Events(metav1.NamespaceDefault).List(context.Background(), metav1.ListOptions{
+		FieldSelector: fields.Set{"involvedObject.kind": "Node", "involvedObject.name": node}.String(),
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return list.Items
+}

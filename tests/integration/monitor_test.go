@@ -1,0 +1,207 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+	"kubevirt.io/client-go/kubevirt"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
+)
+
+// TestNodeMonitor runs two controller replicas with the guest node monitor
+// against a host (declarative KubeVirt 1.7) and a guest API server. Only the
+// elected replica acts: a guest Node that goes NotReady after its VM stopped
+// is tainted out of service, its volumes leave the VM through that replica's
+// hotplug queue, and once the VM runs and the Node is Ready again the taint
+// goes. After the leader stops, the other replica takes over, and a VM that
+// stops after its Node went NotReady is noticed too.
+func TestNodeMonitor(t *testing.T) {
+	f := flavor{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.ProfileV17, host.BackendDeclarative, false}
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: scale, BindClasslessPVCs: true})
+	s := &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}
+	g := framework.StartGuest(t)
+	vm1, vm2 := "nm-vm-1", "nm-vm-2"
+	node1, node2 := "rke2-nm-1", "rke2-nm-2"
+	vols := s.scene(t, "nm", 3, vm1, vm2)
+	g.AddNode(t, node1, vm1)
+	g.AddNode(t, node2, vm2)
+
+	replicas := map[string]*framework.Controller{}
+	for _, id := range []string{"replica-a", "replica-b"} {
+		replicas[id] = h.StartController(t, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig(),
+			Guest: g.Env.Config, DetachGuardTimeout: time.Hour, NodeMonitor: true,
+			Monitor: guest.MonitorConfig{Identity: id, LeaseDuration: 4 * time.Second, RenewDeadline: 3 * time.Second, RetryPeriod: 200 * time.Millisecond}})
+	}
+	s.ctrl = replicas["replica-a"]
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+
+	leader := waitLeader(ctx, t, g, replicas)
+	a := newAttacher(s.client)
+	for i, vm := range []string{vm1, vm1, vm2} {
+		if err := a.publish(ctx, vm, vols[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// vm1 powers off; the guest's node lifecycle controller then marks its
+	// Node Unknown (kubelet silent).
+	if err := h.Sim.StopVM(ctx, h.Namespace, vm1); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Sim.Wait(ctx, h.Namespace, vm1, func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool { return vmi == nil }); err != nil {
+		t.Fatal(err)
+	}
+	g.SetReady(t, node1, corev1.ConditionUnknown)
+	waitNode(ctx, t, g, node1, "tainted out of service", hasOutOfServiceTaint)
+	n, err := g.Kube.CoreV1().Nodes().Get(ctx, node1, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if i := slices.IndexFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == corev1.TaintNodeOutOfService }); n.Spec.Taints[i].Value != "nodeshutdown" {
+		t.Errorf("taint %+v, want node.kubernetes.io/out-of-service=nodeshutdown:NoExecute", n.Spec.Taints[i])
+	}
+	for deadline := time.Now().Add(time.Minute); len(s.attachedTo(vols[0], vm1))+len(s.attachedTo(vols[1], vm1)) > 0; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the fenced node's volumes are still on its VM: %v %v", s.attachedTo(vols[0], vm1), s.attachedTo(vols[1], vm1))
+		}
+	}
+	// Through the queue of the replica that leads, never around it.
+	for id, r := range replicas {
+		got := detachesDone(t, r)
+		if id == leader && got < 2 {
+			t.Errorf("the leader's queue completed %d detaches, want the fenced node's 2", got)
+		}
+		if id != leader && got != 0 {
+			t.Errorf("replica %s, not leading, detached %d volumes", id, got)
+		}
+	}
+	s.requireReady(vm2, vols[2])
+	if n, err := g.Kube.CoreV1().Nodes().Get(ctx, node2, metav1.GetOptions{}); err != nil || hasOutOfServiceTaint(n) {
+		t.Errorf("the healthy node was touched: %v %+v", err, n.Spec.Taints)
+	}
+	waitEvents(ctx, t, g, node1, "NodeOutOfService", "VolumesRemovedFromVM")
+
+	// Back: the VM runs and the Node is Ready again.
+	if err := h.Sim.StartVM(ctx, h.Namespace, vm1); err != nil {
+		t.Fatal(err)
+	}
+	g.SetReady(t, node1, corev1.ConditionTrue)
+	waitNode(ctx, t, g, node1, "out-of-service taint removed", func(n *corev1.Node) bool { return !hasOutOfServiceTaint(n) })
+	waitEvents(ctx, t, g, node1, "NodeBackInService")
+
+	// The leader goes away; the other replica takes the lease and acts. Its
+	// Node goes NotReady first and the VM stops afterwards: only the VM's
+	// change can trigger the decision.
+	replicas[leader].Stop()
+	delete(replicas, leader)
+	next := waitLeader(ctx, t, g, replicas)
+	g.SetReady(t, node2, corev1.ConditionFalse)
+	if err := h.Sim.StopVM(ctx, h.Namespace, vm2); err != nil {
+		t.Fatal(err)
+	}
+	waitNode(ctx, t, g, node2, "tainted out of service by "+next, hasOutOfServiceTaint)
+	for deadline := time.Now().Add(time.Minute); len(s.attachedTo(vols[2], vm2)) > 0; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s still on %v", vols[2], s.attachedTo(vols[2], vm2))
+		}
+	}
+}
+
+func hasOutOfServiceTaint(n *corev1.Node) bool { return guest.OutOfService(n) }
+
+// waitLeader waits until exactly one replica leads and the Lease names it.
+func waitLeader(ctx context.Context, t *testing.T, g *framework.Guest, replicas map[string]*framework.Controller) string {
+	t.Helper()
+	var last string
+	for {
+		var leading []string
+		for id, r := range replicas {
+			if r.Driver.Monitor().Leading() {
+				leading = append(leading, id)
+			}
+		}
+		lease, err := g.Kube.CoordinationV1().Leases(guest.DefaultLeaseNamespace).Get(ctx, guest.DefaultLeaseName, metav1.GetOptions{})
+		holder := ""
+		if err == nil && lease.Spec.HolderIdentity != nil {
+			holder = *lease.Spec.HolderIdentity
+		}
+		if len(leading) == 1 && holder == leading[0] {
+			return holder
+		}
+		last = fmt.Sprintf("leading %v, lease holder %q (%v)", leading, holder, err)
+		select {
+		case <-ctx.Done():
+			t.Fatalf("no single leader: %s", last)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func waitNode(ctx context.Context, t *testing.T, g *framework.Guest, name, what string, cond func(*corev1.Node) bool) {
+	t.Helper()
+	for {
+		n, err := g.Kube.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
+		if err == nil && cond(n) {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("node %s never %s: %+v %v", name, what, n, err)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// waitEvents waits for Events of these reasons on the guest Node: the
+// monitor writes them after the change they report.
+func waitEvents(ctx context.Context, t *testing.T, g *framework.Guest, node string, reasons ...string) {
+	t.Helper()
+	for {
+		var got []string
+		for _, e := range g.NodeEvents(t, node) {
+			got = append(got, e.Reason)
+		}
+		if !slices.ContainsFunc(reasons, func(r string) bool { return !slices.Contains(got, r) }) {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("events on %s: %v, want %v", node, got, reasons)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// detachesDone counts the detach intents a replica's queue completed, from
+// its metrics.
+func detachesDone(t *testing.T, c *framework.Controller) uint64 {
+	t.Helper()
+	families, err := c.Metrics.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() != "harvester_csi_hotplug_intent_duration_seconds" {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "op" && l.GetValue() == "detach" {
+					return m.GetHistogram().GetSampleCount()
+				}
+			}
+		}
+	}
+	return 0
+}
