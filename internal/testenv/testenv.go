@@ -21,6 +21,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"k8s.io/client-go/rest"
@@ -232,6 +233,9 @@ func (e *Env) run(name string, args ...string) error {
 	}
 	cmd := exec.Command(filepath.Join(e.Bin, name), args...)
 	cmd.Stdout, cmd.Stderr = logf, logf
+	// A test binary killed before its cleanups run (a timeout, a closed
+	// pipe) must not leave API servers behind on a shared machine.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		logf.Close()
 		return fmt.Errorf("start %s: %w", name, err)
