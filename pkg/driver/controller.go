@@ -88,6 +88,15 @@ type ControllerOptions struct {
 	// DetachGuard, when set, is asked before a volume is unplugged from a
 	// VM on ControllerUnpublishVolume (never for the queue's own cleanup).
 	DetachGuard DetachGuard
+	// Events, when set, is told why a publish or unpublish is not done yet,
+	// for the guest's VolumeAttachment.
+	Events AttachmentEvents
+}
+
+// AttachmentEvents records an Event on the guest VolumeAttachment of a
+// volume and VM (pkg/guest.AttachmentEvents).
+type AttachmentEvents interface {
+	Record(ctx context.Context, volume, vm, eventType, reason, message string)
 }
 
 type controllerService struct {
@@ -273,6 +282,7 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 	ctx, cancel := s.withMargin(ctx)
 	defer cancel()
 	if err := s.hotplug.Attach(ctx, vm, vol, true); err != nil {
+		s.tellAttachment(ctx, vol, vm, err)
 		return nil, hotplugStatus(err)
 	}
 	if g := s.opts.DetachGuard; g != nil {
@@ -300,9 +310,11 @@ func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *
 	defer cancel()
 	for _, vm := range vms {
 		if err := s.guardDetach(ctx, vm, vol); err != nil {
+			s.tellAttachment(ctx, vol, vm, err)
 			return nil, err
 		}
 		if err := s.hotplug.Detach(ctx, vm, vol); err != nil {
+			s.tellAttachment(ctx, vol, vm, err)
 			return nil, hotplugStatus(err)
 		}
 		if g := s.opts.DetachGuard; g != nil {
@@ -349,6 +361,52 @@ func (s *controllerService) getVolume(ctx context.Context, id string) (*corev1.P
 
 func notAVolume(id string) error {
 	return status.Errorf(codes.NotFound, "volume %q does not exist: not a valid host PVC name", id)
+}
+
+// tellAttachment records on the guest VolumeAttachment why a publish or
+// unpublish is not done: the attacher shows only the last error, and an
+// operator looking at a pod stuck in ContainerCreating should see what the
+// volume waits for, which VM holds it, or what the host refused.
+func (s *controllerService) tellAttachment(ctx context.Context, vol, vm string, err error) {
+	if s.opts.Events == nil || errors.Is(err, context.Canceled) {
+		return
+	}
+	var held *hotplug.HeldError
+	var rejected *hotplug.RejectedError
+	var stalled *hotplug.StalledError
+	var claim *hotplug.ClaimNotReadyError
+	var inUse *guest.InUseError
+	eventType, reason := corev1.EventTypeWarning, "HotplugFailed"
+	msg := ""
+	if st, ok := status.FromError(err); ok {
+		msg = st.Message() // already a CSI answer (the detach guard's)
+		if st.Code() == codes.Aborted {
+			eventType, reason = corev1.EventTypeNormal, "VolumeStillInUse"
+		}
+	} else {
+		msg = status.Convert(hotplugStatus(err)).Message()
+	}
+	switch {
+	case errors.As(err, &held):
+		reason = "VolumeHeldByAnotherVM"
+	case errors.As(err, &rejected):
+		reason = "HotplugRejected"
+	case errors.As(err, &stalled):
+		reason = "HostRefusedOrUnreachable"
+	case errors.As(err, &claim):
+		reason = "HostClaimNotReady"
+	case errors.As(err, &inUse):
+		eventType, reason = corev1.EventTypeNormal, "VolumeStillInUse"
+	case errors.Is(err, context.DeadlineExceeded):
+		eventType, reason = corev1.EventTypeNormal, "HotplugWaiting"
+	case errors.As(err, new(*hotplug.SupersededError)):
+		return // a newer request replaced this one: nothing to explain
+	}
+	// Use a fresh context: the call's own may be over, and the Event
+	// explains its answer.
+	ectx, cancel := context.WithTimeout(context.WithoutCancel(ctx), hostCallTimeout)
+	defer cancel()
+	s.opts.Events.Record(ectx, vol, vm, eventType, reason, msg)
 }
 
 // withMargin ends ctx a little before the caller's deadline, so a call still

@@ -53,6 +53,9 @@ type Controller struct {
 	queue   atomic.Pointer[hotplug.Queue]
 	// guestNodes, guard and monitor exist only with a guest client.
 	guestNodes *guest.Nodes
+	// attachmentEvents says on guest VolumeAttachments what a publish or
+	// unpublish waits for.
+	attachmentEvents *guest.AttachmentEvents
 	guard      *guest.Guard
 	monitor    *guest.Monitor
 	// buildErr is a failure of NewController, returned by Run.
@@ -72,6 +75,9 @@ func NewController(cfg ControllerConfig) *Controller {
 	if c.guard != nil {
 		opts.DetachGuard = c.guard
 	}
+	if c.attachmentEvents != nil {
+		opts.Events = c.attachmentEvents
+	}
 	c.service = NewControllerService(opts, c, cfg.Host)
 	return c
 }
@@ -87,6 +93,7 @@ func (c *Controller) buildGuest() error {
 		return err
 	}
 	c.guestNodes = nodes
+	c.attachmentEvents = guest.NewAttachmentEvents(c.cfg.Guest, nodes, Name)
 	events := guest.Events{Client: c.cfg.Guest, Component: Name}
 	if c.cfg.DetachGuardTimeout > 0 {
 		c.guard = guest.NewGuard(nodes, events, c.cfg.DetachGuardTimeout)
@@ -167,6 +174,9 @@ func (c *Controller) Run(ctx context.Context) error {
 				return err
 			}
 		}
+	}
+	if c.attachmentEvents != nil {
+		defer c.attachmentEvents.Stop()
 	}
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { vmInf.RunWithContext(ctx); return nil })

@@ -260,3 +260,50 @@ func TestControllerCallsWaitForReadiness(t *testing.T) {
 		t.Fatalf("unpublish once ready = %v (reached queue: %v)", err, detached)
 	}
 }
+
+type recordedEvent struct{ volume, vm, eventType, reason, message string }
+
+type fakeEvents struct{ got []recordedEvent }
+
+func (f *fakeEvents) Record(_ context.Context, volume, vm, eventType, reason, message string) {
+	f.got = append(f.got, recordedEvent{volume, vm, eventType, reason, message})
+}
+
+func TestWhyAPublishWaitsGoesOnTheVolumeAttachment(t *testing.T) {
+	ev := &fakeEvents{}
+	c, vols, hp := newTestController(ControllerOptions{Events: ev})
+	vc := capability(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, true)
+	if _, err := c.CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: "pvc-ev", VolumeCapabilities: []*csi.VolumeCapability{vc}}); err != nil {
+		t.Fatal(err)
+	}
+	_ = vols
+	for _, tc := range []struct {
+		err             error
+		eventType, why  string
+		messageContains string
+	}{
+		{fmt.Errorf("attach of volume pvc-ev on VM vm1 still in progress, waiting for KubeVirt to plug the volume into the VM (VMI phase Bound) for 12s: %w", context.DeadlineExceeded),
+			"Normal", "HotplugWaiting", "waiting for KubeVirt to plug"},
+		{&hotplug.HeldError{Volume: "pvc-ev", VM: "vm2", State: "attached"}, "Warning", "VolumeHeldByAnotherVM", "on VM vm2"},
+		{&hotplug.StalledError{Volume: "pvc-ev", VM: "vm1", Cause: errors.New("forbidden")}, "Warning", "HostRefusedOrUnreachable", "forbidden"},
+	} {
+		hp.attach = func(context.Context, string, string) error { return tc.err }
+		ev.got = nil
+		_, _ = c.ControllerPublishVolume(context.Background(), &csi.ControllerPublishVolumeRequest{VolumeId: "pvc-ev", NodeId: "vm1", VolumeCapability: vc})
+		if len(ev.got) != 1 {
+			t.Fatalf("%v: %d events, want 1", tc.err, len(ev.got))
+		}
+		e := ev.got[0]
+		if e.volume != "pvc-ev" || e.vm != "vm1" || e.eventType != tc.eventType || e.reason != tc.why || !strings.Contains(e.message, tc.messageContains) {
+			t.Errorf("%v: event %+v, want %s %s mentioning %q", tc.err, e, tc.eventType, tc.why, tc.messageContains)
+		}
+	}
+	hp.attach = func(context.Context, string, string) error {
+		return &hotplug.SupersededError{Volume: "pvc-ev", VM: "vm1", By: hotplug.Detach}
+	}
+	ev.got = nil
+	_, _ = c.ControllerPublishVolume(context.Background(), &csi.ControllerPublishVolumeRequest{VolumeId: "pvc-ev", NodeId: "vm1", VolumeCapability: vc})
+	if len(ev.got) != 0 {
+		t.Errorf("a superseded publish needs no Event: %+v", ev.got)
+	}
+}

@@ -28,6 +28,8 @@ import (
 func TestDetachGuardWithRealAttacher(t *testing.T) {
 	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true})
 	vm, nodeName := "guest-node-1", "rke2-worker-1"
+	// vaName is the name the attach/detach controller gives a VolumeAttachment.
+	vaName := func(vol string) string { return guestpkg.AttachmentName(vol, driver.Name, nodeName) }
 	h.CreateVMs(t, vm)
 	vols := h.CreateVolumes(t, "pvc-guard", 2)
 	g := framework.StartGuest(t)
@@ -51,7 +53,7 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 	for _, vol := range vols {
 		mustCreate(t, func() error {
 			_, err := guestKube.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
-				ObjectMeta: metav1.ObjectMeta{Name: "csi-" + vol},
+				ObjectMeta: metav1.ObjectMeta{Name: vaName(vol)},
 				Spec: storagev1.VolumeAttachmentSpec{Attacher: driver.Name, NodeName: nodeName,
 					Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol}},
 			}, metav1.CreateOptions{})
@@ -61,7 +63,7 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 	waitFor(t, ctx, "both VolumeAttachments attached", func() (bool, string) {
 		n := 0
 		for _, vol := range vols {
-			if va, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, "csi-"+vol, metav1.GetOptions{}); err == nil && va.Status.Attached {
+			if va, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, vaName(vol), metav1.GetOptions{}); err == nil && va.Status.Attached {
 				n++
 			}
 		}
@@ -76,19 +78,19 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 		return ok && len(n.Status.VolumesInUse) == 1 && n.Status.VolumesInUse[0] == guestpkg.UniqueVolumeName(driver.Name, inUse), fmt.Sprint(n)
 	})
 	for _, vol := range vols {
-		if err := guestKube.StorageV1().VolumeAttachments().Delete(ctx, "csi-"+vol, metav1.DeleteOptions{}); err != nil {
+		if err := guestKube.StorageV1().VolumeAttachments().Delete(ctx, vaName(vol), metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	waitFor(t, ctx, "the free volume's VolumeAttachment gone", func() (bool, string) {
-		_, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, "csi-"+free, metav1.GetOptions{})
+		_, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, vaName(free), metav1.GetOptions{})
 		return err != nil, fmt.Sprint(err)
 	})
 	if err := h.Sim.WaitVolumeDetached(ctx, h.Namespace, vm, free); err != nil {
 		t.Fatal(err)
 	}
 	waitFor(t, ctx, "the guard's refusal on the in-use VolumeAttachment", func() (bool, string) {
-		va, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, "csi-"+inUse, metav1.GetOptions{})
+		va, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, vaName(inUse), metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()
 		}
@@ -98,6 +100,24 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 		msg := va.Status.DetachError.Message
 		return strings.Contains(msg, "still in use by guest node "+nodeName) && strings.Contains(msg, inUse) && va.Status.Attached, msg
 	})
+	// The same reason is on the VolumeAttachment as an Event, where
+	// `kubectl describe volumeattachment` shows it.
+	waitFor(t, ctx, "an Event on the in-use VolumeAttachment saying the guest still uses it", func() (bool, string) {
+		list, err := guestKube.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		var seen []string
+		for _, e := range list.Items {
+			if e.InvolvedObject.Kind == "VolumeAttachment" && e.InvolvedObject.Name == vaName(inUse) {
+				if e.Reason == "VolumeStillInUse" && strings.Contains(e.Message, nodeName) {
+					return true, ""
+				}
+				seen = append(seen, e.Reason+": "+e.Message)
+			}
+		}
+		return false, fmt.Sprint(seen)
+	})
 	_, vmi := h.Sim.VM(h.Namespace, vm)
 	if e, ok := kubevirtsim.FindVolumeStatus(vmi, inUse); !ok || e.Phase != kubevirtv1.VolumeReady {
 		t.Fatalf("the in-use volume left the VM while the guest uses it: %+v", e)
@@ -106,7 +126,7 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 	// Kubelet unmounts it: the attacher's next retry detaches it.
 	g.SetVolumesInUse(t, nodeName)
 	waitFor(t, ctx, "the in-use volume's VolumeAttachment gone", func() (bool, string) {
-		_, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, "csi-"+inUse, metav1.GetOptions{})
+		_, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, vaName(inUse), metav1.GetOptions{})
 		return err != nil, fmt.Sprint(err)
 	})
 	if err := h.Sim.WaitVolumeDetached(ctx, h.Namespace, vm, inUse); err != nil {
