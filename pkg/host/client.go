@@ -118,6 +118,30 @@ func (c *Client) VMIInformer(resync time.Duration) cache.SharedIndexInformer {
 }
 
 func newInformer(obj runtime.Object, resync time.Duration, list cache.ListWithContextFunc, watch cache.WatchFuncWithContext) cache.SharedIndexInformer {
-	return cache.NewSharedIndexInformer(&cache.ListWatch{ListWithContextFunc: list, WatchFuncWithContext: watch},
+	inf := cache.NewSharedIndexInformer(&cache.ListWatch{ListWithContextFunc: list, WatchFuncWithContext: watch},
 		obj, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+	// The cache holds every VM and VMI of the namespace for the life of the
+	// process: drop what no decision reads and what weighs most on a real
+	// Harvester (server-side apply's managed fields, kubectl's copy of the
+	// whole object in an annotation).
+	_ = inf.SetTransform(trimObject)
+	return inf
+}
+
+const lastApplied = "kubectl.kubernetes.io/last-applied-configuration"
+
+func trimObject(obj any) (any, error) {
+	if m, ok := obj.(metav1.Object); ok {
+		m.SetManagedFields(nil)
+		if a := m.GetAnnotations(); a[lastApplied] != "" {
+			trimmed := make(map[string]string, len(a)-1)
+			for k, v := range a {
+				if k != lastApplied {
+					trimmed[k] = v
+				}
+			}
+			m.SetAnnotations(trimmed)
+		}
+	}
+	return obj, nil
 }
