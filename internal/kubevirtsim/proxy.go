@@ -60,29 +60,32 @@ type Stats struct {
 	Unprocessable int
 }
 
+// proxy is the front proxy: the aggregation layer's view of virt-api's
+// subresources in front of the real API server, counting what clients send.
 type proxy struct {
-	s   *Sim
-	url string
-	srv *http.Server
-	ln  net.Listener
-	rp  *httputil.ReverseProxy
-	tr  http.RoundTripper
-	api *url.URL
+	c       *cluster
+	virtAPI *virtAPI
+	url     string
+	srv     *http.Server
+	ln      net.Listener
+	rp      *httputil.ReverseProxy
+	tr      http.RoundTripper
+	api     *url.URL
 
 	mu      sync.Mutex
 	reqs    map[RequestKey]int
 	answers map[RequestKey]map[int]int
 }
 
-func startProxy(s *Sim) (*proxy, error) {
-	api, err := url.Parse(s.cfg.Host)
+func startProxy(c *cluster, virtAPI *virtAPI) (*proxy, error) {
+	api, err := url.Parse(c.cfg.Host)
 	if err != nil {
 		return nil, fmt.Errorf("kubevirtsim: API server URL: %w", err)
 	}
 	if api.Scheme == "" {
-		api, _ = url.Parse("https://" + s.cfg.Host)
+		api, _ = url.Parse("https://" + c.cfg.Host)
 	}
-	tlsCfg, err := rest.TLSConfigFor(s.cfg)
+	tlsCfg, err := rest.TLSConfigFor(c.cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -97,7 +100,8 @@ func startProxy(s *Sim) (*proxy, error) {
 		return nil, err
 	}
 	p := &proxy{
-		s:       s,
+		c:       c,
+		virtAPI: virtAPI,
 		url:     "http://" + ln.Addr().String(),
 		ln:      ln,
 		tr:      tr,
@@ -120,9 +124,9 @@ func startProxy(s *Sim) (*proxy, error) {
 		},
 	}
 	p.srv = &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
-	s.goRun(func() {
+	c.goRun(func() {
 		if err := p.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			s.log.Error(err, "proxy stopped")
+			c.log.Error(err, "proxy stopped")
 		}
 	})
 	return p, nil
@@ -279,7 +283,7 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			if !p.authorize(rec, r, info) {
 				return
 			}
-			p.s.serveVolumeSubresource(rec, r, info)
+			p.virtAPI.serve(rec, r, info)
 			return
 		}
 		writeStatus(rec, apierrors.NewNotFound(schema.GroupResource{Group: SubresourceGroup, Resource: info.key.Resource}, info.name))
@@ -375,9 +379,8 @@ func writeStatus(w http.ResponseWriter, err *apierrors.StatusError) {
 	_, _ = w.Write(data)
 }
 
-// Stats returns a snapshot of the proxy's counters (empty before Start).
-func (s *Sim) Stats() Stats {
-	p := s.proxy
+// stats returns a snapshot of the counters (empty before Start).
+func (p *proxy) stats() Stats {
 	if p == nil {
 		return Stats{Requests: map[RequestKey]int{}, Answers: map[RequestKey]map[int]int{}}
 	}
@@ -409,9 +412,8 @@ func (s *Sim) Stats() Stats {
 	return st
 }
 
-// ResetStats zeroes the proxy's counters.
-func (s *Sim) ResetStats() {
-	p := s.proxy
+// reset zeroes the counters.
+func (p *proxy) reset() {
 	if p == nil {
 		return
 	}

@@ -27,9 +27,9 @@ import (
 // simulated time until every volume is Ready (wall time / scale).
 func BenchmarkPublishBurst(b *testing.B) {
 	const n = 20
-	for _, f := range []flavor{flavors[1], flavors[2]} {
+	for _, f := range []flavor{flavors[1], flavors[3]} { // Harvester 1.7 and 1.8
 		b.Run(f.name, func(b *testing.B) {
-			h := framework.StartHost(b, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: scale, BindClasslessPVCs: true})
+			h := framework.StartHost(b, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
 			ctrl := h.StartController(b, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig()})
 			kv := kubevirt.NewForConfigOrDie(h.Sim.ClientConfig())
 			runs := 0 // the benchmark function runs more than once: VM names must not repeat
