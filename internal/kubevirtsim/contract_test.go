@@ -71,7 +71,9 @@ func waitEntry(t *testing.T, s *Sim, ns, volume, what string, cond func(vmi *kub
 }
 
 func phaseIs(p kubevirtv1.VolumePhase) func(*kubevirtv1.VirtualMachineInstance, kubevirtv1.VolumeStatus, bool) bool {
-	return func(_ *kubevirtv1.VirtualMachineInstance, e kubevirtv1.VolumeStatus, ok bool) bool { return ok && e.Phase == p }
+	return func(_ *kubevirtv1.VirtualMachineInstance, e kubevirtv1.VolumeStatus, ok bool) bool {
+		return ok && e.Phase == p
+	}
 }
 
 // describe renders the VMI's hotplug state and attachment pods for a
@@ -621,7 +623,9 @@ func TestVMStopAndStart(t *testing.T) {
 		if v == V1_5_3 {
 			want = kubevirtv1.Running
 		}
-		if err := s.Wait(ctx, ns, "vm2", func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool { return vmi.Status.Phase == want }); err != nil {
+		if err := s.Wait(ctx, ns, "vm2", func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool {
+			return vmi.Status.Phase == want
+		}); err != nil {
 			t.Fatal(err)
 		}
 		key := ns + "/vm2"

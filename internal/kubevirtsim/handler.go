@@ -412,4 +412,3 @@ func (h *virtHandler) unplug(ctx context.Context, vm, volume string) error {
 	}
 	return h.c.opts.DiskHook.Unplug(ctx, vm, volume)
 }
-

@@ -2,8 +2,8 @@ package kubevirtsim
 
 import (
 	"encoding/json"
-	"strings"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
