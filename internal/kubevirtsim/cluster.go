@@ -169,7 +169,7 @@ func (c *cluster) pvc(ns, name string) *corev1.PersistentVolumeClaim {
 
 // attachmentPods lists the VMI's attachment pods, newest first.
 func (c *cluster) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []*corev1.Pod {
-	all, _ := c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{LabelAttachmentPodVMI: vmi.Name}))
+	all, _ := c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: vmi.Name}))
 	var out []*corev1.Pod
 	for _, p := range all {
 		if metav1.IsControlledBy(p, vmi) {

@@ -239,7 +239,7 @@ func TestReaddWhileDetaching(t *testing.T) {
 // finalizer holds, is ever seen in that state.)
 func TestTerminatingPodIsCurrent(t *testing.T) {
 	deleting := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "hp-volume-old", DeletionTimestamp: ptr.To(metav1.Now()),
-		Annotations: map[string]string{AnnotationAttachmentPodVolumes: `["x"]`}}}
+		Annotations: map[string]string{annotationAttachmentPodVolumes: `["x"]`}}}
 	for _, v := range Versions() {
 		current, old := activeAndOldPods(v.features(), []string{"x"}, []*corev1.Pod{deleting})
 		wantCurrent := v == V1_5_3 || v == V1_6_3 || v == V1_7_0

@@ -79,7 +79,7 @@ func TestDeclarativeDirectPatch(t *testing.T) {
 		}
 	}
 
-	// §4: a patch guarded by test on resourceVersion fails with 422 when the
+	// A client patch guarded by test on resourceVersion fails with 422 when the
 	// controller wrote the status in between (it does after every spec change).
 	vm := &kubevirtv1.VirtualMachine{}
 	if err := c.get(ctx, resVMs, ns, "vm1", vm); err != nil {
@@ -157,7 +157,7 @@ func TestDeclarativeReaddWaitsForUnplug(t *testing.T) {
 	log.waitFor(t, "pvc-a", want, 20*time.Second)
 }
 
-// TestAttachmentPodLivelock reproduces kubevirt issue 16937 (§5, §7 item 15):
+// TestAttachmentPodLivelock reproduces kubevirt issue 16937 (behaviour 5):
 // while the hotplug set changes faster than an attachment pod starts, each
 // pending pod is deleted and recreated and nothing becomes Ready; once the
 // changes stop, everything does.

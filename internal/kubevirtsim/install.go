@@ -22,8 +22,8 @@ import (
 // Harvester's settings API.
 var settingsGVR = schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"}
 
-// ServerVersionSetting is the name of Harvester's version setting.
-const ServerVersionSetting = "server-version"
+// serverVersionSetting is the name of Harvester's version setting.
+const serverVersionSetting = "server-version"
 
 // LonghornProvisioner is the provisioner name of the StorageClass Install
 // creates when it is missing.
@@ -148,7 +148,13 @@ func installCRDs(ctx context.Context, ext apiextclient.Interface, list []*apiext
 	return nil
 }
 
-// install is Sim.Install.
+// install creates the CRDs (keeping existing ones) and waits until they are
+// Established, then writes the KubeVirt CR with the feature gates of the
+// mode (creating its namespace), the Harvester server-version setting
+// (unless Options.SkipServerVersion) and the host StorageClass, the
+// VolumeSnapshotClass SnapshotClass and the csi-driver-config setting if
+// they are missing. It is idempotent and safe to run against a cluster
+// another simulator already installed.
 func (c *cluster) install(ctx context.Context) error {
 	if err := installCRDs(ctx, c.ext, crds()); err != nil {
 		return err
@@ -264,12 +270,12 @@ func (c *cluster) waitGates(ctx context.Context, gates []string) {
 func (c *cluster) setServerVersion(ctx context.Context, version string) error {
 	res := c.dyn.Resource(settingsGVR)
 	return retryNotServed(ctx, func() error {
-		cur, err := res.Get(ctx, ServerVersionSetting, metav1.GetOptions{})
+		cur, err := res.Get(ctx, serverVersionSetting, metav1.GetOptions{})
 		if apierrors.IsNotFound(err) {
 			obj := &unstructured.Unstructured{Object: map[string]any{
 				"apiVersion": "harvesterhci.io/v1beta1",
 				"kind":       "Setting",
-				"metadata":   map[string]any{"name": ServerVersionSetting},
+				"metadata":   map[string]any{"name": serverVersionSetting},
 				"default":    "",
 				"value":      version,
 			}}

@@ -68,7 +68,7 @@ func (k *kubelet) shutdown()               { k.queue.ShutDown() }
 
 // enqueueVM looks at the VM's attachment pods again.
 func (k *kubelet) enqueueVM(namespace, vm string) {
-	pods, _ := k.c.podLister.Pods(namespace).List(labels.SelectorFromSet(labels.Set{LabelAttachmentPodVMI: vm}))
+	pods, _ := k.c.podLister.Pods(namespace).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: vm}))
 	for _, p := range pods {
 		k.queue.Add(p.Namespace + "/" + p.Name)
 	}
@@ -121,7 +121,7 @@ func (k *kubelet) sync(ctx context.Context, key string) (time.Duration, error) {
 	if p.Status.Phase == corev1.PodRunning {
 		return 0, nil
 	}
-	if k.faults.podsStuck(ns + "/" + p.Labels[LabelAttachmentPodVMI]) {
+	if k.faults.podsStuck(ns + "/" + p.Labels[labelAttachmentPodVMI]) {
 		return 0, nil // SetAttachmentPodsStuck(false) requeues
 	}
 	for _, claim := range podClaims(p) {
@@ -161,6 +161,6 @@ func (k *kubelet) sync(ctx context.Context, key string) (time.Duration, error) {
 		}
 		return 0, err
 	}
-	k.c.log.V(2).Info("attachment pod running", "pod", key, "vm", ns+"/"+p.Labels[LabelAttachmentPodVMI])
+	k.c.log.V(2).Info("attachment pod running", "pod", key, "vm", ns+"/"+p.Labels[labelAttachmentPodVMI])
 	return 0, nil
 }

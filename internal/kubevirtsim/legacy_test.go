@@ -129,7 +129,7 @@ func TestLegacyRemovalV15(t *testing.T) {
 	}
 }
 
-// TestLegacyParallelAdds reproduces §7 item 18: parallel addvolume calls on
+// TestLegacyParallelAdds: parallel addvolume calls on
 // one VM race on the volumeRequests compare-and-swap; the losers get 422.
 func TestLegacyParallelAdds(t *testing.T) {
 	t.Parallel()
@@ -235,7 +235,7 @@ func TestLegacyStoppedVMAndDirectEdit(t *testing.T) {
 
 // TestLegacySpecUpdateDenied: the VMI is patched before the VM spec; when the
 // spec update is denied (Harvester webhook, snapshot) VM and VMI diverge
-// (§7 item 20) until a later pass succeeds.
+// until a later pass succeeds.
 func TestLegacySpecUpdateDenied(t *testing.T) {
 	t.Parallel()
 	s, ns := testSim(t, Options{Mode: ModeLegacy})

@@ -33,7 +33,7 @@ func TestInstall(t *testing.T) {
 	if fg := kv.Spec.Configuration.DeveloperConfiguration.FeatureGates; !slices.Equal(fg, []string{GateDeclarativeHotplugVolumes}) {
 		t.Errorf("feature gates %v", fg)
 	}
-	setting, err := s.c.dyn.Resource(settingsGVR).Get(ctx, ServerVersionSetting, metav1.GetOptions{})
+	setting, err := s.c.dyn.Resource(settingsGVR).Get(ctx, serverVersionSetting, metav1.GetOptions{})
 	if err != nil || setting.Object["value"] != "v1.8.0-sim" {
 		t.Errorf("server-version setting: %v %v", err, setting)
 	}
@@ -149,7 +149,7 @@ func TestBindClasslessPVCs(t *testing.T) {
 	}
 }
 
-// TestStartWithHotplugVolumes (§7 item 17): template hotplug volumes go
+// TestStartWithHotplugVolumes (behaviour 6): template hotplug volumes go
 // through the attachment pod; the VMI stays Scheduled until they are mounted.
 func TestStartWithHotplugVolumes(t *testing.T) {
 	t.Parallel()
@@ -369,7 +369,7 @@ func TestProxyWatch(t *testing.T) {
 		t.Errorf("requests %v", st.Requests)
 	}
 	// Without credentials the API server answers, through the proxy, 403.
-	anon, err := newKVClient(&rest.Config{Host: s.ProxyURL()})
+	anon, err := newKVClient(&rest.Config{Host: s.proxy.url})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,8 +24,8 @@ import (
 	"k8s.io/client-go/rest"
 )
 
-// SubresourceGroup is the API group of virt-api's subresources.
-const SubresourceGroup = "subresources.kubevirt.io"
+// subresourceGroup is the API group of virt-api's subresources.
+const subresourceGroup = "subresources.kubevirt.io"
 
 // RequestKey identifies a kind of request seen by the front proxy.
 type RequestKey struct {
@@ -273,11 +273,11 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		p.mu.Unlock()
 	}()
 
-	if info.key.Group == SubresourceGroup {
+	if info.key.Group == subresourceGroup {
 		sub := info.key.Subresource
 		if (info.key.Resource == resVMs || info.key.Resource == resVMIs) && (sub == "addvolume" || sub == "removevolume") && info.namespace != "" && info.name != "" {
 			if r.Method != http.MethodPut {
-				writeStatus(rec, apierrors.NewMethodNotSupported(schema.GroupResource{Group: SubresourceGroup, Resource: info.key.Resource + "/" + sub}, r.Method))
+				writeStatus(rec, apierrors.NewMethodNotSupported(schema.GroupResource{Group: subresourceGroup, Resource: info.key.Resource + "/" + sub}, r.Method))
 				return
 			}
 			if !p.authorize(rec, r, info) {
@@ -286,7 +286,7 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			p.virtAPI.serve(rec, r, info)
 			return
 		}
-		writeStatus(rec, apierrors.NewNotFound(schema.GroupResource{Group: SubresourceGroup, Resource: info.key.Resource}, info.name))
+		writeStatus(rec, apierrors.NewNotFound(schema.GroupResource{Group: subresourceGroup, Resource: info.key.Resource}, info.name))
 		return
 	}
 	p.rp.ServeHTTP(rec, r)
@@ -299,7 +299,7 @@ func (p *proxy) authorize(w http.ResponseWriter, r *http.Request, info reqInfo) 
 	ssar := &authzv1.SelfSubjectAccessReview{
 		TypeMeta: metav1.TypeMeta{APIVersion: "authorization.k8s.io/v1", Kind: "SelfSubjectAccessReview"},
 		Spec: authzv1.SelfSubjectAccessReviewSpec{ResourceAttributes: &authzv1.ResourceAttributes{
-			Namespace: info.namespace, Verb: "update", Group: SubresourceGroup,
+			Namespace: info.namespace, Verb: "update", Group: subresourceGroup,
 			Resource: info.key.Resource, Subresource: info.key.Subresource, Name: info.name,
 		}},
 	}
@@ -328,8 +328,8 @@ func (p *proxy) authorize(w http.ResponseWriter, r *http.Request, info reqInfo) 
 		&authnv1.SelfSubjectReview{TypeMeta: metav1.TypeMeta{APIVersion: "authentication.k8s.io/v1", Kind: "SelfSubjectReview"}}, &who); err == nil && c < 300 {
 		user = who.Status.UserInfo.Username
 	}
-	writeStatus(w, apierrors.NewForbidden(schema.GroupResource{Group: SubresourceGroup, Resource: info.key.Resource}, info.name,
-		fmt.Errorf("User %q cannot update resource %q in API group %q in the namespace %q", user, info.key.Resource+"/"+info.key.Subresource, SubresourceGroup, info.namespace)))
+	writeStatus(w, apierrors.NewForbidden(schema.GroupResource{Group: subresourceGroup, Resource: info.key.Resource}, info.name,
+		fmt.Errorf("User %q cannot update resource %q in API group %q in the namespace %q", user, info.key.Resource+"/"+info.key.Subresource, subresourceGroup, info.namespace)))
 	return false
 }
 
@@ -399,9 +399,9 @@ func (p *proxy) stats() Stats {
 			st.VMStatusWrites += n
 		case k.Group == "kubevirt.io" && k.Resource == resVMIs && (k.Subresource == "" || k.Subresource == "status") && write:
 			st.VMIWrites += n
-		case k.Group == SubresourceGroup && k.Subresource == "addvolume":
+		case k.Group == subresourceGroup && k.Subresource == "addvolume":
 			st.AddVolume += n
-		case k.Group == SubresourceGroup && k.Subresource == "removevolume":
+		case k.Group == subresourceGroup && k.Subresource == "removevolume":
 			st.RemoveVolume += n
 		}
 	}

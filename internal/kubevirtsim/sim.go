@@ -71,7 +71,7 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 	return s, nil
 }
 
-// Start installs the CRDs and configuration (see Install), starts the
+// Start installs the CRDs and configuration, starts the
 // informers, the admission webhooks, the front proxy and the controllers, and
 // returns once everything is serving. The simulator runs until ctx is
 // cancelled or Stop is called. The logger in ctx (klog.FromContext) is used.
@@ -98,7 +98,7 @@ func (s *Sim) Start(ctx context.Context) error {
 		}
 	}()
 
-	if err := s.Install(ctx); err != nil {
+	if err := s.c.install(ctx); err != nil {
 		return stopWith(err)
 	}
 	s.c.setupInformers()
@@ -167,9 +167,6 @@ func (s *Sim) ClientConfig() *rest.Config {
 	}
 }
 
-// ProxyURL is the front proxy's base URL.
-func (s *Sim) ProxyURL() string { return s.proxy.url }
-
 // WriteKubeconfig writes a kubeconfig for ClientConfig whose current context
 // has the given namespace.
 func (s *Sim) WriteKubeconfig(path, namespace string) error {
@@ -181,15 +178,6 @@ func (s *Sim) Stats() Stats { return s.proxy.stats() }
 
 // ResetStats zeroes the proxy's counters.
 func (s *Sim) ResetStats() { s.proxy.reset() }
-
-// Install creates the CRDs (keeping existing ones) and waits until they are
-// Established, then writes the KubeVirt CR with the feature gates of the mode
-// (creating its namespace), the Harvester server-version setting (unless
-// Options.SkipServerVersion) and the host StorageClass, the
-// VolumeSnapshotClass SnapshotClass and the csi-driver-config setting if
-// they are missing. Start calls it; it is idempotent and safe to run against
-// a cluster another simulator already installed.
-func (s *Sim) Install(ctx context.Context) error { return s.c.install(ctx) }
 
 // timeUntil is the wait until at, at least a millisecond.
 func timeUntil(at time.Time) time.Duration {

@@ -21,7 +21,7 @@ func conflictVMI(vm, msg string) string {
 	return fmt.Sprintf("Operation cannot be fulfilled on virtualmachineinstance.kubevirt.io %q: %s", vm, msg)
 }
 
-// TestSubresourceChecksLegacy pins §1.1 on the legacy path (profile v1.7+):
+// TestSubresourceChecksLegacy pins virt-api's checks on the legacy path (v1.7.0):
 // feature gate, decoding, fields, not found, the spec checks, the request-list
 // checks, dryRun, the status webhook (bus, migration) and the VMI path.
 func TestSubresourceChecksLegacy(t *testing.T) {
@@ -224,7 +224,7 @@ func TestSubresourceDeclarative(t *testing.T) {
 func TestSubresourceAuthorization(t *testing.T) {
 	t.Parallel()
 	s, ns := testSim(t, Options{})
-	url := fmt.Sprintf("%s/apis/subresources.kubevirt.io/v1/namespaces/%s/virtualmachines/vm1/addvolume", s.ProxyURL(), ns)
+	url := fmt.Sprintf("%s/apis/subresources.kubevirt.io/v1/namespaces/%s/virtualmachines/vm1/addvolume", s.proxy.url, ns)
 	for token, want := range map[string]int{"": http.StatusForbidden, "wrong": http.StatusUnauthorized} {
 		req, _ := http.NewRequest(http.MethodPut, url, strings.NewReader(`{}`))
 		if token != "" {

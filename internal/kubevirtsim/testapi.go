@@ -15,8 +15,8 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
-// AnnotationNodeName on a VM template picks the node its VMI runs on.
-const AnnotationNodeName = "kubevirtsim.io/node-name"
+// annotationNodeName on a VM template picks the node its VMI runs on.
+const annotationNodeName = "kubevirtsim.io/node-name"
 
 // VMSpec describes a VM for CreateVM.
 type VMSpec struct {
@@ -45,7 +45,7 @@ func (s *Sim) CreateVM(ctx context.Context, spec VMSpec) (*kubevirtv1.VirtualMac
 	}
 	tmplAnn := map[string]string{}
 	if spec.NodeName != "" {
-		tmplAnn[AnnotationNodeName] = spec.NodeName
+		tmplAnn[annotationNodeName] = spec.NodeName
 	}
 	vm := &kubevirtv1.VirtualMachine{
 		TypeMeta:   metav1.TypeMeta{APIVersion: kubevirtv1.GroupVersion.String(), Kind: "VirtualMachine"},

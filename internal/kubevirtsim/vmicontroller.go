@@ -84,10 +84,10 @@ func (v *vmiController) shutdown()               { v.queue.ShutDown() }
 
 func podVMIKey(obj any) string {
 	p, ok := unwrap(obj).(*corev1.Pod)
-	if !ok || p.Labels[LabelAttachmentPodVMI] == "" {
+	if !ok || p.Labels[labelAttachmentPodVMI] == "" {
 		return ""
 	}
-	return p.Namespace + "/" + p.Labels[LabelAttachmentPodVMI]
+	return p.Namespace + "/" + p.Labels[labelAttachmentPodVMI]
 }
 
 // sync is one pass over one VMI.
@@ -195,7 +195,7 @@ func (v *vmiController) schedule(vmi *kubevirtv1.VirtualMachineInstance, st *kub
 	st.Phase = kubevirtv1.Scheduled
 	if st.NodeName == "" {
 		st.NodeName = v.c.opts.NodeName
-		if n := vmi.Annotations[AnnotationNodeName]; n != "" {
+		if n := vmi.Annotations[annotationNodeName]; n != "" {
 			st.NodeName = n
 		}
 	}
@@ -250,8 +250,8 @@ func (v *vmiController) createAttachmentPod(ctx context.Context, vmi *kubevirtv1
 		ObjectMeta: metav1.ObjectMeta{
 			GenerateName: "hp-volume-",
 			Namespace:    vmi.Namespace,
-			Labels:       map[string]string{labelAttachmentPod: valueAttachmentPod, LabelAttachmentPodVMI: vmi.Name},
-			Annotations:  map[string]string{AnnotationAttachmentPodVolumes: string(ann)},
+			Labels:       map[string]string{labelAttachmentPod: valueAttachmentPod, labelAttachmentPodVMI: vmi.Name},
+			Annotations:  map[string]string{annotationAttachmentPodVolumes: string(ann)},
 			OwnerReferences: []metav1.OwnerReference{{
 				APIVersion: kubevirtv1.GroupVersion.String(), Kind: "VirtualMachineInstance", Name: vmi.Name, UID: vmi.UID,
 				Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true),
@@ -321,7 +321,7 @@ func deleteAttachmentPod(ctx context.Context, c *cluster, p *corev1.Pod) error {
 // garbage collector runs here.
 func (v *vmiController) deleteOrphans(ctx context.Context, key string) {
 	ns, name, _ := cache.SplitMetaNamespaceKey(key)
-	pods, _ := v.c.podLister.Pods(ns).List(labels.SelectorFromSet(labels.Set{LabelAttachmentPodVMI: name}))
+	pods, _ := v.c.podLister.Pods(ns).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: name}))
 	for _, p := range pods {
 		if p.DeletionTimestamp == nil {
 			if err := v.deletePod(ctx, p); err != nil {

@@ -30,11 +30,11 @@ import (
 const (
 	labelAttachmentPod = "kubevirt.io"
 	valueAttachmentPod = "hotplug-disk"
-	// LabelAttachmentPodVMI names the VMI an attachment pod belongs to.
-	LabelAttachmentPodVMI = "kubevirtsim.io/vmi"
-	// AnnotationAttachmentPodVolumes lists (JSON) the VMI volume names an
+	// labelAttachmentPodVMI names the VMI an attachment pod belongs to.
+	labelAttachmentPodVMI = "kubevirtsim.io/vmi"
+	// annotationAttachmentPodVolumes lists (JSON) the VMI volume names an
 	// attachment pod holds; KubeVirt names the pod's volumes after them.
-	AnnotationAttachmentPodVolumes = "kubevirtsim.io/volumes"
+	annotationAttachmentPodVolumes = "kubevirtsim.io/volumes"
 )
 
 // volumeStatus reasons (v1.7.0 pkg/controller/controller.go and
@@ -351,7 +351,7 @@ func hotNames(hot []hotVolume) []string {
 
 func podVolumes(p *corev1.Pod) []string {
 	var names []string
-	_ = json.Unmarshal([]byte(p.Annotations[AnnotationAttachmentPodVolumes]), &names)
+	_ = json.Unmarshal([]byte(p.Annotations[annotationAttachmentPodVolumes]), &names)
 	return names
 }
 
