@@ -29,6 +29,9 @@ import (
 // becomes 0.4 s) so the suites run in minutes.
 const scale = 0.05
 
+// scaled is a simulated duration in wall time.
+func scaled(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
+
 type flavor struct {
 	name    string
 	mode    kubevirtsim.Mode
@@ -60,10 +63,14 @@ func (f flavor) backendFlag() string {
 	return host.BackendAuto
 }
 
-func queueConfig() hotplug.Config {
+func queueConfig() hotplug.Config { return queueConfigAt(scale) }
+
+// queueConfigAt is the queue's configuration for a simulator running at
+// scale s (MaxHold is simulated time).
+func queueConfigAt(s float64) hotplug.Config {
 	return hotplug.Config{
 		BatchWindow: 100 * time.Millisecond,
-		MaxHold:     time.Duration(float64(30*time.Second) * scale),
+		MaxHold:     time.Duration(float64(30*time.Second) * s),
 		BackoffBase: 20 * time.Millisecond,
 		BackoffMax:  500 * time.Millisecond,
 		QPS:         100,
@@ -83,6 +90,10 @@ type suite struct {
 func TestController(t *testing.T) {
 	for _, f := range flavors {
 		t.Run(f.name, func(t *testing.T) {
+			// A flavor mostly waits on simulated time: two at once (the
+			// default -parallel on two cores) keep the suite near five
+			// minutes.
+			t.Parallel()
 			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
 			s := &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}
 			s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig()})

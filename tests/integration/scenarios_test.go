@@ -327,7 +327,7 @@ func (s *suite) timedOutPublishThenUnpublish(t *testing.T) {
 	// The attachment pod may start now: nothing may bring the volume back.
 	s.host.Sim.Faults().SetAttachmentPodsStuck(ns, vm, false)
 	released = true
-	time.Sleep(time.Duration(float64(20*time.Second) * scale))
+	time.Sleep(scaled(20 * time.Second))
 	if got := s.attachedTo(vol, vm); len(got) != 0 {
 		t.Errorf("the abandoned attach landed after the unpublish: %v", got)
 	}
