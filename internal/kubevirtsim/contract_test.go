@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
@@ -655,12 +656,15 @@ func TestDeclarativeController(t *testing.T) {
 		c := proxyKV(t, s)
 		edit := func(f func(spec *kubevirtv1.VirtualMachineInstanceSpec)) {
 			t.Helper()
-			vm := &kubevirtv1.VirtualMachine{}
-			if err := c.get(ctx, resVMs, ns, "vm1", vm); err != nil {
-				t.Fatal(err)
-			}
-			f(&vm.Spec.Template.Spec)
-			if err := c.update(ctx, resVMs, ns, "vm1", "", vm, vm); err != nil {
+			err := retry.RetryOnConflict(retry.DefaultRetry, func() error { // the VM controller writes the status
+				vm := &kubevirtv1.VirtualMachine{}
+				if err := c.get(ctx, resVMs, ns, "vm1", vm); err != nil {
+					return err
+				}
+				f(&vm.Spec.Template.Spec)
+				return c.update(ctx, resVMs, ns, "vm1", "", vm, vm)
+			})
+			if err != nil {
 				t.Fatal(err)
 			}
 		}
