@@ -160,10 +160,6 @@ func requestsDone(t *testing.T, s *Sim, ns string, cond func(*kubevirtv1.Virtual
 	}
 }
 
-func specHas(name string) func(*kubevirtv1.VirtualMachine) bool {
-	return func(vm *kubevirtv1.VirtualMachine) bool { return hasVolume(vm.Spec.Template.Spec.Volumes, name) }
-}
-
 func specLacks(name string) func(*kubevirtv1.VirtualMachine) bool {
 	return func(vm *kubevirtv1.VirtualMachine) bool { return !hasVolume(vm.Spec.Template.Spec.Volumes, name) }
 }

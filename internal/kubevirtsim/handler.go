@@ -134,26 +134,26 @@ func (h *virtHandler) sync(ctx context.Context, key string) (time.Duration, erro
 		return 0, nil
 	}
 
-	st := node{h: h, vmi: vmi, now: time.Now(), entries: vmi.Status.DeepCopy().VolumeStatus}
-	st.mountAndUnmount(ctx)
-	st.setPhases()
-	st.attachToDomain(ctx)
-	st.setPhases()
+	n := node{h: h, vmi: vmi, now: time.Now(), entries: vmi.Status.DeepCopy().VolumeStatus}
+	n.mountAndUnmount(ctx)
+	n.setPhases()
+	n.attachToDomain(ctx)
+	n.setPhases()
 
 	phase := vmi.Status.Phase
-	if phase == kubevirtv1.Scheduled && (!h.c.feat.waitHotplugBeforeStart || hotplugVolumesReady(vmi, st.entries)) {
+	if phase == kubevirtv1.Scheduled && (!h.c.feat.waitHotplugBeforeStart || hotplugVolumesReady(vmi, n.entries)) {
 		phase = kubevirtv1.Running
 		h.c.log.V(2).Info("VMI running", "vm", key)
 	}
-	if err := writeVolumeStatus(ctx, h.c, vmi, st.entries, phase); err != nil {
+	if err := writeVolumeStatus(ctx, h.c, vmi, n.entries, phase); err != nil {
 		return 0, err
 	}
 	// virt-handler looks again every second while a hotplug entry has no
 	// target yet (v1.7.0 pkg/virt-handler/vm.go:652).
-	if slices.ContainsFunc(st.entries, func(e kubevirtv1.VolumeStatus) bool { return e.HotplugVolume != nil && e.Target == "" }) {
-		st.soon(h.c.t.HandlerPoll)
+	if slices.ContainsFunc(n.entries, func(e kubevirtv1.VolumeStatus) bool { return e.HotplugVolume != nil && e.Target == "" }) {
+		n.soon(h.c.t.HandlerPoll)
 	}
-	return st.wake, nil
+	return n.wake, nil
 }
 
 // node is one handler pass over one VMI.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"time"
 
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
@@ -178,8 +177,3 @@ func (s *Sim) Stats() Stats { return s.proxy.stats() }
 
 // ResetStats zeroes the proxy's counters.
 func (s *Sim) ResetStats() { s.proxy.reset() }
-
-// timeUntil is the wait until at, at least a millisecond.
-func timeUntil(at time.Time) time.Duration {
-	return max(time.Until(at), time.Millisecond)
-}
