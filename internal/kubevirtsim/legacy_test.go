@@ -102,7 +102,9 @@ func TestLegacyAttachDetachV17(t *testing.T) {
 
 func TestLegacyRemovalV15(t *testing.T) {
 	t.Parallel()
-	s, ns := testSim(t, Options{Mode: ModeLegacy, Version: V1_5_3})
+	// Unmounting takes 5 s: v1.5.3 writes Detaching long before virt-handler
+	// could report the volume unmounted.
+	s, ns := testSim(t, Options{Mode: ModeLegacy, Version: V1_5_3, Timings: Timings{Detach: 100 * time.Second}})
 	ctx := testCtx(t, 60*time.Second)
 	for _, c := range []string{"pvc-a", "pvc-b"} {
 		if _, err := s.CreatePVC(ctx, ns, c, "1Gi", false); err != nil {

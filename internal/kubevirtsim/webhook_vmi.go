@@ -82,7 +82,7 @@ func (w *webhooks) countVolumesAndDisks(vmi *kubevirtv1.VirtualMachineInstance) 
 // verifyHotplugVolume checks one hotplug volume of the new spec: an old one
 // must not change (nor its disk), a new one must be a claim with a disk of
 // an allowed bus (v1.7.0 storagehotplug.go:151 verifyHotplugVolumes; v1.5.3
-// vmi-update-admitter.go:186).
+// vmi-update-admitter.go:182).
 func (w *webhooks) verifyHotplugVolume(name string, v kubevirtv1.Volume, oldHot map[string]kubevirtv1.Volume, newDisks, oldDisks map[string]kubevirtv1.Disk) []metav1.StatusCause {
 	v15 := w.c.feat.v15Messages
 	if old, ok := oldHot[name]; ok {
