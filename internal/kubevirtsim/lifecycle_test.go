@@ -369,7 +369,7 @@ func TestProxyWatch(t *testing.T) {
 		t.Errorf("requests %v", st.Requests)
 	}
 	// Without credentials the API server answers, through the proxy, 403.
-	anon, err := newKVClient(&rest.Config{Host: s.proxy.url})
+	anon, err := newKVClient(&rest.Config{Host: s.ProxyURL()})
 	if err != nil {
 		t.Fatal(err)
 	}

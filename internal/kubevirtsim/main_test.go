@@ -126,7 +126,7 @@ func call(t *testing.T, s *Sim, ns, resource, name, sub string, body any) answer
 			t.Fatal(err)
 		}
 	}
-	url := fmt.Sprintf("%s/apis/subresources.kubevirt.io/v1/namespaces/%s/%s/%s/%s", s.proxy.url, ns, resource, name, sub)
+	url := fmt.Sprintf("%s/apis/subresources.kubevirt.io/v1/namespaces/%s/%s/%s/%s", s.ProxyURL(), ns, resource, name, sub)
 	req, _ := http.NewRequest(http.MethodPut, url, bytes.NewReader(data))
 	req.Header.Set("Authorization", "Bearer "+env.Config.BearerToken)
 	req.Header.Set("Content-Type", "application/json")

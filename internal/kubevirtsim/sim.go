@@ -166,6 +166,9 @@ func (s *Sim) ClientConfig() *rest.Config {
 	}
 }
 
+// ProxyURL is the front proxy's base URL.
+func (s *Sim) ProxyURL() string { return s.proxy.url }
+
 // WriteKubeconfig writes a kubeconfig for ClientConfig whose current context
 // has the given namespace.
 func (s *Sim) WriteKubeconfig(path, namespace string) error {

@@ -224,7 +224,7 @@ func TestSubresourceDeclarative(t *testing.T) {
 func TestSubresourceAuthorization(t *testing.T) {
 	t.Parallel()
 	s, ns := testSim(t, Options{})
-	url := fmt.Sprintf("%s/apis/subresources.kubevirt.io/v1/namespaces/%s/virtualmachines/vm1/addvolume", s.proxy.url, ns)
+	url := fmt.Sprintf("%s/apis/subresources.kubevirt.io/v1/namespaces/%s/virtualmachines/vm1/addvolume", s.ProxyURL(), ns)
 	for token, want := range map[string]int{"": http.StatusForbidden, "wrong": http.StatusUnauthorized} {
 		req, _ := http.NewRequest(http.MethodPut, url, strings.NewReader(`{}`))
 		if token != "" {
