@@ -22,8 +22,8 @@ import (
 // Harvester's settings API.
 var settingsGVR = schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"}
 
-// ServerVersionSetting is the name of Harvester's version setting.
-const ServerVersionSetting = "server-version"
+// serverVersionSetting is the name of Harvester's version setting.
+const serverVersionSetting = "server-version"
 
 // LonghornProvisioner is the provisioner name of the StorageClass Install
 // creates when it is missing.
@@ -148,37 +148,36 @@ func installCRDs(ctx context.Context, ext apiextclient.Interface, list []*apiext
 	return nil
 }
 
-// Install creates the CRDs (keeping existing ones) and waits until they are Established,
-// then writes the KubeVirt CR with the feature gates of the mode (creating its
-// namespace), the Harvester server-version setting (unless
-// Options.SkipServerVersion) and the host StorageClass, the
+// install creates the CRDs (keeping existing ones) and waits until they are
+// Established, then writes the KubeVirt CR with the feature gates of the
+// mode (creating its namespace), the Harvester server-version setting
+// (unless Options.SkipServerVersion) and the host StorageClass, the
 // VolumeSnapshotClass SnapshotClass and the csi-driver-config setting if
-// they are missing.
-// Start calls it; it is idempotent and safe to run against a cluster another
-// simulator already installed.
-func (s *Sim) Install(ctx context.Context) error {
-	if err := installCRDs(ctx, s.ext, crds()); err != nil {
+// they are missing. It is idempotent and safe to run against a cluster
+// another simulator already installed.
+func (c *cluster) install(ctx context.Context) error {
+	if err := installCRDs(ctx, c.ext, crds()); err != nil {
 		return err
 	}
-	if err := s.ensureNamespace(ctx, s.opts.KubeVirtNamespace); err != nil {
+	if err := c.ensureNamespace(ctx, c.opts.KubeVirtNamespace); err != nil {
 		return err
 	}
-	if err := s.writeKubeVirt(ctx); err != nil {
+	if err := c.setFeatureGates(ctx, c.opts.gates()); err != nil {
 		return err
 	}
-	if !s.opts.SkipServerVersion {
-		if err := s.SetServerVersion(ctx, s.opts.ServerVersion); err != nil {
+	if !c.opts.SkipServerVersion {
+		if err := c.setServerVersion(ctx, c.opts.ServerVersion); err != nil {
 			return err
 		}
 	}
-	if err := s.ensureStorageClass(ctx); err != nil {
+	if err := c.ensureStorageClass(ctx); err != nil {
 		return err
 	}
-	return s.ensureSnapshotConfig(ctx)
+	return c.ensureSnapshotConfig(ctx)
 }
 
-func (s *Sim) ensureNamespace(ctx context.Context, name string) error {
-	_, err := s.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+func (c *cluster) ensureNamespace(ctx context.Context, name string) error {
+	_, err := c.kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
 	if err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("create namespace %s: %w", name, err)
 	}
@@ -201,18 +200,13 @@ func retryNotServed(ctx context.Context, f func() error) error {
 	return err
 }
 
-func (s *Sim) writeKubeVirt(ctx context.Context) error {
-	return s.SetFeatureGates(ctx, s.opts.gates())
-}
-
-// SetFeatureGates replaces the feature gates of the KubeVirt CR (creating
-// it if needed). The simulator follows the CR at run time, so this switches
-// between legacy, declarative and no hotplug on a running simulator.
-func (s *Sim) SetFeatureGates(ctx context.Context, gates []string) error {
-	ns, name := s.opts.KubeVirtNamespace, s.opts.KubeVirtName
+// setFeatureGates replaces the feature gates of the KubeVirt CR (creating
+// it if needed) and waits until the simulator's cache has them.
+func (c *cluster) setFeatureGates(ctx context.Context, gates []string) error {
+	ns, name := c.opts.KubeVirtNamespace, c.opts.KubeVirtName
 	return retryNotServed(ctx, func() error {
 		cur := &kubevirtv1.KubeVirt{}
-		err := s.kv.get(ctx, resKubeVirts, ns, name, cur)
+		err := c.kv.get(ctx, resKubeVirts, ns, name, cur)
 		if apierrors.IsNotFound(err) {
 			kv := &kubevirtv1.KubeVirt{
 				TypeMeta:   metav1.TypeMeta{APIVersion: kubevirtv1.GroupVersion.String(), Kind: "KubeVirt"},
@@ -222,12 +216,12 @@ func (s *Sim) SetFeatureGates(ctx context.Context, gates []string) error {
 				}},
 			}
 			created := &kubevirtv1.KubeVirt{}
-			if err := s.kv.create(ctx, resKubeVirts, ns, kv, created); err != nil {
+			if err := c.kv.create(ctx, resKubeVirts, ns, kv, created); err != nil {
 				return err
 			}
 			created.Status.Phase = kubevirtv1.KubeVirtPhaseDeployed
-			created.Status.ObservedKubeVirtVersion = s.kubevirtVersion()
-			return s.kv.update(ctx, resKubeVirts, ns, name, "status", created, &kubevirtv1.KubeVirt{})
+			created.Status.ObservedKubeVirtVersion = c.feat.observedVersion
+			return c.kv.update(ctx, resKubeVirts, ns, name, "status", created, &kubevirtv1.KubeVirt{})
 		}
 		if err != nil {
 			return err
@@ -237,21 +231,21 @@ func (s *Sim) SetFeatureGates(ctx context.Context, gates []string) error {
 		}
 		cur.Spec.Configuration.DeveloperConfiguration.FeatureGates = gates
 		updated := &kubevirtv1.KubeVirt{}
-		if err := s.kv.update(ctx, resKubeVirts, ns, name, "", cur, updated); err != nil {
+		if err := c.kv.update(ctx, resKubeVirts, ns, name, "", cur, updated); err != nil {
 			return err
 		}
-		s.waitGates(ctx, gates)
+		c.waitGates(ctx, gates)
 		return nil
 	})
 }
 
 // waitGates waits (briefly) until the informer has seen the gates.
-func (s *Sim) waitGates(ctx context.Context, gates []string) {
-	if s.kvInf == nil {
+func (c *cluster) waitGates(ctx context.Context, gates []string) {
+	if c.kvInf == nil {
 		return
 	}
 	_ = wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 5*time.Second, true, func(context.Context) (bool, error) {
-		obj, ok, _ := s.kvInf.GetStore().GetByKey(s.opts.KubeVirtNamespace + "/" + s.opts.KubeVirtName)
+		obj, ok, _ := c.kvInf.GetStore().GetByKey(c.opts.KubeVirtNamespace + "/" + c.opts.KubeVirtName)
 		if !ok {
 			return false, nil
 		}
@@ -272,27 +266,16 @@ func (s *Sim) waitGates(ctx context.Context, gates []string) {
 	})
 }
 
-func (s *Sim) kubevirtVersion() string {
-	switch {
-	case s.opts.Profile == ProfileV15:
-		return "v1.5.2"
-	case s.opts.Mode == ModeDeclarative:
-		return "v1.7.0"
-	default:
-		return "v1.6.3"
-	}
-}
-
-// SetServerVersion writes Harvester's server-version setting (value field).
-func (s *Sim) SetServerVersion(ctx context.Context, version string) error {
-	res := s.dyn.Resource(settingsGVR)
+// setServerVersion writes Harvester's server-version setting (value field).
+func (c *cluster) setServerVersion(ctx context.Context, version string) error {
+	res := c.dyn.Resource(settingsGVR)
 	return retryNotServed(ctx, func() error {
-		cur, err := res.Get(ctx, ServerVersionSetting, metav1.GetOptions{})
+		cur, err := res.Get(ctx, serverVersionSetting, metav1.GetOptions{})
 		if apierrors.IsNotFound(err) {
 			obj := &unstructured.Unstructured{Object: map[string]any{
 				"apiVersion": "harvesterhci.io/v1beta1",
 				"kind":       "Setting",
-				"metadata":   map[string]any{"name": ServerVersionSetting},
+				"metadata":   map[string]any{"name": serverVersionSetting},
 				"default":    "",
 				"value":      version,
 			}}
@@ -308,11 +291,11 @@ func (s *Sim) SetServerVersion(ctx context.Context, version string) error {
 	})
 }
 
-func (s *Sim) ensureStorageClass(ctx context.Context) error {
-	if s.opts.StorageClass == "" {
+func (c *cluster) ensureStorageClass(ctx context.Context) error {
+	if c.opts.StorageClass == "" {
 		return nil
 	}
-	_, err := s.kube.StorageV1().StorageClasses().Get(ctx, s.opts.StorageClass, metav1.GetOptions{})
+	_, err := c.kube.StorageV1().StorageClasses().Get(ctx, c.opts.StorageClass, metav1.GetOptions{})
 	if err == nil {
 		return nil
 	}
@@ -320,14 +303,14 @@ func (s *Sim) ensureStorageClass(ctx context.Context) error {
 		return err
 	}
 	sc := &storagev1.StorageClass{
-		ObjectMeta:           metav1.ObjectMeta{Name: s.opts.StorageClass},
+		ObjectMeta:           metav1.ObjectMeta{Name: c.opts.StorageClass},
 		Provisioner:          LonghornProvisioner,
 		ReclaimPolicy:        ptr.To(corev1.PersistentVolumeReclaimDelete),
 		AllowVolumeExpansion: ptr.To(true),
 		VolumeBindingMode:    ptr.To(storagev1.VolumeBindingImmediate),
 		Parameters:           map[string]string{"numberOfReplicas": "3", "staleReplicaTimeout": "30"},
 	}
-	if _, err := s.kube.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+	if _, err := c.kube.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
 	return nil

@@ -18,22 +18,9 @@ const (
 	// ModeLegacy lists the HotplugVolumes gate: addvolume/removevolume queue
 	// requests in vm.status.volumeRequests for the legacy VM controller.
 	ModeLegacy Mode = "legacy"
-	// ModeDeclarative lists only DeclarativeHotplugVolumes (profile v1.7+):
+	// ModeDeclarative lists only DeclarativeHotplugVolumes (v1.6 and later):
 	// clients edit the VM spec (or call the VM subresource, which does that).
 	ModeDeclarative Mode = "declarative"
-)
-
-// Profile selects version-dependent behaviour: bus rules, the feature-gate
-// message, the VM-owned-VMI check and the removal phases.
-type Profile string
-
-const (
-	// ProfileV15 is KubeVirt 1.5 (Harvester 1.6): legacy only, scsi only,
-	// removal goes to Detaching at once.
-	ProfileV15 Profile = "v1.5"
-	// ProfileV17 is KubeVirt 1.6 to 1.8: both gates exist, scsi or virtio,
-	// removal goes Ready -> UnMountedFromPod -> Detaching -> gone.
-	ProfileV17 Profile = "v1.7+"
 )
 
 // Feature gate names in the KubeVirt CR.
@@ -67,9 +54,10 @@ type SnapshotHook interface {
 	DeleteSnapshot(ctx context.Context, snapshot string) error
 }
 
-// Timings are the simulated latencies of reference §7 items 1 and 21. A zero
-// field takes the default shown; a negative field means "no delay". Every
-// value is multiplied by Options.Scale.
+// Timings are the simulated latencies (the package doc says where the
+// defaults come from). A zero field takes the default shown; a
+// negative field means "no delay". Every value is multiplied by
+// Options.Scale.
 type Timings struct {
 	// API is virt-api's handling time before it reads the object (10ms).
 	API time.Duration
@@ -90,19 +78,20 @@ type Timings struct {
 	Mount time.Duration
 	// DomainAttach is the time from MountedToPod to Ready (1s).
 	DomainAttach time.Duration
-	// Detach is the time virt-handler needs to detach a removed volume from the
-	// domain and unmount it (2s), v1.7+ profile.
+	// Detach is the time from a volume leaving the VMI spec to virt-handler
+	// having unmounted it from the virt-launcher pod (2s); the guest loses
+	// the disk at the start of it.
 	Detach time.Duration
-	// PodDelete is the time a deleted attachment pod spends terminating (1s).
+	// PodDelete is the time an attachment pod deleted with a grace period
+	// spends terminating (1s). KubeVirt deletes its own with grace period 0
+	// (v1.7.0 volume-hotplug.go:352, and the pod template's is 0 too), so
+	// the API server drops them at once.
 	PodDelete time.Duration
 	// HandlerPoll is virt-handler's requeue period while a target is empty or
 	// a disk hook failed (1s).
 	HandlerPoll time.Duration
 	// Bind is the time the host provisioner takes to bind a PVC (100ms).
 	Bind time.Duration
-	// VMIShutdown is how long a VMI outlives the stop or deletion of its VM
-	// (2s).
-	VMIShutdown time.Duration
 	// Snapshot is the time the snapshot controller and Longhorn take from a
 	// VolumeSnapshot whose source claim is bound to its being readyToUse
 	// (1s).
@@ -127,20 +116,20 @@ func DefaultTimings() Timings {
 		PodDelete:    time.Second,
 		HandlerPoll:  time.Second,
 		Bind:         100 * time.Millisecond,
-		VMIShutdown:  2 * time.Second,
 		Snapshot:     time.Second,
 		BackoffBase:  5 * time.Millisecond,
 		BackoffMax:   1000 * time.Second,
 	}
 }
 
-// Options configure a Sim. The zero value is a legacy v1.7+ simulator with
-// default timings over every namespace.
+// Options configure a Sim. The zero value is a legacy KubeVirt v1.7.0
+// simulator with default timings over every namespace.
 type Options struct {
-	// Mode is the hotplug mode (default ModeLegacy).
+	// Version is the KubeVirt release to reproduce (default V1_7_0).
+	Version Version
+	// Mode is the hotplug mode (default ModeLegacy); ModeDeclarative needs
+	// v1.6 or later.
 	Mode Mode
-	// Profile is the KubeVirt version profile (default ProfileV17).
-	Profile Profile
 	// FeatureGates, when non-nil, replaces the gates derived from Mode in
 	// the KubeVirt CR (an empty non-nil slice enables no hotplug gate).
 	FeatureGates []string
@@ -153,8 +142,8 @@ type Options struct {
 	KubeVirtNamespace string
 	KubeVirtName      string
 	// ServerVersion is the Harvester server-version setting. Empty derives
-	// it from the profile and mode (v1.5: v1.6.0; legacy v1.7+: v1.7.0;
-	// declarative: v1.8.0).
+	// it from the version: the Harvester release that ships it (v1.5.3:
+	// v1.6.0, v1.6.3: v1.7.0, v1.7.0: v1.8.0, later: v1.9.0).
 	ServerVersion string
 	// SkipServerVersion leaves the server-version setting alone.
 	SkipServerVersion bool
@@ -170,39 +159,33 @@ type Options struct {
 	// also implements SnapshotHook, it is called around volume snapshots.
 	DiskHook DiskHook
 
-	// Timings are the simulated latencies; Scale multiplies all of them
-	// (0 means 1; tests use e.g. 0.05).
+	// Timings are the simulated latencies; Scale multiplies all of them, and
+	// a VMI's termination grace period too (0 means 1; tests use e.g. 0.05).
 	Timings Timings
 	Scale   float64
 	// Jitter spreads every delay uniformly over ±Jitter of its value
 	// (0 = exact, 0.25 = ±25%); Seed seeds the generator.
 	Jitter float64
 	Seed   uint64
-
-	// StuckDetachOnReadd reproduces the v1.5 bug where a volume re-added
-	// while its entry is still Detaching stays Detaching forever.
-	StuckDetachOnReadd bool
 }
 
 func (o *Options) setDefaults() error {
 	if o.Mode == "" {
 		o.Mode = ModeLegacy
 	}
-	if o.Profile == "" {
-		o.Profile = ProfileV17
+	if o.Version == "" {
+		o.Version = V1_7_0
 	}
 	switch o.Mode {
 	case ModeLegacy, ModeDeclarative:
 	default:
 		return fmt.Errorf("kubevirtsim: unknown mode %q", o.Mode)
 	}
-	switch o.Profile {
-	case ProfileV15, ProfileV17:
-	default:
-		return fmt.Errorf("kubevirtsim: unknown profile %q", o.Profile)
+	if _, err := ParseVersion(string(o.Version)); err != nil {
+		return err
 	}
-	if o.Profile == ProfileV15 && o.Mode == ModeDeclarative {
-		return fmt.Errorf("kubevirtsim: profile %s has no declarative hotplug", o.Profile)
+	if o.Mode == ModeDeclarative && !o.Version.features().declarativeGate {
+		return fmt.Errorf("kubevirtsim: KubeVirt %s has no DeclarativeHotplugVolumes gate", o.Version)
 	}
 	if o.KubeVirtNamespace == "" {
 		o.KubeVirtNamespace = "harvester-system"
@@ -211,14 +194,7 @@ func (o *Options) setDefaults() error {
 		o.KubeVirtName = "kubevirt"
 	}
 	if o.ServerVersion == "" {
-		switch {
-		case o.Profile == ProfileV15:
-			o.ServerVersion = "v1.6.0"
-		case o.Mode == ModeDeclarative:
-			o.ServerVersion = "v1.8.0"
-		default:
-			o.ServerVersion = "v1.7.0"
-		}
+		o.ServerVersion = o.Version.features().harvester
 	}
 	if o.StorageClass == "" {
 		o.StorageClass = "longhorn"
@@ -254,7 +230,6 @@ func (o *Options) setDefaults() error {
 	fill(&t.PodDelete, d.PodDelete)
 	fill(&t.HandlerPoll, d.HandlerPoll)
 	fill(&t.Bind, d.Bind)
-	fill(&t.VMIShutdown, d.VMIShutdown)
 	fill(&t.Snapshot, d.Snapshot)
 	fill(&t.BackoffBase, d.BackoffBase)
 	fill(&t.BackoffMax, d.BackoffMax)

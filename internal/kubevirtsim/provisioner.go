@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -18,25 +19,88 @@ import (
 
 const pvDeletePrefix = "pv-delete:"
 
+// provisioner is the host "Longhorn" provisioner plus the bits of the PV
+// controller, the PVC and PV protection controllers and the resizer these
+// tests need.
+type provisioner struct {
+	c         *cluster
+	snapshots *snapshotter // restores read its snapshots
+	queue     workQueue
+
+	mu sync.Mutex
+	// seen is when each pending claim was first seen; restoreWait why each
+	// restoring claim is still Pending; restored the claims restored
+	// already.
+	seen        map[types.UID]time.Time
+	restoreWait map[types.UID]string
+	restored    map[types.UID]bool
+}
+
+func newProvisioner(c *cluster) *provisioner {
+	return &provisioner{
+		c: c, queue: newWorkQueue("pvc", c.t.BackoffBase, c.t.HandlerPoll),
+		seen: map[types.UID]time.Time{}, restoreWait: map[types.UID]string{}, restored: map[types.UID]bool{},
+	}
+}
+
+func (p *provisioner) register() {
+	_, _ = p.c.pvcInf.AddEventHandler(onEvent(func(obj any) { p.queue.Add(objectKey(obj)) }))
+	_, _ = p.c.pvcInf.AddEventHandler(onDelete(func(obj any) {
+		pvc, ok := obj.(*corev1.PersistentVolumeClaim)
+		if !ok {
+			return
+		}
+		p.mu.Lock()
+		delete(p.seen, pvc.UID)
+		delete(p.restoreWait, pvc.UID)
+		delete(p.restored, pvc.UID)
+		p.mu.Unlock()
+		if pvc.Spec.VolumeName != "" && p.wantsBinding(pvc) {
+			p.queue.Add(pvDeletePrefix + pvc.Spec.VolumeName)
+		}
+	}))
+	_, _ = p.c.podInf.AddEventHandler(onDelete(func(obj any) {
+		if pod, ok := obj.(*corev1.Pod); ok {
+			for _, claim := range podClaims(pod) { // a deleted claim may be free now
+				p.queue.Add(pod.Namespace + "/" + claim)
+			}
+		}
+	}))
+}
+
+func (p *provisioner) run(ctx context.Context) { p.queue.run(ctx, p.c, 2, p.sync) }
+func (p *provisioner) shutdown()               { p.queue.ShutDown() }
+
 // wantsBinding reports whether the host provisioner handles this claim.
-func (s *Sim) wantsBinding(pvc *corev1.PersistentVolumeClaim) bool {
+func (p *provisioner) wantsBinding(pvc *corev1.PersistentVolumeClaim) bool {
 	class := ""
 	if pvc.Spec.StorageClassName != nil {
 		class = *pvc.Spec.StorageClassName
 	}
-	return class == s.opts.StorageClass || (class == "" && s.opts.BindClasslessPVCs)
+	return class == p.c.opts.StorageClass || (class == "" && p.c.opts.BindClasslessPVCs)
 }
 
-// syncPVC is the host "Longhorn" provisioner plus the bits of the PV
-// controller these tests need: it creates a PV for a pending claim of the
-// class, binds both and writes the claim's status; when a bound claim is
-// gone it deletes its PV.
-func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
+// enqueueRestoresOf queues the claims restoring from snapshot (in ns), so a
+// claim waiting for its snapshot is retried when the snapshot changes.
+func (p *provisioner) enqueueRestoresOf(ns, snapshot string) {
+	objs, _ := p.c.pvcInf.GetIndexer().ByIndex(cache.NamespaceIndex, ns)
+	for _, o := range objs {
+		if pvc, ok := o.(*corev1.PersistentVolumeClaim); ok {
+			if src, ok := restoreSource(pvc); ok && src.namespace == ns && src.name == snapshot {
+				p.queue.Add(ns + "/" + pvc.Name)
+			}
+		}
+	}
+}
+
+// sync creates a PV for a pending claim of the class, binds both and writes
+// the claim's status; when a bound claim is gone it deletes its PV.
+func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, error) {
 	if pv, ok := strings.CutPrefix(key, pvDeletePrefix); ok {
-		return 0, s.deletePV(ctx, pv)
+		return 0, p.deletePV(ctx, pv)
 	}
 	ns, name, _ := cache.SplitMetaNamespaceKey(key)
-	pvc, err := s.pvcLister.PersistentVolumeClaims(ns).Get(name)
+	pvc, err := p.c.pvcLister.PersistentVolumeClaims(ns).Get(name)
 	if apierrors.IsNotFound(err) {
 		return 0, nil
 	}
@@ -44,50 +108,53 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 		return 0, err
 	}
 	if pvc.DeletionTimestamp != nil {
-		return 0, s.releasePVC(ctx, pvc)
+		return 0, p.releasePVC(ctx, pvc)
 	}
-	if !s.wantsBinding(pvc) {
+	if !p.wantsBinding(pvc) {
 		return 0, nil
 	}
 	if pvc.Status.Phase == corev1.ClaimBound {
-		return 0, s.growPVC(ctx, pvc)
+		return 0, p.growPVC(ctx, pvc)
+	}
+	if pvc.Status.Phase == corev1.ClaimLost {
+		return 0, nil // a test made it so: leave it alone
 	}
 	now := time.Now()
-	s.mu.Lock()
-	first, seen := s.pvcSeen[pvc.UID]
+	p.mu.Lock()
+	first, seen := p.seen[pvc.UID]
 	if !seen {
 		first = now
-		s.pvcSeen[pvc.UID] = now
+		p.seen[pvc.UID] = now
 	}
-	s.mu.Unlock()
-	if at := first.Add(s.jit.d(s.t.Bind)); now.Before(at) && pvc.Spec.VolumeName == "" {
+	p.mu.Unlock()
+	if at := first.Add(p.c.jit.d(p.c.t.Bind)); now.Before(at) && pvc.Spec.VolumeName == "" {
 		return at.Sub(now), nil
 	}
-	log := s.log.WithValues("pvc", key)
+	log := p.c.log.WithValues("pvc", key)
 
 	// external-provisioner's restore: a claim from a VolumeSnapshot waits
 	// until the snapshot is ready and fits (snapshot events requeue it); the
 	// data is restored once, before the claim binds (a pass on a stale cache
 	// must not restore over data written since, nor wait again).
 	if src, ok := restoreSource(pvc); ok && pvc.Spec.VolumeName == "" {
-		s.mu.Lock()
-		done := s.restored[pvc.UID]
-		s.mu.Unlock()
+		p.mu.Lock()
+		done := p.restored[pvc.UID]
+		p.mu.Unlock()
 		if !done {
-			if why := s.restoreBlocked(pvc, src); why != "" {
-				s.setRestoreWait(pvc.UID, why)
+			if why := p.snapshots.restoreBlocked(pvc, src); why != "" {
+				p.setRestoreWait(pvc.UID, why)
 				log.V(2).Info("restore waits for its snapshot", "snapshot", src.namespace+"/"+src.name, "reason", why)
 				return 0, nil
 			}
-			if h := s.snapshotHook(); h != nil {
+			if h := p.c.snapshotHook(); h != nil {
 				if err := h.Restore(ctx, src.namespace+"/"+src.name, pvc.Name); err != nil {
-					s.setRestoreWait(pvc.UID, "restore failed: "+err.Error())
+					p.setRestoreWait(pvc.UID, "restore failed: "+err.Error())
 					return 0, fmt.Errorf("restore hook: %w", err)
 				}
 			}
-			s.mu.Lock()
-			s.restored[pvc.UID] = true
-			s.mu.Unlock()
+			p.mu.Lock()
+			p.restored[pvc.UID] = true
+			p.mu.Unlock()
 			log.V(2).Info("restored from snapshot", "snapshot", src.namespace+"/"+src.name)
 		}
 	}
@@ -100,7 +167,7 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 	if size.IsZero() {
 		size = resource.MustParse("1Gi")
 	}
-	class := s.opts.StorageClass
+	class := p.c.opts.StorageClass
 	if pvc.Spec.StorageClassName != nil {
 		class = *pvc.Spec.StorageClassName
 	}
@@ -127,10 +194,10 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 	if len(pv.Spec.AccessModes) == 0 {
 		pv.Spec.AccessModes = []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce}
 	}
-	created, err := s.kube.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
+	created, err := p.c.kube.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
 	switch {
 	case apierrors.IsAlreadyExists(err):
-		if created, err = s.kube.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{}); err != nil {
+		if created, err = p.c.kube.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{}); err != nil {
 			return 0, err
 		}
 	case err != nil:
@@ -138,7 +205,7 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 	}
 	if created.Status.Phase != corev1.VolumeBound {
 		created.Status.Phase = corev1.VolumeBound
-		if _, err := s.kube.CoreV1().PersistentVolumes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
+		if _, err := p.c.kube.CoreV1().PersistentVolumes().UpdateStatus(ctx, created, metav1.UpdateOptions{}); err != nil {
 			return 0, err
 		}
 	}
@@ -152,20 +219,20 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 		claim.Annotations["pv.kubernetes.io/bind-completed"] = "yes"
 		claim.Annotations["pv.kubernetes.io/bound-by-controller"] = "yes"
 		claim.Annotations["volume.kubernetes.io/storage-provisioner"] = LonghornProvisioner
-		if claim, err = s.kube.CoreV1().PersistentVolumeClaims(ns).Update(ctx, claim, metav1.UpdateOptions{}); err != nil {
+		if claim, err = p.c.kube.CoreV1().PersistentVolumeClaims(ns).Update(ctx, claim, metav1.UpdateOptions{}); err != nil {
 			return 0, err
 		}
 	}
 	claim.Status.Phase = corev1.ClaimBound
 	claim.Status.AccessModes = pv.Spec.AccessModes
 	claim.Status.Capacity = corev1.ResourceList{corev1.ResourceStorage: size}
-	if _, err := s.kube.CoreV1().PersistentVolumeClaims(ns).UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
+	if _, err := p.c.kube.CoreV1().PersistentVolumeClaims(ns).UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
 		return 0, err
 	}
-	s.mu.Lock()
-	delete(s.pvcSeen, pvc.UID)
-	delete(s.restoreWait, pvc.UID)
-	s.mu.Unlock()
+	p.mu.Lock()
+	delete(p.seen, pvc.UID)
+	delete(p.restoreWait, pvc.UID)
+	p.mu.Unlock()
 	log.V(2).Info("PVC bound", "pv", pvName)
 	return 0, nil
 }
@@ -173,38 +240,46 @@ func (s *Sim) syncPVC(ctx context.Context, key string) (time.Duration, error) {
 // setRestoreWait notes why a restoring claim is still Pending (what
 // external-provisioner would report in a ProvisioningFailed event) and wakes
 // waiters; tests wait on it to know the gate was reached.
-func (s *Sim) setRestoreWait(uid types.UID, why string) {
-	s.mu.Lock()
-	changed := s.restoreWait[uid] != why
-	s.restoreWait[uid] = why
-	s.mu.Unlock()
+func (p *provisioner) setRestoreWait(uid types.UID, why string) {
+	p.mu.Lock()
+	changed := p.restoreWait[uid] != why
+	p.restoreWait[uid] = why
+	p.mu.Unlock()
 	if changed {
-		s.changed.notify()
+		p.c.changed.notify()
 	}
+}
+
+// restoreWaitOf is why a restoring claim is still Pending ("" if it is not
+// waiting).
+func (p *provisioner) restoreWaitOf(uid types.UID) string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.restoreWait[uid]
 }
 
 // growPVC plays Longhorn's online expansion and the resize controller: a
 // bound claim whose request grew gets a PV and a status of the new size.
-func (s *Sim) growPVC(ctx context.Context, pvc *corev1.PersistentVolumeClaim) error {
+func (p *provisioner) growPVC(ctx context.Context, pvc *corev1.PersistentVolumeClaim) error {
 	want := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
 	have := pvc.Status.Capacity[corev1.ResourceStorage]
 	if want.Cmp(have) <= 0 || pvc.Spec.VolumeName == "" {
 		return nil
 	}
-	pv, err := s.kube.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	pv, err := p.c.kube.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		return err
 	}
 	pv.Spec.Capacity = corev1.ResourceList{corev1.ResourceStorage: want}
-	if _, err := s.kube.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
+	if _, err := p.c.kube.CoreV1().PersistentVolumes().Update(ctx, pv, metav1.UpdateOptions{}); err != nil {
 		return err
 	}
 	claim := pvc.DeepCopy()
 	claim.Status.Capacity = corev1.ResourceList{corev1.ResourceStorage: want}
-	if _, err := s.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
+	if _, err := p.c.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{}); err != nil {
 		return err
 	}
-	s.log.V(2).Info("PVC expanded", "pvc", pvc.Namespace+"/"+pvc.Name, "size", want.String())
+	p.c.log.V(2).Info("PVC expanded", "pvc", pvc.Namespace+"/"+pvc.Name, "size", want.String())
 	return nil
 }
 
@@ -217,51 +292,46 @@ const (
 
 // releasePVC plays the PVC protection controller: a deleted claim goes away
 // once no attachment pod uses it.
-func (s *Sim) releasePVC(ctx context.Context, pvc *corev1.PersistentVolumeClaim) error {
+func (p *provisioner) releasePVC(ctx context.Context, pvc *corev1.PersistentVolumeClaim) error {
 	if !slices.Contains(pvc.Finalizers, pvcProtection) {
 		return nil
 	}
-	pods, _ := s.podLister.Pods(pvc.Namespace).List(labels.Everything())
-	for _, p := range pods {
-		if p.Status.Phase == corev1.PodSucceeded || p.Status.Phase == corev1.PodFailed {
-			continue
-		}
-		for _, v := range p.Spec.Volumes {
-			if v.PersistentVolumeClaim != nil && v.PersistentVolumeClaim.ClaimName == pvc.Name {
-				return nil // in use; pod events bring us back
-			}
+	pods, _ := p.c.podLister.Pods(pvc.Namespace).List(labels.Everything())
+	for _, pod := range pods {
+		if pod.Status.Phase != corev1.PodSucceeded && pod.Status.Phase != corev1.PodFailed && slices.Contains(podClaims(pod), pvc.Name) {
+			return nil // in use; pod events bring us back
 		}
 	}
-	return s.dropFinalizer(ctx, pvc.Finalizers, pvcProtection, func(patch []byte) error {
-		_, err := s.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Patch(ctx, pvc.Name, types.JSONPatchType, patch, metav1.PatchOptions{})
+	return p.c.dropFinalizer(ctx, pvc.Finalizers, pvcProtection, func(patch []byte) error {
+		_, err := p.c.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Patch(ctx, pvc.Name, types.JSONPatchType, patch, metav1.PatchOptions{})
 		return err
 	})
 }
 
 // deletePV deletes a released volume (reclaim policy Delete) and lifts its
 // protection finalizer.
-func (s *Sim) deletePV(ctx context.Context, name string) error {
-	err := s.kube.CoreV1().PersistentVolumes().Delete(ctx, name, metav1.DeleteOptions{})
+func (p *provisioner) deletePV(ctx context.Context, name string) error {
+	err := p.c.kube.CoreV1().PersistentVolumes().Delete(ctx, name, metav1.DeleteOptions{})
 	if apierrors.IsNotFound(err) {
 		return nil
 	}
 	if err != nil {
 		return err
 	}
-	pv, err := s.kube.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
+	pv, err := p.c.kube.CoreV1().PersistentVolumes().Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
 		return nil
 	}
 	if err != nil {
 		return err
 	}
-	return s.dropFinalizer(ctx, pv.Finalizers, pvProtection, func(patch []byte) error {
-		_, err := s.kube.CoreV1().PersistentVolumes().Patch(ctx, name, types.JSONPatchType, patch, metav1.PatchOptions{})
+	return p.c.dropFinalizer(ctx, pv.Finalizers, pvProtection, func(patch []byte) error {
+		_, err := p.c.kube.CoreV1().PersistentVolumes().Patch(ctx, name, types.JSONPatchType, patch, metav1.PatchOptions{})
 		return err
 	})
 }
 
-func (s *Sim) dropFinalizer(ctx context.Context, have []string, drop string, apply func([]byte) error) error {
+func (c *cluster) dropFinalizer(ctx context.Context, have []string, drop string, apply func([]byte) error) error {
 	if !slices.Contains(have, drop) {
 		return nil
 	}

@@ -24,8 +24,8 @@ import (
 	"k8s.io/client-go/rest"
 )
 
-// SubresourceGroup is the API group of virt-api's subresources.
-const SubresourceGroup = "subresources.kubevirt.io"
+// subresourceGroup is the API group of virt-api's subresources.
+const subresourceGroup = "subresources.kubevirt.io"
 
 // RequestKey identifies a kind of request seen by the front proxy.
 type RequestKey struct {
@@ -60,29 +60,32 @@ type Stats struct {
 	Unprocessable int
 }
 
+// proxy is the front proxy: the aggregation layer's view of virt-api's
+// subresources in front of the real API server, counting what clients send.
 type proxy struct {
-	s   *Sim
-	url string
-	srv *http.Server
-	ln  net.Listener
-	rp  *httputil.ReverseProxy
-	tr  http.RoundTripper
-	api *url.URL
+	c       *cluster
+	virtAPI *virtAPI
+	url     string
+	srv     *http.Server
+	ln      net.Listener
+	rp      *httputil.ReverseProxy
+	tr      http.RoundTripper
+	api     *url.URL
 
 	mu      sync.Mutex
 	reqs    map[RequestKey]int
 	answers map[RequestKey]map[int]int
 }
 
-func startProxy(s *Sim) (*proxy, error) {
-	api, err := url.Parse(s.cfg.Host)
+func startProxy(c *cluster, virtAPI *virtAPI) (*proxy, error) {
+	api, err := url.Parse(c.cfg.Host)
 	if err != nil {
 		return nil, fmt.Errorf("kubevirtsim: API server URL: %w", err)
 	}
 	if api.Scheme == "" {
-		api, _ = url.Parse("https://" + s.cfg.Host)
+		api, _ = url.Parse("https://" + c.cfg.Host)
 	}
-	tlsCfg, err := rest.TLSConfigFor(s.cfg)
+	tlsCfg, err := rest.TLSConfigFor(c.cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -97,7 +100,8 @@ func startProxy(s *Sim) (*proxy, error) {
 		return nil, err
 	}
 	p := &proxy{
-		s:       s,
+		c:       c,
+		virtAPI: virtAPI,
 		url:     "http://" + ln.Addr().String(),
 		ln:      ln,
 		tr:      tr,
@@ -120,9 +124,9 @@ func startProxy(s *Sim) (*proxy, error) {
 		},
 	}
 	p.srv = &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
-	s.goRun(func() {
+	c.goRun(func() {
 		if err := p.srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			s.log.Error(err, "proxy stopped")
+			c.log.Error(err, "proxy stopped")
 		}
 	})
 	return p, nil
@@ -269,20 +273,20 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		p.mu.Unlock()
 	}()
 
-	if info.key.Group == SubresourceGroup {
+	if info.key.Group == subresourceGroup {
 		sub := info.key.Subresource
 		if (info.key.Resource == resVMs || info.key.Resource == resVMIs) && (sub == "addvolume" || sub == "removevolume") && info.namespace != "" && info.name != "" {
 			if r.Method != http.MethodPut {
-				writeStatus(rec, apierrors.NewMethodNotSupported(schema.GroupResource{Group: SubresourceGroup, Resource: info.key.Resource + "/" + sub}, r.Method))
+				writeStatus(rec, apierrors.NewMethodNotSupported(schema.GroupResource{Group: subresourceGroup, Resource: info.key.Resource + "/" + sub}, r.Method))
 				return
 			}
 			if !p.authorize(rec, r, info) {
 				return
 			}
-			p.s.serveVolumeSubresource(rec, r, info)
+			p.virtAPI.serve(rec, r, info)
 			return
 		}
-		writeStatus(rec, apierrors.NewNotFound(schema.GroupResource{Group: SubresourceGroup, Resource: info.key.Resource}, info.name))
+		writeStatus(rec, apierrors.NewNotFound(schema.GroupResource{Group: subresourceGroup, Resource: info.key.Resource}, info.name))
 		return
 	}
 	p.rp.ServeHTTP(rec, r)
@@ -295,7 +299,7 @@ func (p *proxy) authorize(w http.ResponseWriter, r *http.Request, info reqInfo) 
 	ssar := &authzv1.SelfSubjectAccessReview{
 		TypeMeta: metav1.TypeMeta{APIVersion: "authorization.k8s.io/v1", Kind: "SelfSubjectAccessReview"},
 		Spec: authzv1.SelfSubjectAccessReviewSpec{ResourceAttributes: &authzv1.ResourceAttributes{
-			Namespace: info.namespace, Verb: "update", Group: SubresourceGroup,
+			Namespace: info.namespace, Verb: "update", Group: subresourceGroup,
 			Resource: info.key.Resource, Subresource: info.key.Subresource, Name: info.name,
 		}},
 	}
@@ -324,8 +328,8 @@ func (p *proxy) authorize(w http.ResponseWriter, r *http.Request, info reqInfo) 
 		&authnv1.SelfSubjectReview{TypeMeta: metav1.TypeMeta{APIVersion: "authentication.k8s.io/v1", Kind: "SelfSubjectReview"}}, &who); err == nil && c < 300 {
 		user = who.Status.UserInfo.Username
 	}
-	writeStatus(w, apierrors.NewForbidden(schema.GroupResource{Group: SubresourceGroup, Resource: info.key.Resource}, info.name,
-		fmt.Errorf("User %q cannot update resource %q in API group %q in the namespace %q", user, info.key.Resource+"/"+info.key.Subresource, SubresourceGroup, info.namespace)))
+	writeStatus(w, apierrors.NewForbidden(schema.GroupResource{Group: subresourceGroup, Resource: info.key.Resource}, info.name,
+		fmt.Errorf("User %q cannot update resource %q in API group %q in the namespace %q", user, info.key.Resource+"/"+info.key.Subresource, subresourceGroup, info.namespace)))
 	return false
 }
 
@@ -375,9 +379,8 @@ func writeStatus(w http.ResponseWriter, err *apierrors.StatusError) {
 	_, _ = w.Write(data)
 }
 
-// Stats returns a snapshot of the proxy's counters (empty before Start).
-func (s *Sim) Stats() Stats {
-	p := s.proxy
+// stats returns a snapshot of the counters (empty before Start).
+func (p *proxy) stats() Stats {
 	if p == nil {
 		return Stats{Requests: map[RequestKey]int{}, Answers: map[RequestKey]map[int]int{}}
 	}
@@ -396,9 +399,9 @@ func (s *Sim) Stats() Stats {
 			st.VMStatusWrites += n
 		case k.Group == "kubevirt.io" && k.Resource == resVMIs && (k.Subresource == "" || k.Subresource == "status") && write:
 			st.VMIWrites += n
-		case k.Group == SubresourceGroup && k.Subresource == "addvolume":
+		case k.Group == subresourceGroup && k.Subresource == "addvolume":
 			st.AddVolume += n
-		case k.Group == SubresourceGroup && k.Subresource == "removevolume":
+		case k.Group == subresourceGroup && k.Subresource == "removevolume":
 			st.RemoveVolume += n
 		}
 	}
@@ -409,9 +412,8 @@ func (s *Sim) Stats() Stats {
 	return st
 }
 
-// ResetStats zeroes the proxy's counters.
-func (s *Sim) ResetStats() {
-	p := s.proxy
+// reset zeroes the counters.
+func (p *proxy) reset() {
 	if p == nil {
 		return
 	}

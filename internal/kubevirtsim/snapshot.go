@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -14,7 +15,6 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/ptr"
 )
@@ -48,10 +48,50 @@ const csiDriverConfig = `{"driver.longhorn.io":{"volumeSnapshotClassName":"longh
 // reaches SnapshotHook.DeleteSnapshot, even one that races the snapshot.
 const snapshotBoundProtection = "snapshot.storage.kubernetes.io/volumesnapshot-bound-protection"
 
+// snapshotter is the snapshot controller and Longhorn's CSI snapshotter in
+// one.
+type snapshotter struct {
+	c     *cluster
+	prov  *provisioner // restores wait for snapshots
+	queue workQueue
+
+	mu sync.Mutex
+	// start is when each VolumeSnapshot could first be taken.
+	start map[types.UID]time.Time
+}
+
+func newSnapshotter(c *cluster) *snapshotter {
+	return &snapshotter{c: c, queue: newWorkQueue("snapshot", c.t.BackoffBase, c.t.HandlerPoll), start: map[types.UID]time.Time{}}
+}
+
+func (s *snapshotter) register() {
+	_, _ = s.c.snapInf.AddEventHandler(onEvent(func(obj any) {
+		if vs, ok := obj.(*unstructured.Unstructured); ok {
+			s.queue.Add(vs.GetNamespace() + "/" + vs.GetName())
+			s.prov.enqueueRestoresOf(vs.GetNamespace(), vs.GetName())
+		}
+	}))
+	_, _ = s.c.snapInf.AddEventHandler(onDelete(func(obj any) {
+		if vs, ok := obj.(*unstructured.Unstructured); ok {
+			s.mu.Lock()
+			delete(s.start, vs.GetUID())
+			s.mu.Unlock()
+		}
+	}))
+	_, _ = s.c.pvcInf.AddEventHandler(onEvent(func(obj any) {
+		if pvc, ok := obj.(*corev1.PersistentVolumeClaim); ok {
+			s.enqueueSnapshotsOf(pvc.Namespace, pvc.Name)
+		}
+	}))
+}
+
+func (s *snapshotter) run(ctx context.Context) { s.queue.run(ctx, s.c, 2, s.sync) }
+func (s *snapshotter) shutdown()               { s.queue.ShutDown() }
+
 // ensureSnapshotConfig creates the VolumeSnapshotClass and the
 // csi-driver-config setting when they are missing; existing ones are kept (a
 // test may have changed them).
-func (s *Sim) ensureSnapshotConfig(ctx context.Context) error {
+func (c *cluster) ensureSnapshotConfig(ctx context.Context) error {
 	class := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion":     snapshotGroup + "/v1",
 		"kind":           "VolumeSnapshotClass",
@@ -67,35 +107,30 @@ func (s *Sim) ensureSnapshotConfig(ctx context.Context) error {
 		"default":    csiDriverConfig,
 		"value":      csiDriverConfig,
 	}}
-	for _, c := range []struct {
+	for _, w := range []struct {
 		res dynamic.ResourceInterface
 		obj *unstructured.Unstructured
-	}{{s.dyn.Resource(volumeSnapshotClassGVR), class}, {s.dyn.Resource(settingsGVR), setting}} {
+	}{{c.dyn.Resource(volumeSnapshotClassGVR), class}, {c.dyn.Resource(settingsGVR), setting}} {
 		err := retryNotServed(ctx, func() error {
-			_, err := c.res.Get(ctx, c.obj.GetName(), metav1.GetOptions{})
+			_, err := w.res.Get(ctx, w.obj.GetName(), metav1.GetOptions{})
 			if !apierrors.IsNotFound(err) {
 				return err
 			}
-			if _, err := c.res.Create(ctx, c.obj, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			if _, err := w.res.Create(ctx, w.obj, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 				return err
 			}
 			return nil
 		})
 		if err != nil {
-			return fmt.Errorf("create %s %s: %w", c.obj.GetKind(), c.obj.GetName(), err)
+			return fmt.Errorf("create %s %s: %w", w.obj.GetKind(), w.obj.GetName(), err)
 		}
 	}
 	return nil
 }
 
-func (s *Sim) setupSnapshotInformer() {
-	s.snapInf = dynamicinformer.NewFilteredDynamicInformer(s.dyn, volumeSnapshotGVR, s.opts.Namespace, 0,
-		cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}, nil).Informer()
-}
-
 // snapshotHook is the DiskHook's SnapshotHook side, or nil.
-func (s *Sim) snapshotHook() SnapshotHook {
-	h, _ := s.opts.DiskHook.(SnapshotHook)
+func (c *cluster) snapshotHook() SnapshotHook {
+	h, _ := c.opts.DiskHook.(SnapshotHook)
 	return h
 }
 
@@ -126,24 +161,11 @@ func statusOf(vs *unstructured.Unstructured) snapshotStatus {
 
 // enqueueSnapshotsOf queues the VolumeSnapshots of claim (in ns), so a
 // snapshot waiting for its claim is retried when the claim changes.
-func (s *Sim) enqueueSnapshotsOf(ns, claim string) {
-	objs, _ := s.snapInf.GetIndexer().ByIndex(cache.NamespaceIndex, ns)
+func (s *snapshotter) enqueueSnapshotsOf(ns, claim string) {
+	objs, _ := s.c.snapInf.GetIndexer().ByIndex(cache.NamespaceIndex, ns)
 	for _, o := range objs {
 		if vs, ok := o.(*unstructured.Unstructured); ok && snapshotSource(vs) == claim {
-			s.snapQueue.Add(ns + "/" + vs.GetName())
-		}
-	}
-}
-
-// enqueueRestoresOf queues the claims restoring from snapshot (in ns), so a
-// claim waiting for its snapshot is retried when the snapshot changes.
-func (s *Sim) enqueueRestoresOf(ns, snapshot string) {
-	objs, _ := s.pvcInf.GetIndexer().ByIndex(cache.NamespaceIndex, ns)
-	for _, o := range objs {
-		if pvc, ok := o.(*corev1.PersistentVolumeClaim); ok {
-			if src, ok := restoreSource(pvc); ok && src.namespace == ns && src.name == snapshot {
-				s.pvcQueue.Add(ns + "/" + pvc.Name)
-			}
+			s.queue.Add(ns + "/" + vs.GetName())
 		}
 	}
 }
@@ -154,8 +176,8 @@ func (s *Sim) enqueueRestoresOf(ns, snapshot string) {
 // SnapshotHook and marks both ready. A snapshot that cannot be taken yet gets
 // status.error and waits for its claim to change (PVC events requeue it);
 // hook and API errors are retried with backoff.
-func (s *Sim) syncSnapshot(ctx context.Context, key string) (time.Duration, error) {
-	obj, exists, err := s.snapInf.GetIndexer().GetByKey(key)
+func (s *snapshotter) sync(ctx context.Context, key string) (time.Duration, error) {
+	obj, exists, err := s.c.snapInf.GetIndexer().GetByKey(key)
 	if err != nil || !exists {
 		return 0, err
 	}
@@ -169,13 +191,13 @@ func (s *Sim) syncSnapshot(ctx context.Context, key string) (time.Duration, erro
 		return 0, nil
 	}
 	ns, name := vs.GetNamespace(), vs.GetName()
-	log := s.log.WithValues("volumeSnapshot", key)
+	log := s.c.log.WithValues("volumeSnapshot", key)
 
 	// The class decides the driver; a class of another driver has no
 	// snapshotter here, as it would have none in Harvester.
 	class, _, _ := unstructured.NestedString(vs.Object, "spec", "volumeSnapshotClassName")
 	if class != "" {
-		c, err := s.dyn.Resource(volumeSnapshotClassGVR).Get(ctx, class, metav1.GetOptions{})
+		c, err := s.c.dyn.Resource(volumeSnapshotClassGVR).Get(ctx, class, metav1.GetOptions{})
 		if err != nil {
 			// No class informer: retry with backoff (the error return).
 			s.snapshotError(ctx, vs, fmt.Sprintf("Failed to get snapshot class with error failed to retrieve snapshot class %s from the informer: %q", class, err.Error()))
@@ -188,7 +210,7 @@ func (s *Sim) syncSnapshot(ctx context.Context, key string) (time.Duration, erro
 	}
 
 	// Messages as external-snapshotter's getClaimFromVolumeSnapshot.
-	pvc, err := s.pvcLister.PersistentVolumeClaims(ns).Get(claim)
+	pvc, err := s.c.pvcLister.PersistentVolumeClaims(ns).Get(claim)
 	switch {
 	case apierrors.IsNotFound(err):
 		return 0, s.snapshotError(ctx, vs, fmt.Sprintf("Failed to create snapshot content with error failed to retrieve PVC %s from the lister: %q", claim, err.Error()))
@@ -201,20 +223,20 @@ func (s *Sim) syncSnapshot(ctx context.Context, key string) (time.Duration, erro
 	// Taking the snapshot takes Timings.Snapshot from the moment it can start.
 	now := time.Now()
 	s.mu.Lock()
-	start, seen := s.snapStart[vs.GetUID()]
+	start, seen := s.start[vs.GetUID()]
 	if !seen {
 		start = now
-		s.snapStart[vs.GetUID()] = now
+		s.start[vs.GetUID()] = now
 	}
 	s.mu.Unlock()
-	if at := start.Add(s.jit.d(s.t.Snapshot)); now.Before(at) {
+	if at := start.Add(s.c.jit.d(s.c.t.Snapshot)); now.Before(at) {
 		return at.Sub(now), nil
 	}
 
 	if !slices.Contains(vs.GetFinalizers(), snapshotBoundProtection) {
 		next := vs.DeepCopy()
 		next.SetFinalizers(append(next.GetFinalizers(), snapshotBoundProtection))
-		if vs, err = s.dyn.Resource(volumeSnapshotGVR).Namespace(ns).Update(ctx, next, metav1.UpdateOptions{}); err != nil {
+		if vs, err = s.c.dyn.Resource(volumeSnapshotGVR).Namespace(ns).Update(ctx, next, metav1.UpdateOptions{}); err != nil {
 			return 0, err
 		}
 	}
@@ -230,7 +252,7 @@ func (s *Sim) syncSnapshot(ctx context.Context, key string) (time.Duration, erro
 	// A ready content means the hook already ran (the VolumeSnapshot status
 	// write failed after it): do not take the snapshot again.
 	if ready, _, _ := unstructured.NestedBool(content.Object, "status", "readyToUse"); !ready {
-		if h := s.snapshotHook(); h != nil {
+		if h := s.c.snapshotHook(); h != nil {
 			if err := h.Snapshot(ctx, claim, ns+"/"+name); err != nil {
 				s.snapshotError(ctx, vs, fmt.Sprintf("Failed to check and update snapshot content: failed to take snapshot of the volume %s: %q", pvc.Spec.VolumeName, err.Error()))
 				return 0, fmt.Errorf("snapshot hook: %w", err)
@@ -242,7 +264,7 @@ func (s *Sim) syncSnapshot(ctx context.Context, key string) (time.Duration, erro
 			"restoreSize":    size.Value(),
 			"snapshotHandle": "snap://" + pvc.Spec.VolumeName + "/snapshot-" + string(vs.GetUID()),
 		}
-		if _, err := s.dyn.Resource(volumeSnapshotContentGVR).UpdateStatus(ctx, content, metav1.UpdateOptions{}); err != nil {
+		if _, err := s.c.dyn.Resource(volumeSnapshotContentGVR).UpdateStatus(ctx, content, metav1.UpdateOptions{}); err != nil {
 			return 0, err
 		}
 	}
@@ -254,11 +276,11 @@ func (s *Sim) syncSnapshot(ctx context.Context, key string) (time.Duration, erro
 		"readyToUse":                     true,
 		"restoreSize":                    size.String(),
 	}
-	if _, err := s.dyn.Resource(volumeSnapshotGVR).Namespace(ns).UpdateStatus(ctx, next, metav1.UpdateOptions{}); err != nil {
+	if _, err := s.c.dyn.Resource(volumeSnapshotGVR).Namespace(ns).UpdateStatus(ctx, next, metav1.UpdateOptions{}); err != nil {
 		return 0, err
 	}
 	s.mu.Lock()
-	delete(s.snapStart, vs.GetUID())
+	delete(s.start, vs.GetUID())
 	s.mu.Unlock()
 	log.V(2).Info("snapshot ready", "claim", claim, "content", content.GetName(), "restoreSize", size.String())
 	return 0, nil
@@ -270,8 +292,8 @@ func snapshotContentName(uid types.UID) string { return "snapcontent-" + string(
 
 // ensureSnapshotContent creates (or returns) the VolumeSnapshotContent bound
 // to vs, for the volume volumeHandle.
-func (s *Sim) ensureSnapshotContent(ctx context.Context, vs *unstructured.Unstructured, volumeHandle, class string) (*unstructured.Unstructured, error) {
-	res := s.dyn.Resource(volumeSnapshotContentGVR)
+func (s *snapshotter) ensureSnapshotContent(ctx context.Context, vs *unstructured.Unstructured, volumeHandle, class string) (*unstructured.Unstructured, error) {
+	res := s.c.dyn.Resource(volumeSnapshotContentGVR)
 	spec := map[string]any{
 		"driver":         LonghornProvisioner,
 		"deletionPolicy": "Delete",
@@ -304,7 +326,7 @@ func (s *Sim) ensureSnapshotContent(ctx context.Context, vs *unstructured.Unstru
 // snapshotError writes status.error (and readyToUse false) unless the same
 // message is there already, so a snapshot that keeps failing does not keep
 // writing. Errors of the write are only logged: the caller retries anyway.
-func (s *Sim) snapshotError(ctx context.Context, vs *unstructured.Unstructured, msg string) error {
+func (s *snapshotter) snapshotError(ctx context.Context, vs *unstructured.Unstructured, msg string) error {
 	st := statusOf(vs)
 	if st.errMessage == msg && !st.ready {
 		return nil
@@ -317,18 +339,18 @@ func (s *Sim) snapshotError(ctx context.Context, vs *unstructured.Unstructured, 
 	status["readyToUse"] = false
 	status["error"] = map[string]any{"message": msg, "time": time.Now().UTC().Format(time.RFC3339)}
 	next.Object["status"] = status
-	if _, err := s.dyn.Resource(volumeSnapshotGVR).Namespace(vs.GetNamespace()).UpdateStatus(ctx, next, metav1.UpdateOptions{}); err != nil {
-		s.log.V(3).Info("snapshot error status not written", "volumeSnapshot", vs.GetNamespace()+"/"+vs.GetName(), "err", err)
+	if _, err := s.c.dyn.Resource(volumeSnapshotGVR).Namespace(vs.GetNamespace()).UpdateStatus(ctx, next, metav1.UpdateOptions{}); err != nil {
+		s.c.log.V(3).Info("snapshot error status not written", "volumeSnapshot", vs.GetNamespace()+"/"+vs.GetName(), "err", err)
 		return err
 	}
-	s.log.V(2).Info("snapshot not taken", "volumeSnapshot", vs.GetNamespace()+"/"+vs.GetName(), "reason", msg)
+	s.c.log.V(2).Info("snapshot not taken", "volumeSnapshot", vs.GetNamespace()+"/"+vs.GetName(), "reason", msg)
 	return nil
 }
 
 // deleteSnapshot finishes the deletion of a VolumeSnapshot the simulator took:
 // with deletionPolicy Delete it deletes the snapshot (hook) and its content,
 // then lifts the finalizer. A Retain content is kept with its snapshot.
-func (s *Sim) deleteSnapshot(ctx context.Context, vs *unstructured.Unstructured) error {
+func (s *snapshotter) deleteSnapshot(ctx context.Context, vs *unstructured.Unstructured) error {
 	if !slices.Contains(vs.GetFinalizers(), snapshotBoundProtection) {
 		return nil
 	}
@@ -337,7 +359,7 @@ func (s *Sim) deleteSnapshot(ctx context.Context, vs *unstructured.Unstructured)
 	if name == "" {
 		name = snapshotContentName(vs.GetUID())
 	}
-	res := s.dyn.Resource(volumeSnapshotContentGVR)
+	res := s.c.dyn.Resource(volumeSnapshotContentGVR)
 	content, err := res.Get(ctx, name, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
@@ -350,7 +372,7 @@ func (s *Sim) deleteSnapshot(ctx context.Context, vs *unstructured.Unstructured)
 		policy, _, _ = unstructured.NestedString(content.Object, "spec", "deletionPolicy")
 	}
 	if policy != "Retain" {
-		if h := s.snapshotHook(); h != nil {
+		if h := s.c.snapshotHook(); h != nil {
 			if err := h.DeleteSnapshot(ctx, ref); err != nil {
 				return fmt.Errorf("delete snapshot hook: %w", err)
 			}
@@ -362,13 +384,13 @@ func (s *Sim) deleteSnapshot(ctx context.Context, vs *unstructured.Unstructured)
 			}
 		}
 	}
-	if err := s.dropFinalizer(ctx, vs.GetFinalizers(), snapshotBoundProtection, func(patch []byte) error {
-		_, err := s.dyn.Resource(volumeSnapshotGVR).Namespace(vs.GetNamespace()).Patch(ctx, vs.GetName(), types.JSONPatchType, patch, metav1.PatchOptions{})
+	if err := s.c.dropFinalizer(ctx, vs.GetFinalizers(), snapshotBoundProtection, func(patch []byte) error {
+		_, err := s.c.dyn.Resource(volumeSnapshotGVR).Namespace(vs.GetNamespace()).Patch(ctx, vs.GetName(), types.JSONPatchType, patch, metav1.PatchOptions{})
 		return err
 	}); err != nil {
 		return err
 	}
-	s.log.V(2).Info("snapshot deleted", "volumeSnapshot", ref, "content", name, "deletionPolicy", policy)
+	s.c.log.V(2).Info("snapshot deleted", "volumeSnapshot", ref, "content", name, "deletionPolicy", policy)
 	return nil
 }
 
@@ -396,11 +418,11 @@ func restoreSource(pvc *corev1.PersistentVolumeClaim) (snapshotRef, bool) {
 
 // restoreBlocked says why pvc cannot be provisioned from src yet ("" when it
 // can). Messages as external-provisioner's.
-func (s *Sim) restoreBlocked(pvc *corev1.PersistentVolumeClaim, src snapshotRef) string {
+func (s *snapshotter) restoreBlocked(pvc *corev1.PersistentVolumeClaim, src snapshotRef) string {
 	if src.namespace != pvc.Namespace {
 		return fmt.Sprintf("cross-namespace data source %s/%s is not simulated", src.namespace, src.name)
 	}
-	obj, exists, _ := s.snapInf.GetIndexer().GetByKey(src.namespace + "/" + src.name)
+	obj, exists, _ := s.c.snapInf.GetIndexer().GetByKey(src.namespace + "/" + src.name)
 	if !exists {
 		return fmt.Sprintf("error getting snapshot %s from api server: volumesnapshots.snapshot.storage.k8s.io %q not found", src.name, src.name)
 	}

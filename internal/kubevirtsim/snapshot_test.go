@@ -98,7 +98,7 @@ func restorePVC(ctx context.Context, t *testing.T, s *Sim, ns, name, snapshot, s
 		Spec: corev1.PersistentVolumeClaimSpec{
 			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteMany},
 			VolumeMode:       ptr.To(corev1.PersistentVolumeBlock),
-			StorageClassName: ptr.To(s.opts.StorageClass),
+			StorageClassName: ptr.To(s.c.opts.StorageClass),
 			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(size)}},
 		},
 	}
@@ -107,7 +107,7 @@ func restorePVC(ctx context.Context, t *testing.T, s *Sim, ns, name, snapshot, s
 	} else {
 		pvc.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: ptr.To(snapshotGroup), Kind: "VolumeSnapshot", Name: snapshot}
 	}
-	out, err := s.kube.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{})
+	out, err := s.c.kube.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -118,7 +118,7 @@ func restorePVC(ctx context.Context, t *testing.T, s *Sim, ns, name, snapshot, s
 func waitChanged(ctx context.Context, t *testing.T, s *Sim, what string, cond func() (bool, string)) {
 	t.Helper()
 	for {
-		ch := s.changed.wait()
+		ch := s.c.changed.wait()
 		ok, state := cond()
 		if ok {
 			return
@@ -138,7 +138,7 @@ func waitSnapshot(ctx context.Context, t *testing.T, s *Sim, ns, name string, co
 	t.Helper()
 	var vs *unstructured.Unstructured
 	waitChanged(ctx, t, s, "snapshot "+name, func() (bool, string) {
-		obj, ok, _ := s.snapInf.GetIndexer().GetByKey(ns + "/" + name)
+		obj, ok, _ := s.c.snapInf.GetIndexer().GetByKey(ns + "/" + name)
 		if !ok {
 			return cond(nil, snapshotStatus{}), "absent"
 		}
@@ -154,15 +154,13 @@ func waitSnapshot(ctx context.Context, t *testing.T, s *Sim, ns, name string, co
 func waitRestoreGate(ctx context.Context, t *testing.T, s *Sim, pvc *corev1.PersistentVolumeClaim, want string) {
 	t.Helper()
 	waitChanged(ctx, t, s, "restore gate of "+pvc.Name, func() (bool, string) {
-		if cur, err := s.pvcLister.PersistentVolumeClaims(pvc.Namespace).Get(pvc.Name); err == nil && cur.Spec.VolumeName != "" {
+		if cur, err := s.c.pvcLister.PersistentVolumeClaims(pvc.Namespace).Get(pvc.Name); err == nil && cur.Spec.VolumeName != "" {
 			t.Fatalf("claim %s was provisioned (%s) instead of waiting for %q", pvc.Name, cur.Spec.VolumeName, want)
 		}
-		s.mu.Lock()
-		why := s.restoreWait[pvc.UID]
-		s.mu.Unlock()
+		why := s.prov.restoreWaitOf(pvc.UID)
 		return strings.Contains(why, want), why
 	})
-	cur, err := s.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Get(ctx, pvc.Name, metav1.GetOptions{})
+	cur, err := s.c.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Get(ctx, pvc.Name, metav1.GetOptions{})
 	if err != nil || cur.Status.Phase != corev1.ClaimPending || cur.Spec.VolumeName != "" {
 		t.Fatalf("claim %s held back by %q is not Pending: %v %+v", pvc.Name, want, err, cur)
 	}
@@ -172,7 +170,7 @@ func waitBound(ctx context.Context, t *testing.T, s *Sim, ns, name string) *core
 	t.Helper()
 	var pvc *corev1.PersistentVolumeClaim
 	waitChanged(ctx, t, s, "claim "+name+" bound", func() (bool, string) {
-		cur, err := s.pvcLister.PersistentVolumeClaims(ns).Get(name)
+		cur, err := s.c.pvcLister.PersistentVolumeClaims(ns).Get(name)
 		if err != nil {
 			return false, err.Error()
 		}
@@ -370,7 +368,7 @@ func TestSnapshots(t *testing.T) {
 	if !slices.Equal(got, want) {
 		t.Errorf("hook calls\n got %q\nwant %q", hook.get(), want)
 	}
-	if cur, err := s.kube.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "restored", metav1.GetOptions{}); err != nil || cur.Status.Phase != corev1.ClaimBound {
+	if cur, err := s.c.kube.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "restored", metav1.GetOptions{}); err != nil || cur.Status.Phase != corev1.ClaimBound {
 		t.Errorf("restored claim after its snapshot's deletion: %v %v", err, cur.Status.Phase)
 	}
 }
@@ -381,7 +379,7 @@ func TestSnapshotWithoutHook(t *testing.T) {
 	t.Parallel()
 	s, ns := testSim(t, Options{DiskHook: &hookLog{}})
 	ctx := testCtx(t, 60*time.Second)
-	snaps := s.dyn.Resource(volumeSnapshotGVR).Namespace(ns)
+	snaps := s.c.dyn.Resource(volumeSnapshotGVR).Namespace(ns)
 	if _, err := s.CreatePVC(ctx, ns, "src", "1Gi", false); err != nil {
 		t.Fatal(err)
 	}

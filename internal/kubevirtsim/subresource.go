@@ -22,20 +22,31 @@ var (
 
 const vmiNotRunning = "VMI is not running"
 
-// serveVolumeSubresource is virt-api's addvolume/removevolume handler
-// (reference §1.1): the checks run in the documented order and produce the
-// documented codes and messages.
-func (s *Sim) serveVolumeSubresource(w http.ResponseWriter, r *http.Request, info reqInfo) {
+// virtAPI is virt-api's addvolume/removevolume handler (v1.7.0
+// pkg/virt-api/rest/volumes.go, v1.5.3 pkg/virt-api/rest/subresource.go);
+// the front proxy routes the subresource paths to it. It keeps no state:
+// virt-api has no per-VM lock or queue, only compare-and-swap patches.
+type virtAPI struct {
+	c *cluster
+}
+
+func newVirtAPI(c *cluster) *virtAPI { return &virtAPI{c: c} }
+
+// serve runs the checks in virt-api's order with its codes and messages:
+// feature gate, decoding, fields, the live GET, the owned-VMI and
+// not-running checks of the VMI path, the spec checks (verifyVolumeOption),
+// the request-list checks of the legacy path, then the patch.
+func (a *virtAPI) serve(w http.ResponseWriter, r *http.Request, info reqInfo) {
 	add := info.key.Subresource == "addvolume"
 	onVMI := info.key.Resource == resVMIs
 	ns, name := info.namespace, info.name
-	log := s.log.WithValues("vm", ns+"/"+name, "path", info.key.Resource+"/"+info.key.Subresource)
+	log := a.c.log.WithValues("vm", ns+"/"+name, "path", info.key.Resource+"/"+info.key.Subresource)
 
 	// 1. feature gate
-	legacy, declarative := s.gates()
+	legacy, declarative := a.c.gates()
 	if !legacy && !declarative {
 		msg := "Enable DeclarativeHotplugVolumes or HotplugVolumes feature gate to use this API."
-		if s.opts.Profile == ProfileV15 {
+		if a.c.feat.v15Messages {
 			if add {
 				msg = "Unable to Add Volume because HotplugVolumes feature gate is not enabled."
 			} else {
@@ -87,15 +98,15 @@ func (s *Sim) serveVolumeSubresource(w http.ResponseWriter, r *http.Request, inf
 	}
 	log = log.WithValues("volume", requestName(&req))
 
-	sleepCtx(r.Context(), s.jit.d(s.t.API))
+	sleepCtx(r.Context(), a.c.jit.d(a.c.t.API))
 	var serr *apierrors.StatusError
 	switch {
 	case onVMI:
-		serr = s.vmiVolumePatch(r.Context(), ns, name, &req, legacy)
+		serr = a.vmiVolumePatch(r.Context(), ns, name, &req, legacy)
 	case legacy:
-		serr = s.vmVolumePatchStatus(r.Context(), ns, name, &req)
+		serr = a.vmVolumePatchStatus(r.Context(), ns, name, &req)
 	default:
-		serr = s.vmVolumePatch(r.Context(), ns, name, &req)
+		serr = a.vmVolumePatch(r.Context(), ns, name, &req)
 	}
 	if serr != nil {
 		log.V(2).Info("volume request rejected", "code", serr.Status().Code, "message", serr.Status().Message)
@@ -142,9 +153,9 @@ func sleepCtx(ctx context.Context, d time.Duration) {
 	}
 }
 
-func (s *Sim) fetchVM(ctx context.Context, ns, name string) (*kubevirtv1.VirtualMachine, *apierrors.StatusError) {
+func (a *virtAPI) fetchVM(ctx context.Context, ns, name string) (*kubevirtv1.VirtualMachine, *apierrors.StatusError) {
 	vm := &kubevirtv1.VirtualMachine{}
-	if err := s.kv.get(ctx, resVMs, ns, name, vm); err != nil {
+	if err := a.c.kv.get(ctx, resVMs, ns, name, vm); err != nil {
 		if apierrors.IsNotFound(err) {
 			return nil, apierrors.NewNotFound(vmResource, name)
 		}
@@ -153,9 +164,9 @@ func (s *Sim) fetchVM(ctx context.Context, ns, name string) (*kubevirtv1.Virtual
 	return vm, nil
 }
 
-func (s *Sim) fetchVMI(ctx context.Context, ns, name string) (*kubevirtv1.VirtualMachineInstance, *apierrors.StatusError) {
+func (a *virtAPI) fetchVMI(ctx context.Context, ns, name string) (*kubevirtv1.VirtualMachineInstance, *apierrors.StatusError) {
 	vmi := &kubevirtv1.VirtualMachineInstance{}
-	if err := s.kv.get(ctx, resVMIs, ns, name, vmi); err != nil {
+	if err := a.c.kv.get(ctx, resVMIs, ns, name, vmi); err != nil {
 		if apierrors.IsNotFound(err) {
 			return nil, apierrors.NewNotFound(vmiResource, name)
 		}
@@ -166,8 +177,8 @@ func (s *Sim) fetchVMI(ctx context.Context, ns, name string) (*kubevirtv1.Virtua
 
 // vmVolumePatchStatus is the legacy VM path: queue the request in
 // vm.status.volumeRequests with a compare-and-swap of the whole list.
-func (s *Sim) vmVolumePatchStatus(ctx context.Context, ns, name string, req *kubevirtv1.VirtualMachineVolumeRequest) *apierrors.StatusError {
-	vm, serr := s.fetchVM(ctx, ns, name)
+func (a *virtAPI) vmVolumePatchStatus(ctx context.Context, ns, name string, req *kubevirtv1.VirtualMachineVolumeRequest) *apierrors.StatusError {
+	vm, serr := a.fetchVM(ctx, ns, name)
 	if serr != nil {
 		return serr
 	}
@@ -182,8 +193,8 @@ func (s *Sim) vmVolumePatchStatus(ctx context.Context, ns, name string, req *kub
 	if err != nil {
 		return apierrors.NewInternalError(err)
 	}
-	sleepCtx(ctx, s.jit.d(s.t.RaceWindow))
-	if err := s.kv.patch(ctx, resVMs, ns, name, "status", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachine{}); err != nil {
+	sleepCtx(ctx, a.c.jit.d(a.c.t.RaceWindow))
+	if err := a.c.kv.patch(ctx, resVMs, ns, name, "status", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachine{}); err != nil {
 		return passInvalid(err, "unable to patch vm status")
 	}
 	return nil
@@ -191,8 +202,8 @@ func (s *Sim) vmVolumePatchStatus(ctx context.Context, ns, name string, req *kub
 
 // vmVolumePatch is the declarative VM path: test-and-replace the template's
 // volumes and disks.
-func (s *Sim) vmVolumePatch(ctx context.Context, ns, name string, req *kubevirtv1.VirtualMachineVolumeRequest) *apierrors.StatusError {
-	vm, serr := s.fetchVM(ctx, ns, name)
+func (a *virtAPI) vmVolumePatch(ctx context.Context, ns, name string, req *kubevirtv1.VirtualMachineVolumeRequest) *apierrors.StatusError {
+	vm, serr := a.fetchVM(ctx, ns, name)
 	if serr != nil {
 		return serr
 	}
@@ -203,8 +214,8 @@ func (s *Sim) vmVolumePatch(ctx context.Context, ns, name string, req *kubevirtv
 	if err != nil {
 		return apierrors.NewConflict(vmResource, name, err)
 	}
-	sleepCtx(ctx, s.jit.d(s.t.RaceWindow))
-	if err := s.kv.patch(ctx, resVMs, ns, name, "", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachine{}); err != nil {
+	sleepCtx(ctx, a.c.jit.d(a.c.t.RaceWindow))
+	if err := a.c.kv.patch(ctx, resVMs, ns, name, "", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachine{}); err != nil {
 		return passInvalid(err, "unable to patch vm")
 	}
 	return nil
@@ -212,12 +223,12 @@ func (s *Sim) vmVolumePatch(ctx context.Context, ns, name string, req *kubevirtv
 
 // vmiVolumePatch is the VMI path, used by clients and by the legacy VM
 // controller.
-func (s *Sim) vmiVolumePatch(ctx context.Context, ns, name string, req *kubevirtv1.VirtualMachineVolumeRequest, legacy bool) *apierrors.StatusError {
-	vmi, serr := s.fetchVMI(ctx, ns, name)
+func (a *virtAPI) vmiVolumePatch(ctx context.Context, ns, name string, req *kubevirtv1.VirtualMachineVolumeRequest, legacy bool) *apierrors.StatusError {
+	vmi, serr := a.fetchVMI(ctx, ns, name)
 	if serr != nil {
 		return serr
 	}
-	if s.opts.Profile != ProfileV15 && !legacy && ownedByVM(vmi) {
+	if a.c.feat.ownedVMICheck && !legacy && ownedByVM(vmi) {
 		return apierrors.NewBadRequest(fmt.Sprintf("VMI %s/%s is owned by a VM", vmi.Namespace, vmi.Name))
 	}
 	if vmi.Status.Phase != kubevirtv1.Running {
@@ -230,8 +241,8 @@ func (s *Sim) vmiVolumePatch(ctx context.Context, ns, name string, req *kubevirt
 	if err != nil {
 		return apierrors.NewConflict(vmiResource, name, err)
 	}
-	sleepCtx(ctx, s.jit.d(s.t.RaceWindow))
-	if err := s.kv.patch(ctx, resVMIs, ns, name, "", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachineInstance{}); err != nil {
+	sleepCtx(ctx, a.c.jit.d(a.c.t.RaceWindow))
+	if err := a.c.kv.patch(ctx, resVMIs, ns, name, "", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachineInstance{}); err != nil {
 		return passInvalid(err, "unable to patch vmi")
 	}
 	return nil

@@ -21,12 +21,12 @@ func conflictVMI(vm, msg string) string {
 	return fmt.Sprintf("Operation cannot be fulfilled on virtualmachineinstance.kubevirt.io %q: %s", vm, msg)
 }
 
-// TestSubresourceChecksLegacy pins §1.1 on the legacy path (profile v1.7+):
+// TestSubresourceChecksLegacy pins virt-api's checks on the legacy path (v1.7.0):
 // feature gate, decoding, fields, not found, the spec checks, the request-list
 // checks, dryRun, the status webhook (bus, migration) and the VMI path.
 func TestSubresourceChecksLegacy(t *testing.T) {
 	t.Parallel()
-	s, ns := testSim(t, Options{Mode: ModeLegacy, Profile: ProfileV17})
+	s, ns := testSim(t, Options{Mode: ModeLegacy, Version: V1_7_0})
 	ctx := testCtx(t, 90*time.Second)
 	for _, c := range []string{"pvc-a", "pvc-b", "pvc-c"} {
 		if _, err := s.CreatePVC(ctx, ns, c, "1Gi", false); err != nil {
@@ -38,12 +38,12 @@ func TestSubresourceChecksLegacy(t *testing.T) {
 	}
 
 	// 1. feature gate
-	if err := s.SetFeatureGates(ctx, []string{}); err != nil {
+	if err := s.Faults().SetFeatureGates(ctx, []string{}); err != nil {
 		t.Fatal(err)
 	}
 	expectAnswer(t, addVolume(t, s, ns, "vm1", "pvc-a"), 400, "Enable DeclarativeHotplugVolumes or HotplugVolumes feature gate to use this API.")
 	expectAnswer(t, removeVolume(t, s, ns, "vm1", "pvc-a"), 400, "Enable DeclarativeHotplugVolumes or HotplugVolumes feature gate to use this API.")
-	if err := s.SetFeatureGates(ctx, []string{GateHotplugVolumes}); err != nil {
+	if err := s.Faults().SetFeatureGates(ctx, []string{GateHotplugVolumes}); err != nil {
 		t.Fatal(err)
 	}
 
@@ -85,7 +85,7 @@ func TestSubresourceChecksLegacy(t *testing.T) {
 	ready(t, s, ns, "vm1", "pvc-a", 30*time.Second)
 	// A retry of a request that already succeeded.
 	expectAnswer(t, addVolume(t, s, ns, "vm1", "pvc-a"), 409, conflictVM("vm1", "Unable to add volume [pvc-a] because volume with that name already exists"))
-	if err := s.SetVMINotRunning(ctx, ns, "vm1", true); err != nil {
+	if err := s.Faults().SetVMINotRunning(ctx, ns, "vm1", true); err != nil {
 		t.Fatal(err)
 	}
 	expectAnswer(t, call(t, s, ns, resVMIs, "vm1", "addvolume", addOpts("pvc-b", "pvc-b", "scsi")), 409, conflictVMI("vm1", "VMI is not running"))
@@ -110,7 +110,7 @@ func TestSubresourceChecksLegacy(t *testing.T) {
 	if vm, _ := s.VM(ns, "vm1"); len(vm.Status.VolumeRequests) != 2 || hasVolume(vm.Spec.Template.Spec.Volumes, "pvc-b") {
 		t.Errorf("requests should wait untouched: %+v", vm.Status.VolumeRequests)
 	}
-	if err := s.SetVMINotRunning(ctx, ns, "vm1", false); err != nil {
+	if err := s.Faults().SetVMINotRunning(ctx, ns, "vm1", false); err != nil {
 		t.Fatal(err)
 	}
 	ready(t, s, ns, "vm1", "pvc-b", 30*time.Second)
@@ -132,12 +132,12 @@ func TestSubresourceChecksLegacy(t *testing.T) {
 	lun.Disk = &kubevirtv1.Disk{DiskDevice: kubevirtv1.DiskDevice{LUN: &kubevirtv1.LunTarget{Bus: "virtio"}}}
 	expectAnswer(t, call(t, s, ns, resVMs, "vm1", "addvolume", lun), 422,
 		statusHook+"AddVolume request for LUN [pvc-a] requires bus to be 'scsi'. [virtio] is not permitted.")
-	if err := s.SetMigrationInProgress(ctx, ns, "vm1", true); err != nil {
+	if err := s.Faults().SetMigrationInProgress(ctx, ns, "vm1", true); err != nil {
 		t.Fatal(err)
 	}
 	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return isMigrating(vmi) })
 	expectAnswer(t, addVolume(t, s, ns, "vm1", "pvc-a"), 422, statusHook+"Cannot handle volume requests while VMI migration is in progress")
-	if err := s.SetMigrationInProgress(ctx, ns, "vm1", false); err != nil {
+	if err := s.Faults().SetMigrationInProgress(ctx, ns, "vm1", false); err != nil {
 		t.Fatal(err)
 	}
 	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return !isMigrating(vmi) })
@@ -164,7 +164,7 @@ func TestSubresourceChecksLegacy(t *testing.T) {
 // scsi-only bus rule.
 func TestSubresourceChecksV15(t *testing.T) {
 	t.Parallel()
-	s, ns := testSim(t, Options{Mode: ModeLegacy, Profile: ProfileV15})
+	s, ns := testSim(t, Options{Mode: ModeLegacy, Version: V1_5_3})
 	ctx := testCtx(t, 60*time.Second)
 	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
 		t.Fatal(err)
@@ -172,7 +172,7 @@ func TestSubresourceChecksV15(t *testing.T) {
 	expectAnswer(t, call(t, s, ns, resVMs, "vm1", "addvolume", addOpts("pvc-a", "pvc-a", "virtio")), 422,
 		statusHook+"AddVolume request for [pvc-a] requires disk bus to be 'scsi'. [virtio] is not permitted")
 	// DeclarativeHotplugVolumes does not exist in 1.5.
-	if err := s.SetFeatureGates(ctx, []string{GateDeclarativeHotplugVolumes}); err != nil {
+	if err := s.Faults().SetFeatureGates(ctx, []string{GateDeclarativeHotplugVolumes}); err != nil {
 		t.Fatal(err)
 	}
 	expectAnswer(t, addVolume(t, s, ns, "vm1", "pvc-a"), 400, "Unable to Add Volume because HotplugVolumes feature gate is not enabled.")
@@ -183,7 +183,7 @@ func TestSubresourceChecksV15(t *testing.T) {
 // volumeRequests), the owned-VMI rule and the snapshot rule.
 func TestSubresourceDeclarative(t *testing.T) {
 	t.Parallel()
-	s, ns := testSim(t, Options{Mode: ModeDeclarative, Profile: ProfileV17})
+	s, ns := testSim(t, Options{Mode: ModeDeclarative, Version: V1_7_0})
 	ctx := testCtx(t, 60*time.Second)
 	if _, err := s.CreatePVC(ctx, ns, "pvc-a", "1Gi", false); err != nil {
 		t.Fatal(err)
@@ -206,12 +206,12 @@ func TestSubresourceDeclarative(t *testing.T) {
 	}
 	expectAnswer(t, addVolume(t, s, ns, "vm1", "pvc-a"), 409, conflictVM("vm1", "Unable to add volume [pvc-a] because volume with that name already exists"))
 
-	if err := s.SetSnapshotInProgress(ctx, ns, "vm1", "snap-1"); err != nil {
+	if err := s.Faults().SetSnapshotInProgress(ctx, ns, "vm1", "snap-1"); err != nil {
 		t.Fatal(err)
 	}
 	expectAnswer(t, removeVolume(t, s, ns, "vm1", "pvc-a"), 422,
 		`admission webhook "virtualmachine-validator.kubevirt.io" denied the request: Cannot update vm disks or volumes until snapshot "snap-1" completes`)
-	if err := s.SetSnapshotInProgress(ctx, ns, "vm1", ""); err != nil {
+	if err := s.Faults().SetSnapshotInProgress(ctx, ns, "vm1", ""); err != nil {
 		t.Fatal(err)
 	}
 	expect202(t, removeVolume(t, s, ns, "vm1", "pvc-a"))

@@ -3,6 +3,7 @@ package kubevirtsim
 import (
 	"encoding/json"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -142,12 +143,22 @@ func TestOptionsDefaultsAndScale(t *testing.T) {
 	if o.Timings.PodStart != 2*time.Second || o.Timings.Mount != 0 || o.Timings.DomainAttach != 500*time.Millisecond || o.Timings.Snapshot != 500*time.Millisecond {
 		t.Errorf("timings %+v", o.Timings)
 	}
-	if o.Mode != ModeLegacy || o.Profile != ProfileV17 || o.StorageClass != "longhorn" || o.ServerVersion != "v1.7.0" {
+	if o.Mode != ModeLegacy || o.Version != V1_7_0 || o.StorageClass != "longhorn" || o.ServerVersion != "v1.8.0" {
 		t.Errorf("defaults %+v", o)
 	}
-	bad := Options{Mode: ModeDeclarative, Profile: ProfileV15}
-	if err := bad.setDefaults(); err == nil {
-		t.Error("declarative on v1.5 accepted")
+	bad := Options{Mode: ModeDeclarative, Version: V1_5_3}
+	if err := bad.setDefaults(); err == nil || err.Error() != "kubevirtsim: KubeVirt v1.5.3 has no DeclarativeHotplugVolumes gate" {
+		t.Errorf("declarative on v1.5.3: %v", err)
+	}
+	for _, name := range []string{"v1.4.0", "1.7", ""} {
+		if _, err := ParseVersion(name); err == nil {
+			t.Errorf("version %q accepted", name)
+		}
+	}
+	for _, v := range Versions() {
+		if got, err := ParseVersion(strings.TrimPrefix(string(v), "v")); err != nil || got != v {
+			t.Errorf("ParseVersion(%q) = %q, %v", v, got, err)
+		}
 	}
 	j := newJitterer(1, 0.25)
 	for range 100 {

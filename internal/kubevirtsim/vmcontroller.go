@@ -2,8 +2,9 @@ package kubevirtsim
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"maps"
+	"sync/atomic"
 	"time"
 
 	"k8s.io/apimachinery/pkg/api/equality"
@@ -23,6 +24,8 @@ const (
 
 const vmiFinalizer = "kubevirt.io/virtualMachineControllerFinalize"
 
+// syncError is a failed pass with the reason of the VM's Failure condition
+// (v1.7.0 pkg/virt-controller/watch/vm/vm.go:2767 processFailureCondition).
 type syncError struct {
 	reason string
 	err    error
@@ -30,20 +33,37 @@ type syncError struct {
 
 func (e *syncError) Error() string { return e.err.Error() }
 
-func (s *Sim) cachedVM(key string) (*kubevirtv1.VirtualMachine, bool) {
-	obj, ok, _ := s.vmInf.GetStore().GetByKey(key)
-	if !ok {
-		return nil, false
-	}
-	return obj.(*kubevirtv1.VirtualMachine), true
+// vmController is virt-controller's VM controller: start and stop, the
+// legacy volumeRequests processing, the declarative hotplug controller and
+// the VM status. It keeps no state of its own beyond its queue (whose
+// per-VM backoff is KubeVirt's).
+type vmController struct {
+	c     *cluster
+	api   *virtAPI // the VMI subresources the legacy path calls
+	queue workQueue
+	// beforeDeclarativePatch, when set, runs between reading the VMI and
+	// patching it: a test seam to move the VMI on inside that window.
+	beforeDeclarativePatch atomic.Pointer[func(*kubevirtv1.VirtualMachineInstance)]
 }
 
-func (s *Sim) cachedVMI(key string) (*kubevirtv1.VirtualMachineInstance, bool) {
-	obj, ok, _ := s.vmiInf.GetStore().GetByKey(key)
-	if !ok {
-		return nil, false
+func newVMController(c *cluster, api *virtAPI) *vmController {
+	return &vmController{c: c, api: api, queue: newWorkQueue("vm", c.t.BackoffBase, c.t.BackoffMax)}
+}
+
+func (v *vmController) register() {
+	enqueue := func(obj any) { v.queue.AddAfter(objectKey(obj), v.c.jit.d(v.c.t.VMReconcile)) }
+	_, _ = v.c.vmInf.AddEventHandler(onEvent(enqueue))
+	_, _ = v.c.vmiInf.AddEventHandler(onEvent(enqueue)) // VMI name == VM name
+}
+
+func (v *vmController) run(ctx context.Context) { v.queue.run(ctx, v.c, 3, v.sync) }
+func (v *vmController) shutdown()               { v.queue.ShutDown() }
+
+// enqueueAll retries every VM now rather than after its backoff.
+func (v *vmController) enqueueAll() {
+	for _, k := range v.c.vmInf.GetStore().ListKeys() {
+		v.queue.Add(k)
 	}
-	return obj.(*kubevirtv1.VirtualMachineInstance), true
 }
 
 func vmRunning(vm *kubevirtv1.VirtualMachine) bool {
@@ -53,20 +73,18 @@ func vmRunning(vm *kubevirtv1.VirtualMachine) bool {
 	return vm.Spec.Running != nil && *vm.Spec.Running
 }
 
-// syncVM is virt-controller's VM controller: start/stop, the legacy
-// volumeRequests processing (§2), the declarative hotplug controller (§4) and
-// the VM status.
-func (s *Sim) syncVM(ctx context.Context, key string) (time.Duration, error) {
+// sync is one pass of the VM controller over one VM.
+func (v *vmController) sync(ctx context.Context, key string) (time.Duration, error) {
 	ns, name, _ := cache.SplitMetaNamespaceKey(key)
-	log := s.log.WithValues("vm", key)
-	cached, exists := s.cachedVM(key)
-	vmi, vmiExists := s.cachedVMI(key)
+	log := v.c.log.WithValues("vm", key)
+	cached, exists := v.c.cachedVM(key)
+	vmi, vmiExists := v.c.cachedVMI(key)
 
 	if !exists || cached.DeletionTimestamp != nil {
 		// The VM is gone: its VMI shuts down (and outlives it for a while).
 		if vmiExists && vmi.DeletionTimestamp == nil && (!exists || isControlledBy(vmi, cached.UID)) {
 			log.V(2).Info("VM gone, deleting its VMI")
-			if err := s.kv.delete(ctx, resVMIs, ns, name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: ptr.To(vmi.UID)}}); err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+			if err := v.c.kv.delete(ctx, resVMIs, ns, name, metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: ptr.To(vmi.UID)}}); err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
 				return 0, err
 			}
 		}
@@ -80,23 +98,23 @@ func (s *Sim) syncVM(ctx context.Context, key string) (time.Duration, error) {
 	// Start and stop.
 	switch running := vmRunning(vm); {
 	case running && !vmiExists:
-		if err := s.createVMI(ctx, vm); err != nil {
+		if err := v.createVMI(ctx, vm); err != nil {
 			return 0, err
 		}
 	case !running && vmiExists && vmi.DeletionTimestamp == nil:
 		log.V(2).Info("stopping VM, deleting its VMI")
-		if err := s.kv.delete(ctx, resVMIs, ns, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		if err := v.c.kv.delete(ctx, resVMIs, ns, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 			return 0, err
 		}
 	}
 
-	legacy, declarative := s.gates()
+	legacy, declarative := v.c.gates()
 	stored := cached // the VM as the API server has it
 	var syncErr *syncError
 	switch {
 	case legacy && len(vm.Status.VolumeRequests) > 0:
 		spec := vm.Spec.Template.Spec.DeepCopy()
-		if err := s.handleVolumeRequests(ctx, vm, spec, vmi); err != nil {
+		if err := v.handleVolumeRequests(ctx, vm, spec, vmi); err != nil {
 			syncErr = &syncError{ReasonHotPlugVolumeError, fmt.Errorf("Error encountered while handling volume hotplug requests: %v", err)}
 			break
 		}
@@ -104,26 +122,20 @@ func (s *Sim) syncVM(ctx context.Context, key string) (time.Duration, error) {
 			upd := vm.DeepCopy()
 			upd.Spec.Template.Spec = *spec
 			out := &kubevirtv1.VirtualMachine{}
-			if err := s.kv.update(ctx, resVMs, ns, name, "", upd, out); err != nil {
+			if err := v.c.kv.update(ctx, resVMs, ns, name, "", upd, out); err != nil {
 				log.V(2).Info("VM spec update failed", "err", err)
-				syncErr = &syncError{ReasonFailedUpdateError, fmt.Errorf("Error encountered when trying to update vm according to add volume requests: %v", err)}
+				// Same text in every simulated tag (v1.7.0 vm.go:3254).
+				syncErr = &syncError{ReasonFailedUpdateError, fmt.Errorf("Error encountered when trying to update vm according to add volume and/or memory dump requests: %v", err)}
 				break
 			}
 			log.V(2).Info("VM spec updated from volume requests")
 			stored = out
 		}
 	case declarative:
-		if err := s.handleDeclarative(ctx, vm, vmi); err != nil {
-			var se *syncError
-			if errors.As(err, &se) {
-				syncErr = se
-			} else {
-				return 0, err // CAS conflict on the VMI: retry with backoff
-			}
-		}
+		syncErr = v.handleDeclarative(ctx, vm, vmi)
 	}
 
-	if err := s.updateVMStatus(ctx, stored, vmi, legacy, syncErr); err != nil {
+	if err := v.updateStatus(ctx, stored, vmi, legacy, syncErr); err != nil {
 		return 0, err
 	}
 	if syncErr != nil {
@@ -144,7 +156,7 @@ func isControlledBy(vmi *kubevirtv1.VirtualMachineInstance, uid types.UID) bool 
 // handleVolumeRequests applies every queued request to spec in order and
 // calls the VMI subresource where the live VMI needs it; the first error
 // aborts the pass.
-func (s *Sim) handleVolumeRequests(ctx context.Context, vm *kubevirtv1.VirtualMachine, spec *kubevirtv1.VirtualMachineInstanceSpec, vmi *kubevirtv1.VirtualMachineInstance) error {
+func (v *vmController) handleVolumeRequests(ctx context.Context, vm *kubevirtv1.VirtualMachine, spec *kubevirtv1.VirtualMachineInstanceSpec, vmi *kubevirtv1.VirtualMachineInstance) error {
 	vmiVols := map[string]bool{}
 	if vmi != nil {
 		for _, v := range vmi.Spec.Volumes {
@@ -160,11 +172,11 @@ func (s *Sim) handleVolumeRequests(ctx context.Context, vm *kubevirtv1.VirtualMa
 		switch {
 		case req.AddVolumeOptions != nil && !vmiVols[req.AddVolumeOptions.Name],
 			req.RemoveVolumeOptions != nil && vmiVols[req.RemoveVolumeOptions.Name]:
-			sleepCtx(ctx, s.jit.d(s.t.API))
-			if serr := s.vmiVolumePatch(ctx, vmi.Namespace, vmi.Name, req, true); serr != nil {
+			sleepCtx(ctx, v.c.jit.d(v.c.t.API))
+			if serr := v.api.vmiVolumePatch(ctx, vmi.Namespace, vmi.Name, req, true); serr != nil {
 				return serr
 			}
-			s.log.V(2).Info("VMI patched from volume request", "vm", vm.Namespace+"/"+vm.Name, "volume", requestName(req))
+			v.c.log.V(2).Info("VMI patched from volume request", "vm", vm.Namespace+"/"+vm.Name, "volume", requestName(req))
 		}
 	}
 	return nil
@@ -192,7 +204,7 @@ func trimDoneVolumeRequests(reqs []kubevirtv1.VirtualMachineVolumeRequest, spec 
 	return out
 }
 
-func (s *Sim) updateVMStatus(ctx context.Context, vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, legacy bool, syncErr *syncError) error {
+func (v *vmController) updateStatus(ctx context.Context, vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, legacy bool, syncErr *syncError) error {
 	st := vm.Status.DeepCopy()
 	if legacy && len(st.VolumeRequests) > 0 {
 		st.VolumeRequests = trimDoneVolumeRequests(st.VolumeRequests, &vm.Spec.Template.Spec)
@@ -223,11 +235,11 @@ func (s *Sim) updateVMStatus(ctx context.Context, vm *kubevirtv1.VirtualMachine,
 	}
 	upd := vm.DeepCopy()
 	upd.Status = *st
-	if err := s.kv.update(ctx, resVMs, vm.Namespace, vm.Name, "status", upd, &kubevirtv1.VirtualMachine{}); err != nil {
+	if err := v.c.kv.update(ctx, resVMs, vm.Namespace, vm.Name, "status", upd, &kubevirtv1.VirtualMachine{}); err != nil {
 		if apierrors.IsNotFound(err) {
 			return nil
 		}
-		s.log.V(3).Info("VM status update failed", "vm", vm.Namespace+"/"+vm.Name, "err", err)
+		v.c.log.V(3).Info("VM status update failed", "vm", vm.Namespace+"/"+vm.Name, "err", err)
 		return err
 	}
 	return nil
@@ -257,120 +269,137 @@ func setFailure(st *kubevirtv1.VirtualMachineStatus, syncErr *syncError) {
 	st.Conditions = conds
 }
 
-// handleDeclarative is the declarative hotplug controller (§4): while the VMI
-// runs, remove VMI hotplug volumes missing from (or changed in) the VM spec
-// and add VM hotplug volumes missing from the VMI that have no volumeStatus
-// entry, in one compare-and-swap patch of the VMI. Volumes with a bad disk are
-// skipped and reported as the VM's Failure condition.
-func (s *Sim) handleDeclarative(ctx context.Context, vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) error {
-	if vmi == nil || vmi.DeletionTimestamp != nil || vmi.Status.Phase != kubevirtv1.Running || vm.Spec.Template == nil {
+// handleDeclarative is the declarative hotplug controller (v1.7.0
+// pkg/storage/hotplug/hotplug.go, the same in every tag that has it): while
+// the VMI is Running, one compare-and-swap JSON patch of the VMI's volumes
+// and disks removes hotplug volumes missing from the VM spec or changed
+// there (a changed disk alone does not count) and adds VM hotplug volumes
+// the VMI lacks and has no volumeStatus entry for. The controller checks
+// nothing itself: the VMI update validator judges the whole patch, so one
+// bad disk holds back every other change of that VM. Any error of the patch
+// (a denial, or a failed test because the VMI moved on) becomes the VM's
+// Failure condition (v1.7.0 pkg/virt-controller/watch/vm/vm.go:3216).
+func (v *vmController) handleDeclarative(ctx context.Context, vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) *syncError {
+	if vmi == nil || vmi.Status.Phase != kubevirtv1.Running || vm.Spec.Template == nil {
+		return nil // hotplug.go:52
+	}
+	if s := vm.Spec.UpdateVolumesStrategy; s != nil && *s == kubevirtv1.UpdateVolumesStrategyMigration {
+		return nil // hotplug.go:38
+	}
+	vols := append(keptVMIVolumes(vm, vmi), newVMVolumes(vm, vmi)...)
+	disks := append(keptVMIDisks(vm, vmi, vols), newVMDisks(vm, vmi, vols)...)
+	if equality.Semantic.DeepEqual(vmi.Spec.Volumes, vols) && equality.Semantic.DeepEqual(vmi.Spec.Domain.Devices.Disks, disks) {
 		return nil
 	}
-	tmpl := &vm.Spec.Template.Spec
-	vmVols := map[string]kubevirtv1.Volume{}
-	vmDisks := map[string]kubevirtv1.Disk{}
-	for _, d := range tmpl.Domain.Devices.Disks {
-		vmDisks[d.Name] = d
+	patch, err := casPatch(
+		casOp{"/spec/volumes", vmi.Spec.Volumes, vols, len(vmi.Spec.Volumes) > 0},
+		casOp{"/spec/domain/devices/disks", vmi.Spec.Domain.Devices.Disks, disks, len(vmi.Spec.Domain.Devices.Disks) > 0},
+	)
+	if f := v.beforeDeclarativePatch.Load(); f != nil {
+		(*f)(vmi)
 	}
-	for _, v := range tmpl.Volumes {
-		vmVols[v.Name] = v
+	if err == nil {
+		err = v.c.kv.patch(ctx, resVMIs, vmi.Namespace, vmi.Name, "", types.JSONPatchType, patch, nil, &kubevirtv1.VirtualMachineInstance{})
 	}
-	inStatus := map[string]bool{}
-	for _, e := range vmi.Status.VolumeStatus {
-		inStatus[e.Name] = true
+	if err != nil {
+		v.c.log.V(2).Info("declarative VMI patch failed", "vm", vm.Namespace+"/"+vm.Name, "err", err)
+		return &syncError{ReasonHotPlugVolumeError, fmt.Errorf("Error encountered while handling declarative hotplug volumes: %v", err)}
 	}
-	next := vmi.Spec.DeepCopy()
-	changed := false
-	var badErrs []string
-
-	// Removals.
-	var keep []kubevirtv1.Volume
-	removed := map[string]bool{}
-	for _, v := range next.Volumes {
-		if isHotpluggable(v) {
-			mv, ok := vmVols[v.Name]
-			vd, dok := vmDisks[v.Name]
-			if !ok || !equality.Semantic.DeepEqual(mv, v) || !dok || !equality.Semantic.DeepEqual(vd, diskOf(next, v.Name)) {
-				removed[v.Name] = true
-				changed = true
-				continue
-			}
-		}
-		keep = append(keep, v)
-	}
-	if changed {
-		var disks []kubevirtv1.Disk
-		for _, d := range next.Domain.Devices.Disks {
-			if !removed[d.Name] {
-				disks = append(disks, d)
-			}
-		}
-		next.Volumes, next.Domain.Devices.Disks = keep, disks
-	}
-	// Additions.
-	have := map[string]bool{}
-	for _, v := range next.Volumes {
-		have[v.Name] = true
-	}
-	for _, v := range tmpl.Volumes {
-		if !isHotpluggable(v) || have[v.Name] || inStatus[v.Name] || removed[v.Name] {
-			continue
-		}
-		d, ok := vmDisks[v.Name]
-		if !ok {
-			badErrs = append(badErrs, fmt.Sprintf("disk %s does not exist", v.Name))
-			continue
-		}
-		if c := s.validateHotplugDisk(&d, v.Name, "Hotplug configuration", ""); c != nil {
-			badErrs = append(badErrs, c[0].Message)
-			continue
-		}
-		next.Volumes = append(next.Volumes, v)
-		next.Domain.Devices.Disks = append(next.Domain.Devices.Disks, d)
-		changed = true
-	}
-	if changed {
-		patch, err := casPatch(
-			casOp{"/spec/volumes", vmi.Spec.Volumes, next.Volumes, len(vmi.Spec.Volumes) > 0},
-			casOp{"/spec/domain/devices/disks", vmi.Spec.Domain.Devices.Disks, next.Domain.Devices.Disks, len(vmi.Spec.Domain.Devices.Disks) > 0},
-		)
-		if err != nil {
-			return err
-		}
-		if err := s.kv.patch(ctx, resVMIs, vmi.Namespace, vmi.Name, "", types.JSONPatchType, patch, nil, &kubevirtv1.VirtualMachineInstance{}); err != nil {
-			s.log.V(2).Info("declarative VMI patch failed", "vm", vm.Namespace+"/"+vm.Name, "err", err)
-			return err
-		}
-		s.log.V(2).Info("declarative hotplug patched the VMI", "vm", vm.Namespace+"/"+vm.Name, "volumes", len(next.Volumes))
-	}
-	if len(badErrs) > 0 {
-		msg := badErrs[0]
-		for _, m := range badErrs[1:] {
-			msg += ", " + m
-		}
-		return &syncError{ReasonHotPlugVolumeError, fmt.Errorf("Error encountered while handling declarative hotplug volumes: %s", msg)}
-	}
+	v.c.log.V(2).Info("declarative hotplug patched the VMI", "vm", vm.Namespace+"/"+vm.Name, "volumes", len(vols))
 	return nil
 }
 
-func diskOf(spec *kubevirtv1.VirtualMachineInstanceSpec, name string) kubevirtv1.Disk {
-	for _, d := range spec.Domain.Devices.Disks {
-		if d.Name == name {
-			return d
+// keptVMIVolumes drops the VMI's hotplug volumes that are missing from the
+// VM spec or differ there (hotplug.go:95 filterHotplugVMIVolumes).
+func keptVMIVolumes(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) []kubevirtv1.Volume {
+	var out []kubevirtv1.Volume
+	for _, v := range vmi.Spec.Volumes {
+		if isHotpluggable(v) {
+			mv, ok := volumeNamed(vm.Spec.Template.Spec.Volumes, v.Name)
+			if !ok || (isHotpluggable(mv) && !equality.Semantic.DeepEqual(mv, v)) {
+				continue
+			}
+		}
+		out = append(out, *v.DeepCopy())
+	}
+	return out
+}
+
+// newVMVolumes are the VM's hotplug volumes the VMI has neither in its spec
+// nor in its volumeStatus: a re-add waits for the old entry to go
+// (hotplug.go:122 getNewHotplugVMVolumes).
+func newVMVolumes(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) []kubevirtv1.Volume {
+	var out []kubevirtv1.Volume
+	for _, v := range vm.Spec.Template.Spec.Volumes {
+		if !isHotpluggable(v) || hasVolume(vmi.Spec.Volumes, v.Name) {
+			continue
+		}
+		if _, inStatus := FindVolumeStatus(vmi, v.Name); inStatus {
+			continue
+		}
+		out = append(out, *v.DeepCopy())
+	}
+	return out
+}
+
+// keptVMIDisks keeps the VMI disks whose volume stays, and those whose
+// volume went while the VM still has the disk and no volume of that name
+// (hotplug.go:157 filterHotplugVMIDisks).
+func keptVMIDisks(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, vols []kubevirtv1.Volume) []kubevirtv1.Disk {
+	var out []kubevirtv1.Disk
+	for _, d := range vmi.Spec.Domain.Devices.Disks {
+		if !hasVolume(vols, d.Name) {
+			vmDisk, diskOK := diskNamed(vm.Spec.Template.Spec.Domain.Devices.Disks, d.Name)
+			volOK := hasVolume(vm.Spec.Template.Spec.Volumes, d.Name)
+			if !diskOK || (volOK && (vmDisk.CDRom == nil || d.CDRom == nil)) {
+				continue
+			}
+		}
+		out = append(out, *d.DeepCopy())
+	}
+	return out
+}
+
+// newVMDisks are the VM disks of hotplug volumes in vols that the VMI lacks
+// (hotplug.go:189 getNewHotplugVMDisks).
+func newVMDisks(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, vols []kubevirtv1.Volume) []kubevirtv1.Disk {
+	var out []kubevirtv1.Disk
+	for _, d := range vm.Spec.Template.Spec.Domain.Devices.Disks {
+		v, ok := volumeNamed(vols, d.Name)
+		if _, has := diskNamed(vmi.Spec.Domain.Devices.Disks, d.Name); ok && isHotpluggable(v) && !has {
+			out = append(out, *d.DeepCopy())
 		}
 	}
-	return kubevirtv1.Disk{}
+	return out
+}
+
+func volumeNamed(vols []kubevirtv1.Volume, name string) (kubevirtv1.Volume, bool) {
+	for _, v := range vols {
+		if v.Name == name {
+			return v, true
+		}
+	}
+	return kubevirtv1.Volume{}, false
+}
+
+func diskNamed(disks []kubevirtv1.Disk, name string) (kubevirtv1.Disk, bool) {
+	for _, d := range disks {
+		if d.Name == name {
+			return d, true
+		}
+	}
+	return kubevirtv1.Disk{}, false
 }
 
 // createVMI starts a VM: a VMI with the template spec, owned by the VM. The
 // VMI controller takes it to Scheduled and then Running.
-func (s *Sim) createVMI(ctx context.Context, vm *kubevirtv1.VirtualMachine) error {
+func (v *vmController) createVMI(ctx context.Context, vm *kubevirtv1.VirtualMachine) error {
 	if vm.Spec.Template == nil {
 		return nil
 	}
-	labels := map[string]string{}
-	for k, v := range vm.Spec.Template.ObjectMeta.Labels {
-		labels[k] = v
+	labels := maps.Clone(vm.Spec.Template.ObjectMeta.Labels)
+	if labels == nil {
+		labels = map[string]string{}
 	}
 	labels["kubevirt.io/created-by"] = string(vm.UID)
 	vmi := &kubevirtv1.VirtualMachineInstance{
@@ -386,12 +415,12 @@ func (s *Sim) createVMI(ctx context.Context, vm *kubevirtv1.VirtualMachine) erro
 		},
 		Spec: *vm.Spec.Template.Spec.DeepCopy(),
 	}
-	err := s.kv.create(ctx, resVMIs, vm.Namespace, vmi, &kubevirtv1.VirtualMachineInstance{})
+	err := v.c.kv.create(ctx, resVMIs, vm.Namespace, vmi, &kubevirtv1.VirtualMachineInstance{})
 	if apierrors.IsAlreadyExists(err) {
 		return nil
 	}
 	if err == nil {
-		s.log.V(2).Info("VMI created", "vm", vm.Namespace+"/"+vm.Name)
+		v.c.log.V(2).Info("VMI created", "vm", vm.Namespace+"/"+vm.Name)
 	}
 	return err
 }

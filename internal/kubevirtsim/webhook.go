@@ -30,14 +30,51 @@ import (
 )
 
 // Names of the simulated admission webhooks, as they appear in denial
-// messages ("admission webhook "<name>" denied the request: ...").
+// messages ("admission webhook "<name>" denied the request: ..."); KubeVirt's
+// are named in v1.7.0 pkg/virt-operator/resource/generate/components/webhooks.go.
 const (
 	WebhookVMStatus  = "kubevirt-crd-status-validator.kubevirt.io"
 	WebhookVM        = "virtualmachine-validator.kubevirt.io"
+	WebhookVMIUpdate = "virtualmachineinstances-update-validator.kubevirt.io"
 	WebhookHarvester = "validator.harvesterhci.io"
 )
 
 const probeAnnotation = "kubevirtsim.io/webhook-probe"
+
+// webhooks are the admission webhooks of virt-api and Harvester, served over
+// TLS on 127.0.0.1 and registered as one ValidatingWebhookConfiguration.
+type webhooks struct {
+	c      *cluster
+	faults *Faults
+	srv    *webhookServer
+}
+
+func newWebhooks(c *cluster, f *Faults) *webhooks { return &webhooks{c: c, faults: f} }
+
+// start serves the webhooks and registers them with the API server.
+func (w *webhooks) start(ctx context.Context) error {
+	srv, err := w.serve()
+	if err != nil {
+		return err
+	}
+	w.srv = srv
+	return w.register(ctx)
+}
+
+// stop unregisters the webhooks (so the API server does not call a dead
+// one) and stops serving.
+func (w *webhooks) stop() {
+	if w.srv == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := w.c.kube.AdmissionregistrationV1().ValidatingWebhookConfigurations().Delete(ctx, w.srv.cfgKey, metav1.DeleteOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		w.c.log.V(1).Info("could not remove webhook configuration", "name", w.srv.cfgKey, "err", err)
+	}
+	w.srv.close()
+}
 
 type webhookServer struct {
 	srv    *http.Server
@@ -46,7 +83,7 @@ type webhookServer struct {
 	cfgKey string // name of the ValidatingWebhookConfiguration
 }
 
-func startWebhook(s *Sim) (*webhookServer, error) {
+func (w *webhooks) serve() (*webhookServer, error) {
 	certPEM, keyPEM, err := selfSignedCert()
 	if err != nil {
 		return nil, err
@@ -60,25 +97,26 @@ func startWebhook(s *Sim) (*webhookServer, error) {
 		return nil, err
 	}
 	mux := http.NewServeMux()
-	mux.HandleFunc("/vm-status", s.admitHandler(s.admitVMStatus))
-	mux.HandleFunc("/vm", s.admitHandler(s.admitVM))
-	mux.HandleFunc("/harvester-vm", s.admitHandler(s.admitHarvesterVM))
+	mux.HandleFunc("/vm-status", admitHandler(w.admitVMStatus))
+	mux.HandleFunc("/vm", admitHandler(w.admitVM))
+	mux.HandleFunc("/vmi-update", admitHandler(w.admitVMIUpdate))
+	mux.HandleFunc("/harvester-vm", admitHandler(w.admitHarvesterVM))
 	name := "kubevirtsim"
-	if s.opts.Namespace != "" {
-		name += "-" + s.opts.Namespace
+	if w.c.opts.Namespace != "" {
+		name += "-" + w.c.opts.Namespace
 	}
-	w := &webhookServer{
+	srv := &webhookServer{
 		srv:    &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}},
 		url:    "https://" + ln.Addr().String(),
 		caPEM:  certPEM,
 		cfgKey: name,
 	}
-	s.goRun(func() {
-		if err := w.srv.ServeTLS(ln, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			s.log.Error(err, "webhook server stopped")
+	w.c.goRun(func() {
+		if err := srv.srv.ServeTLS(ln, "", ""); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			w.c.log.Error(err, "webhook server stopped")
 		}
 	})
-	return w, nil
+	return srv, nil
 }
 
 func (w *webhookServer) close() {
@@ -120,18 +158,18 @@ func selfSignedCert() (certPEM, keyPEM []byte, err error) {
 	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), nil
 }
 
-// registerWebhooks writes the ValidatingWebhookConfiguration and waits until
-// the API server calls it.
-func (s *Sim) registerWebhooks(ctx context.Context) error {
-	w := s.webhook
+// register writes the ValidatingWebhookConfiguration and waits until the
+// API server calls it.
+func (w *webhooks) register(ctx context.Context) error {
+	srv := w.srv
 	var nsSel *metav1.LabelSelector
-	if s.opts.Namespace != "" {
-		nsSel = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/metadata.name": s.opts.Namespace}}
+	if w.c.opts.Namespace != "" {
+		nsSel = &metav1.LabelSelector{MatchLabels: map[string]string{"kubernetes.io/metadata.name": w.c.opts.Namespace}}
 	}
 	hook := func(name, path string, ops []admregv1.OperationType, resource string) admregv1.ValidatingWebhook {
 		return admregv1.ValidatingWebhook{
 			Name:                    name,
-			ClientConfig:            admregv1.WebhookClientConfig{URL: ptr.To(w.url + path), CABundle: w.caPEM},
+			ClientConfig:            admregv1.WebhookClientConfig{URL: ptr.To(srv.url + path), CABundle: srv.caPEM},
 			Rules:                   []admregv1.RuleWithOperations{{Operations: ops, Rule: admregv1.Rule{APIGroups: []string{"kubevirt.io"}, APIVersions: []string{"v1"}, Resources: []string{resource}, Scope: ptr.To(admregv1.NamespacedScope)}}},
 			FailurePolicy:           ptr.To(admregv1.Fail),
 			SideEffects:             ptr.To(admregv1.SideEffectClassNone),
@@ -141,14 +179,15 @@ func (s *Sim) registerWebhooks(ctx context.Context) error {
 		}
 	}
 	cfg := &admregv1.ValidatingWebhookConfiguration{
-		ObjectMeta: metav1.ObjectMeta{Name: w.cfgKey},
+		ObjectMeta: metav1.ObjectMeta{Name: srv.cfgKey},
 		Webhooks: []admregv1.ValidatingWebhook{
 			hook(WebhookVMStatus, "/vm-status", []admregv1.OperationType{admregv1.Update}, "virtualmachines/status"),
 			hook(WebhookVM, "/vm", []admregv1.OperationType{admregv1.Create, admregv1.Update}, "virtualmachines"),
+			hook(WebhookVMIUpdate, "/vmi-update", []admregv1.OperationType{admregv1.Update}, "virtualmachineinstances"),
 			hook(WebhookHarvester, "/harvester-vm", []admregv1.OperationType{admregv1.Update}, "virtualmachines"),
 		},
 	}
-	api := s.kube.AdmissionregistrationV1().ValidatingWebhookConfigurations()
+	api := w.c.kube.AdmissionregistrationV1().ValidatingWebhookConfigurations()
 	cur, err := api.Get(ctx, cfg.Name, metav1.GetOptions{})
 	switch {
 	case apierrors.IsNotFound(err):
@@ -162,20 +201,20 @@ func (s *Sim) registerWebhooks(ctx context.Context) error {
 	}
 	// Probe until the API server has picked the configuration up: a dry-run
 	// create that the VM webhook denies on sight.
-	probeNS := s.opts.Namespace
+	probeNS := w.c.opts.Namespace
 	if probeNS == "" {
 		probeNS = "default"
 	}
-	if err := s.ensureNamespace(ctx, probeNS); err != nil {
+	if err := w.c.ensureNamespace(ctx, probeNS); err != nil {
 		return err
 	}
 	probe := &kubevirtv1.VirtualMachine{
 		TypeMeta:   metav1.TypeMeta{APIVersion: kubevirtv1.GroupVersion.String(), Kind: "VirtualMachine"},
-		ObjectMeta: metav1.ObjectMeta{Name: "kubevirtsim-webhook-probe", Namespace: probeNS, Annotations: map[string]string{probeAnnotation: w.url}},
+		ObjectMeta: metav1.ObjectMeta{Name: "kubevirtsim-webhook-probe", Namespace: probeNS, Annotations: map[string]string{probeAnnotation: srv.url}},
 		Spec:       kubevirtv1.VirtualMachineSpec{Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{}},
 	}
 	return wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
-		err := s.kv.rc.Post().Namespace(probeNS).Resource(resVMs).Param("dryRun", metav1.DryRunAll).Body(probe).Do(ctx).Error()
+		err := w.c.kv.rc.Post().Namespace(probeNS).Resource(resVMs).Param("dryRun", metav1.DryRunAll).Body(probe).Do(ctx).Error()
 		if err != nil && apierrors.IsInvalid(err) {
 			if st, ok := err.(*apierrors.StatusError); ok && st.ErrStatus.Message != "" && strings.Contains(st.ErrStatus.Message, "kubevirtsim webhook probe") {
 				return true, nil
@@ -185,15 +224,10 @@ func (s *Sim) registerWebhooks(ctx context.Context) error {
 	})
 }
 
-func (s *Sim) unregisterWebhooks(ctx context.Context) {
-	err := s.kube.AdmissionregistrationV1().ValidatingWebhookConfigurations().Delete(ctx, s.webhook.cfgKey, metav1.DeleteOptions{})
-	if err != nil && !apierrors.IsNotFound(err) {
-		s.log.V(1).Info("could not remove webhook configuration", "name", s.webhook.cfgKey, "err", err)
-	}
-}
-
-// admitHandler decodes an AdmissionReview, runs f and answers.
-func (s *Sim) admitHandler(f func(*admissionv1.AdmissionRequest) []metav1.StatusCause) http.HandlerFunc {
+// admitHandler decodes an AdmissionReview, runs f and answers; the causes'
+// messages are joined as v1.7.0 pkg/util/webhooks/webhooks.go:54
+// ToAdmissionResponse does.
+func admitHandler(f func(*admissionv1.AdmissionRequest) []metav1.StatusCause) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		body, err := io.ReadAll(r.Body)
 		if err != nil {
@@ -243,10 +277,12 @@ func invalid(field, format string, args ...any) []metav1.StatusCause {
 	return []metav1.StatusCause{{Type: metav1.CauseTypeFieldValueInvalid, Message: fmt.Sprintf(format, args...), Field: field}}
 }
 
-// admitVMStatus is the status validator of reference §1.3: it validates the
-// queued volume requests against each other, the template, the running VMI,
-// the bus rules of the profile and migrations.
-func (s *Sim) admitVMStatus(req *admissionv1.AdmissionRequest) []metav1.StatusCause {
+// admitVMStatus is virt-api's VM status validator (v1.7.0
+// pkg/virt-api/webhooks/validating-webhook/admitters/vms-admitter.go
+// validateVolumeRequests): it validates the queued volume requests against
+// each other, the template, the running VMI, the bus rules of the version
+// and migrations.
+func (w *webhooks) admitVMStatus(req *admissionv1.AdmissionRequest) []metav1.StatusCause {
 	vm, err := decodeVM(req.Object.Raw)
 	if err != nil {
 		return invalid("", "%v", err)
@@ -261,7 +297,7 @@ func (s *Sim) admitVMStatus(req *admissionv1.AdmissionRequest) []metav1.StatusCa
 	}
 	var vmi *kubevirtv1.VirtualMachineInstance
 	if vm.Status.Ready {
-		if obj, ok, _ := s.vmiInf.GetStore().GetByKey(vm.Namespace + "/" + vm.Name); ok {
+		if obj, ok, _ := w.c.vmiInf.GetStore().GetByKey(vm.Namespace + "/" + vm.Name); ok {
 			if v := obj.(*kubevirtv1.VirtualMachineInstance); v.DeletionTimestamp == nil {
 				vmi = v
 			}
@@ -283,7 +319,7 @@ func (s *Sim) admitVMStatus(req *admissionv1.AdmissionRequest) []metav1.StatusCa
 			if adds[name] {
 				return invalid(field, "AddVolume request for [%s] aleady exists", name)
 			}
-			if c := s.validateHotplugDisk(r.AddVolumeOptions.Disk, name, "AddVolume request", field); c != nil {
+			if c := w.validateHotplugDisk(r.AddVolumeOptions.Disk, name, "AddVolume request", field); c != nil {
 				return c
 			}
 			nv := kubevirtv1.Volume{Name: name}
@@ -329,8 +365,11 @@ func isMigrating(vmi *kubevirtv1.VirtualMachineInstance) bool {
 	return ms.EndTimestamp == nil || ms.EndTimestamp.After(now)
 }
 
-// validateHotplugDisk applies the hotplug bus rules of the profile.
-func (s *Sim) validateHotplugDisk(disk *kubevirtv1.Disk, name, prefix, field string) []metav1.StatusCause {
+// validateHotplugDisk applies the hotplug bus rules of the version (v1.5.3
+// vms-admitter.go:455-485: scsi only; v1.6.3 vms-admitter.go:462,
+// v1.7.0 pkg/storage/admitters/storagehotplug.go:67: scsi or virtio, LUNs
+// scsi).
+func (w *webhooks) validateHotplugDisk(disk *kubevirtv1.Disk, name, prefix, field string) []metav1.StatusCause {
 	if disk == nil {
 		return invalid(field, "%s for [%s] requires the disk field to be set.", prefix, name)
 	}
@@ -338,7 +377,7 @@ func (s *Sim) validateHotplugDisk(disk *kubevirtv1.Disk, name, prefix, field str
 		return invalid(field, "%s for [%s] requires diskDevice of type 'disk' or 'lun' to be used.", prefix, name)
 	}
 	bus := diskBus(disk)
-	if s.opts.Profile == ProfileV15 {
+	if w.c.feat.v15Messages {
 		if bus != kubevirtv1.DiskBusSCSI {
 			return invalid(field, "%s for [%s] requires disk bus to be 'scsi'. [%s] is not permitted", prefix, name, bus)
 		}
@@ -369,12 +408,12 @@ func diskBus(d *kubevirtv1.Disk) kubevirtv1.DiskBus {
 }
 
 // admitVM is the VM validator's snapshot rule (and the startup probe).
-func (s *Sim) admitVM(req *admissionv1.AdmissionRequest) []metav1.StatusCause {
+func (w *webhooks) admitVM(req *admissionv1.AdmissionRequest) []metav1.StatusCause {
 	vm, err := decodeVM(req.Object.Raw)
 	if err != nil {
 		return invalid("", "%v", err)
 	}
-	if req.Operation == admissionv1.Create && vm.Annotations[probeAnnotation] == s.webhook.url {
+	if req.Operation == admissionv1.Create && vm.Annotations[probeAnnotation] == w.srv.url {
 		return invalid("", "kubevirtsim webhook probe")
 	}
 	if req.Operation != admissionv1.Update || vm.Status.SnapshotInProgress == nil {
@@ -413,8 +452,8 @@ func sameVolumes(a, b *kubevirtv1.VirtualMachineInstanceTemplateSpec) bool {
 // admitHarvesterVM denies VM updates that add a volume the test marked with
 // DenyVolume, like Harvester's VM validator does for a volume in use by
 // another VM.
-func (s *Sim) admitHarvesterVM(req *admissionv1.AdmissionRequest) []metav1.StatusCause {
-	denied := s.faults.deniedVolumes()
+func (w *webhooks) admitHarvesterVM(req *admissionv1.AdmissionRequest) []metav1.StatusCause {
+	denied := w.faults.deniedVolumes()
 	if len(denied) == 0 {
 		return nil
 	}

@@ -38,7 +38,7 @@ func TestRealExternalAttacher(t *testing.T) {
 
 func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 	const n = 12
-	h := framework.StartHost(t, kubevirtsim.Options{Mode: mode, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true})
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: mode, Version: kubevirtsim.V1_7_0, Scale: 0.05, BindClasslessPVCs: true})
 	vm := "guest-node-1"
 	h.CreateVMs(t, vm)
 	vols := h.CreateVolumes(t, "pvc-att", n)

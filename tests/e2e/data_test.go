@@ -70,7 +70,7 @@ func moveBetweenNodes(t *testing.T, mode kubevirtsim.Mode) {
 // VMs with a node plugin each, and the controller.
 func twoGuests(t *testing.T, opts kubevirtsim.Options, drv driver.ControllerOptions) (*framework.Host, *loopdisk.LoopDisks, []guest, *framework.Controller) {
 	t.Helper()
-	opts.Profile, opts.Scale = kubevirtsim.ProfileV17, 0.05
+	opts.Version, opts.Scale = kubevirtsim.V1_7_0, 0.05
 	h, disks := framework.StartHostWithDisks(t, opts)
 	guests := []guest{{vm: "guest-a"}, {vm: "guest-b"}}
 	for i := range guests {

@@ -33,7 +33,7 @@ import (
 // and the guest PV and PVC show the new size waiting for node expansion; and a
 // VolumeSnapshotContent is cut by the real snapshotter into a host snapshot.
 func TestControllerSidecarsAndExpansion(t *testing.T) {
-	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Profile: kubevirtsim.ProfileV17, Scale: 0.05})
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0, Scale: 0.05})
 	vol := h.CreateVolumes(t, "pvc-grow", 1)[0]
 	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 100 * time.Millisecond}})
 

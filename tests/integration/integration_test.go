@@ -1,6 +1,7 @@
 // Package integration runs the controller service against a real
-// kube-apiserver and the KubeVirt simulator, in every hotplug mode and
-// KubeVirt profile, under the concurrency the external-attacher produces.
+// kube-apiserver and the KubeVirt simulator, for every simulated KubeVirt
+// version and hotplug mode, under the concurrency the external-attacher
+// produces. One flavor runs alone with -run 'TestController/<flavor>'.
 package integration
 
 import (
@@ -28,21 +29,30 @@ import (
 // becomes 0.4 s) so the suites run in minutes.
 const scale = 0.05
 
+// scaled is a simulated duration in wall time.
+func scaled(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
+
 type flavor struct {
 	name    string
 	mode    kubevirtsim.Mode
-	profile kubevirtsim.Profile
+	version kubevirtsim.Version
 	backend string // what auto-detection must pick, or what --hotplug-backend forces
 	forced  bool
 }
 
+// flavors cover every simulated KubeVirt version: the legacy gate on the
+// releases Harvester 1.6 and 1.7 ship (v1.5.3, v1.6.3) and on v1.7.0, the
+// declarative gate on the one Harvester 1.8 ships (v1.7.0) and on v1.8.2,
+// and main with the subresource backend forced.
 var flavors = []flavor{
-	{"legacy-v1.5", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV15, host.BackendSubresource, false},
-	{"legacy-v1.7", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV17, host.BackendSubresource, false},
-	{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.ProfileV17, host.BackendDeclarative, false},
+	{"legacy-v1.5.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, host.BackendSubresource, false},
+	{"legacy-v1.6.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3, host.BackendSubresource, false},
+	{"legacy-v1.7.0", kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0, host.BackendSubresource, false},
+	{"declarative-v1.7.0", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, host.BackendDeclarative, false},
+	{"declarative-v1.8.2", kubevirtsim.ModeDeclarative, kubevirtsim.V1_8_2, host.BackendDeclarative, false},
 	// The flag overrides detection: the VM subresources also serve a
 	// declarative-only KubeVirt (they edit the VM spec there).
-	{"declarative-v1.7-forced-subresource", kubevirtsim.ModeDeclarative, kubevirtsim.ProfileV17, host.BackendSubresource, true},
+	{"declarative-main-forced-subresource", kubevirtsim.ModeDeclarative, kubevirtsim.VMain, host.BackendSubresource, true},
 }
 
 // backendFlag is what the controller is started with.
@@ -53,10 +63,14 @@ func (f flavor) backendFlag() string {
 	return host.BackendAuto
 }
 
-func queueConfig() hotplug.Config {
+func queueConfig() hotplug.Config { return queueConfigAt(scale) }
+
+// queueConfigAt is the queue's configuration for a simulator running at
+// scale s (MaxHold is simulated time).
+func queueConfigAt(s float64) hotplug.Config {
 	return hotplug.Config{
 		BatchWindow: 100 * time.Millisecond,
-		MaxHold:     time.Duration(float64(30*time.Second) * scale),
+		MaxHold:     time.Duration(float64(30*time.Second) * s),
 		BackoffBase: 20 * time.Millisecond,
 		BackoffMax:  500 * time.Millisecond,
 		QPS:         100,
@@ -76,7 +90,11 @@ type suite struct {
 func TestController(t *testing.T) {
 	for _, f := range flavors {
 		t.Run(f.name, func(t *testing.T) {
-			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: scale, BindClasslessPVCs: true})
+			// A flavor mostly waits on simulated time: two at once (the
+			// default -parallel on two cores) keep the suite near five
+			// minutes.
+			t.Parallel()
+			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
 			s := &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}
 			s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig()})
 			if got := s.ctrl.Queue.BackendName(); got != f.backend {

@@ -190,8 +190,8 @@ func (s *suite) webhookDenied(t *testing.T) {
 	vm := "wd-vm"
 	vols := s.scene(t, "wd", 5, vm)
 	bad := vols[2]
-	s.host.Sim.DenyVolume(bad, "")
-	defer s.host.Sim.AllowVolume(bad)
+	s.host.Sim.Faults().DenyVolume(bad, "")
+	defer s.host.Sim.Faults().AllowVolume(bad)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	a := newAttacher(s.client)
@@ -297,11 +297,11 @@ func (s *suite) timedOutPublishThenUnpublish(t *testing.T) {
 	vm := "to-vm"
 	vol := s.scene(t, "to", 1, vm)[0]
 	ns := s.host.Namespace
-	s.host.Sim.SetAttachmentPodsStuck(ns, vm, true)
+	s.host.Sim.Faults().SetAttachmentPodsStuck(ns, vm, true)
 	released := false
 	defer func() {
 		if !released {
-			s.host.Sim.SetAttachmentPodsStuck(ns, vm, false)
+			s.host.Sim.Faults().SetAttachmentPodsStuck(ns, vm, false)
 		}
 	}()
 
@@ -325,9 +325,9 @@ func (s *suite) timedOutPublishThenUnpublish(t *testing.T) {
 		t.Fatalf("unpublish answered OK while %v still holds the volume", got)
 	}
 	// The attachment pod may start now: nothing may bring the volume back.
-	s.host.Sim.SetAttachmentPodsStuck(ns, vm, false)
+	s.host.Sim.Faults().SetAttachmentPodsStuck(ns, vm, false)
 	released = true
-	time.Sleep(time.Duration(float64(20*time.Second) * scale))
+	time.Sleep(scaled(20 * time.Second))
 	if got := s.attachedTo(vol, vm); len(got) != 0 {
 		t.Errorf("the abandoned attach landed after the unpublish: %v", got)
 	}

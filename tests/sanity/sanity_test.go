@@ -25,7 +25,7 @@ func TestSanity(t *testing.T) {
 	nodetest.RequireRealDevices(t)
 	work := t.TempDir()
 	h, disks := framework.StartHostWithDisks(t, kubevirtsim.Options{
-		Mode: kubevirtsim.ModeDeclarative, Profile: kubevirtsim.ProfileV17,
+		Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0,
 		Scale: 0.05, BindClasslessPVCs: true,
 	})
 	h.CreateVMs(t, vmName)
