@@ -38,13 +38,15 @@ var (
 type flavor struct {
 	name    string
 	mode    kubevirtsim.Mode
-	profile kubevirtsim.Profile
+	version kubevirtsim.Version
 }
 
 var flavors = []flavor{
-	{"legacy-v1.5", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV15},
-	{"legacy-v1.7", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV17},
-	{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.ProfileV17},
+	{"legacy-v1.5.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3},
+	{"legacy-v1.6.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3},
+	{"legacy-v1.7.0", kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0},
+	{"declarative-v1.7.0", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0},
+	{"declarative-v1.8.2", kubevirtsim.ModeDeclarative, kubevirtsim.V1_8_2},
 }
 
 // simHost adapts a framework host and controller to Host.
@@ -115,7 +117,7 @@ func BenchmarkChurn(b *testing.B) {
 
 func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 	b.Helper()
-	h := framework.StartHost(b, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: cfg.Scale, BindClasslessPVCs: true, Seed: cfg.Seed})
+	h := framework.StartHost(b, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: cfg.Scale, BindClasslessPVCs: true, Seed: cfg.Seed})
 	vms := make([]string, cfg.VMs)
 	for i := range vms {
 		vms[i] = fmt.Sprintf("node-%d", i)

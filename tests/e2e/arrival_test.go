@@ -33,7 +33,7 @@ func TestStageOfDisksStillArriving(t *testing.T) {
 	nodetest.RequireRealDevices(t)
 	work := t.TempDir()
 	nodetest.CleanupMounts(t, work)
-	h, disks := framework.StartHostWithDisks(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true})
+	h, disks := framework.StartHostWithDisks(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0, Scale: 0.05, BindClasslessPVCs: true})
 	vm := "guest-arrive"
 	h.CreateVMs(t, vm)
 	vols := h.CreateVolumes(t, "pvc-arrive", 3)
@@ -65,7 +65,7 @@ func TestStageOfDisksStillArriving(t *testing.T) {
 	}
 
 	// The attachment pod does not start yet: the publishes are in flight.
-	h.Sim.SetAttachmentPodsStuck(h.Namespace, vm, true)
+	h.Sim.Faults().SetAttachmentPodsStuck(h.Namespace, vm, true)
 	published := make(chan error, len(vols))
 	for _, vol := range vols {
 		go func() {
@@ -81,7 +81,7 @@ func TestStageOfDisksStillArriving(t *testing.T) {
 	}
 
 	// The disks arrive.
-	h.Sim.SetAttachmentPodsStuck(h.Namespace, vm, false)
+	h.Sim.Faults().SetAttachmentPodsStuck(h.Namespace, vm, false)
 	for range vols {
 		if err := <-published; err != nil {
 			t.Fatalf("publish: %v", err)

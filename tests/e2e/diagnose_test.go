@@ -32,7 +32,7 @@ import (
 // error) next to a healthy volume, and checks that diagnose names each one,
 // with its volume and VM, and nothing about the healthy volume.
 func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
-	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true})
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_6_3, Scale: 0.05, BindClasslessPVCs: true})
 	h.CreateVMs(t, "dg-a", "dg-b")
 	vols := h.CreateVolumes(t, "dg", 6) // dg-00 healthy, 01 ghost, 02 lost, 03 two VMs, 04 refused, 05 detach error
 	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 50 * time.Millisecond, MaxHold: 1500 * time.Millisecond}})
@@ -105,7 +105,7 @@ func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A webhook refuses virt-controller's update for an add queued by hand.
-	h.Sim.DenyVolume(vols[4], "volume "+vols[4]+" is refused by policy")
+	h.Sim.Faults().DenyVolume(vols[4], "volume "+vols[4]+" is refused by policy")
 	err = viaAPI.KubevirtV1().VirtualMachines(h.Namespace).AddVolume(ctx, "dg-b", &kubevirtv1.AddVolumeOptions{Name: vols[4],
 		Disk: &kubevirtv1.Disk{Name: vols[4], DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusSCSI}}},
 		VolumeSource: &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{

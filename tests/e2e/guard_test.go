@@ -26,7 +26,7 @@ import (
 // at once. When the guest stops listing the volume, the attacher's next
 // retry detaches it.
 func TestDetachGuardWithRealAttacher(t *testing.T) {
-	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true})
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0, Scale: 0.05, BindClasslessPVCs: true})
 	vm, nodeName := "guest-node-1", "rke2-worker-1"
 	// vaName is the name the attach/detach controller gives a VolumeAttachment.
 	vaName := func(vol string) string { return guestpkg.AttachmentName(vol, driver.Name, nodeName) }

@@ -34,8 +34,8 @@ type guestSuite struct {
 // there leaves a queued request the queue itself must withdraw) and a guest
 // API server whose Nodes the test writes as kubelet would.
 func TestGuestAware(t *testing.T) {
-	f := flavor{"legacy-v1.7", kubevirtsim.ModeLegacy, kubevirtsim.ProfileV17, host.BackendSubresource, false}
-	h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: scale, BindClasslessPVCs: true})
+	f := flavor{"legacy-v1.7", kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0, host.BackendSubresource, false}
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
 	s := &guestSuite{suite: &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}, guest: framework.StartGuest(t)}
 	s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig(),
 		Guest: s.guest.Env.Config, DetachGuardTimeout: time.Hour})
@@ -207,8 +207,8 @@ func (s *guestSuite) cleanupNotGuarded(t *testing.T) {
 	s.guest.AddNode(t, node, vm)
 	s.guest.SetVolumesInUse(t, node, bad)
 	s.waitGuestCache(t, node, listsInUse(bad))
-	s.host.Sim.DenyVolume(bad, "")
-	defer s.host.Sim.AllowVolume(bad)
+	s.host.Sim.Faults().DenyVolume(bad, "")
+	defer s.host.Sim.Faults().AllowVolume(bad)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	a := newAttacher(s.client)

@@ -26,8 +26,8 @@ import (
 // goes. After the leader stops, the other replica takes over, and a VM that
 // stops after its Node went NotReady is noticed too.
 func TestNodeMonitor(t *testing.T) {
-	f := flavor{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.ProfileV17, host.BackendDeclarative, false}
-	h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Profile: f.profile, Scale: scale, BindClasslessPVCs: true})
+	f := flavor{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, host.BackendDeclarative, false}
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
 	s := &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}
 	g := framework.StartGuest(t)
 	vm1, vm2 := "nm-vm-1", "nm-vm-2"

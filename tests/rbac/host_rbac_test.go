@@ -335,8 +335,8 @@ func refusedVolumeFlow(ctx context.Context, t *testing.T, h *framework.Host, ctr
 	c := ctrl.Client
 	bad := createVolume(ctx, t, c, prefix+"-refused", "")
 	good := createVolume(ctx, t, c, prefix+"-after", "")
-	h.Sim.DenyVolume(bad, "")
-	defer h.Sim.AllowVolume(bad)
+	h.Sim.Faults().DenyVolume(bad, "")
+	defer h.Sim.Faults().AllowVolume(bad)
 	if err := publish(ctx, c, vm, bad); status.Code(err) != codes.FailedPrecondition {
 		t.Fatalf("publish of the refused volume: %v, want FailedPrecondition", err)
 	}
@@ -451,7 +451,7 @@ func TestHostIdentityRunsTheDriver(t *testing.T) {
 		t.Run(f.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 			defer cancel()
-			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Profile: kubevirtsim.ProfileV17, Scale: 0.05, BindClasslessPVCs: true})
+			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: kubevirtsim.V1_7_0, Scale: 0.05, BindClasslessPVCs: true})
 			admin := h.Kube
 			h.CreateVMs(t, "rbac-vm")
 			legacy := createLegacyObjects(ctx, t, admin, h.Namespace)
