@@ -443,15 +443,20 @@ func TestHostIdentityRunsTheDriver(t *testing.T) {
 	for _, f := range []struct {
 		name    string
 		mode    kubevirtsim.Mode
+		version kubevirtsim.Version
 		backend string
 	}{
-		{"legacy", kubevirtsim.ModeLegacy, host.BackendSubresource},
-		{"declarative", kubevirtsim.ModeDeclarative, host.BackendDeclarative},
+		// As Harvester ships them: 1.7 runs KubeVirt 1.6.3 with legacy
+		// hotplug, 1.8 runs 1.7.0 with declarative hotplug (the
+		// server-version setting says which, when the identity may not
+		// read the KubeVirt CR).
+		{"legacy", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3, host.BackendSubresource},
+		{"declarative", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, host.BackendDeclarative},
 	} {
 		t.Run(f.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 			defer cancel()
-			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: kubevirtsim.V1_7_0, Scale: 0.05, BindClasslessPVCs: true})
+			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: 0.05, BindClasslessPVCs: true})
 			admin := h.Kube
 			h.CreateVMs(t, "rbac-vm")
 			legacy := createLegacyObjects(ctx, t, admin, h.Namespace)
