@@ -110,6 +110,11 @@ func TestController(t *testing.T) {
 			t.Run("TimedOutPublishThenUnpublish", s.timedOutPublishThenUnpublish)
 			t.Run("RestartMidBatch", s.restartMidBatch)
 			t.Run("FencingUnderInformerLagAndRestarts", s.fencingUnderLag)
+			t.Run("CronJobReattachToTheSameVM", s.cronJobReattach)
+			t.Run("ClaimDeletedWhileQueued", s.claimDeletedWhileQueued)
+			t.Run("UnboundClaimBesideOthers", s.unboundClaim)
+			t.Run("BurstsAPodStartApart", s.burstsAPodStartApart)
+			t.Run("ReattachWhileDetaching", s.reattachWhileDetaching)
 		})
 	}
 }
