@@ -56,8 +56,8 @@ type Controller struct {
 	// attachmentEvents says on guest VolumeAttachments what a publish or
 	// unpublish waits for.
 	attachmentEvents *guest.AttachmentEvents
-	guard      *guest.Guard
-	monitor    *guest.Monitor
+	guard            *guest.Guard
+	monitor          *guest.Monitor
 	// buildErr is a failure of NewController, returned by Run.
 	buildErr error
 

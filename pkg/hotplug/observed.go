@@ -1,7 +1,9 @@
 package hotplug
 
 import (
+	"fmt"
 	"slices"
+	"strings"
 
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
@@ -147,6 +149,24 @@ func (o observed) settling() bool {
 		}
 	}
 	return false
+}
+
+// progressMark fingerprints KubeVirt's hotplug work on the VM: the phase of
+// every hotplug volume and the queued legacy requests. It changes whenever
+// KubeVirt moves.
+func (o observed) progressMark() string {
+	var b strings.Builder
+	if o.vm != nil {
+		fmt.Fprintf(&b, "requests=%d;", len(o.vm.Status.VolumeRequests))
+	}
+	if o.vmi != nil {
+		for _, s := range o.vmi.Status.VolumeStatus {
+			if s.HotplugVolume != nil {
+				fmt.Fprintf(&b, "%s=%s/%t;", s.Name, s.Phase, s.Target != "")
+			}
+		}
+	}
+	return b.String()
 }
 
 // claims lists the volumes (by claim name) a VM holds or is about to hold:

@@ -23,8 +23,10 @@ type plan struct {
 	// expired lists expectations to forget: the informers show the write, or
 	// it went unobserved for MaxHold.
 	expired []string
-	// settlingSince is the VM's settling clock after this look.
+	// settlingSince is the VM's settling clock after this look, and progress
+	// the fingerprint of KubeVirt's work it was last reset for.
 	settlingSince time.Time
+	progress      string
 	// waits says, per volume with an intent that is neither answered nor
 	// written now, what it waits for.
 	waits map[string]string
@@ -54,7 +56,7 @@ const vmLookAgain = time.Second
 // decide compares a VM's intents with the facts and picks what to answer and
 // what to write. It is a pure function of its arguments and changes nothing.
 func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
-	p := plan{settlingSince: w.settlingSince, waits: map[string]string{}}
+	p := plan{settlingSince: w.settlingSince, progress: w.progress, waits: map[string]string{}}
 	o := f.o
 	pending := map[string]bool{} // unexpired expectations
 	for _, vol := range sortedKeys(w.expect) {
@@ -141,8 +143,13 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 		return p
 	}
 	if o.settling() || len(pending) > 0 {
-		if p.settlingSince.IsZero() {
-			p.settlingSince = now
+		// The hold is bounded by the time since KubeVirt last moved, not
+		// since it began: replacing an attachment pod takes as long as it
+		// takes, and changing the hotplug set meanwhile makes KubeVirt start
+		// over (kubevirt 16937). Only a VM where nothing has moved for
+		// MaxHold is written anyway, since nothing else can progress.
+		if fp := o.progressMark(); p.settlingSince.IsZero() || fp != p.progress {
+			p.settlingSince, p.progress = now, fp
 		}
 		if now.Sub(p.settlingSince) < cfg.MaxHold {
 			p.hold = "previous change still settling"

@@ -68,7 +68,8 @@ func TestDecide(t *testing.T) {
 		intents map[string]Op
 		expect  map[string]expectation
 		gather  time.Time
-		since   time.Time // settling since
+		since   time.Time // settling since (with KubeVirt unchanged since then unless moved)
+		moved   bool
 		obs     observed
 		vmGone  bool
 		held    map[string]error
@@ -104,6 +105,11 @@ func TestDecide(t *testing.T) {
 		name:        "settling VM is written anyway after max hold",
 		in:          in{intents: map[string]Op{"b": Attach}, since: t0.Add(-31 * time.Second), obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeDetaching})}},
 		wantChanges: []Change{{"b", Attach}},
+	}, {
+		name: "settling VM whose KubeVirt work moved since is held again, however long ago the hold began",
+		in: in{intents: map[string]Op{"b": Attach}, since: t0.Add(-time.Hour), moved: true,
+			obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeMounted})}},
+		wantHold: "previous change still settling", wantChanges: []Change{{"b", Attach}},
 	}, {
 		name:        "a missing claim does not hold the VM",
 		in:          in{intents: map[string]Op{"b": Attach}, since: t0.Add(-time.Second), obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumePending})}},
@@ -184,6 +190,9 @@ func TestDecide(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			w := &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, gatherUntil: tc.in.gather, settlingSince: tc.in.since}
+			if !tc.in.since.IsZero() && !tc.in.moved {
+				w.progress = tc.in.obs.progressMark()
+			}
 			for v, op := range tc.in.intents {
 				w.intents[v] = &intent{vm: "vm1", volume: v, op: op, created: t0, exclusive: true}
 			}

@@ -116,9 +116,11 @@ type vmWork struct {
 	expect map[string]expectation
 	// gatherUntil ends the batching window of the VM's first intent.
 	gatherUntil time.Time
-	// settlingSince starts when the queue writes the VM or first sees it
-	// settling, and bounds how long it is held (MaxHold).
+	// settlingSince starts when the queue writes the VM, first sees it
+	// settling, or sees KubeVirt's work on it move (progress changes), and
+	// bounds how long it is held (MaxHold).
 	settlingSince time.Time
+	progress      string
 	// hold says why pending changes wait (empty: they don't).
 	hold string
 	// waiting says, per volume, what its intent waits for and since when.

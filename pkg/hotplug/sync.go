@@ -68,7 +68,7 @@ func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vm
 	for _, vol := range p.expired {
 		delete(w.expect, vol)
 	}
-	w.settlingSince = p.settlingSince
+	w.settlingSince, w.progress = p.settlingSince, p.progress
 	w.hold = p.hold
 	for _, r := range p.resolve {
 		logger.V(2).Info("intent done", "volume", r.it.volume, "op", r.it.op, "err", r.err, "after", now.Sub(r.it.created))
