@@ -22,8 +22,6 @@ import (
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
 	kubevirtv1 "kubevirt.io/api/core/v1"
-
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
 // Sim is a running KubeVirt simulator. Create it with New, run it with Start
@@ -244,12 +242,6 @@ func (s *Sim) ClientConfig() *rest.Config {
 
 // ProxyURL is the front proxy's base URL.
 func (s *Sim) ProxyURL() string { return s.proxy.url }
-
-// WriteKubeconfig writes a kubeconfig for ClientConfig whose current context
-// has the given namespace.
-func (s *Sim) WriteKubeconfig(path, namespace string) error {
-	return testenv.WriteKubeconfig(path, s.ClientConfig(), namespace)
-}
 
 // gates reports which hotplug machinery the KubeVirt CR enables right now.
 func (s *Sim) gates() (legacy, declarative bool) {
