@@ -28,6 +28,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/nodetap"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/proc"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
@@ -75,6 +76,9 @@ type Options struct {
 	// AgentBinary runs the workload's containers (image AgentImage).
 	AgentBinary []string
 	AgentImage  string
+	// AgentEnv is added to the kubelets' environment, which the agent
+	// processes inherit.
+	AgentEnv []string
 	// Manifests are the chart's rendered objects and flags.
 	Manifests *chart.Manifests
 	// Host is the simulated Harvester.
@@ -84,11 +88,19 @@ type Options struct {
 	NodeStatusUpdate time.Duration
 	// KubeletSyncFrequency is the kubelets' pod sync period.
 	KubeletSyncFrequency time.Duration
-	// ControllerRestart restarts the driver's controller process when it
-	// exits.
-	ControllerRestartDelay time.Duration
+	// ContainerRestartDelay is how long an exited driver or sidecar process
+	// waits before it is started again, as the kubelet restarts containers
+	// (default 1s).
+	ContainerRestartDelay time.Duration
 	// Verbosity of the guest components' logs.
 	Verbosity int
+	// SkipUnstage is the probability that a node's tap answers
+	// NodeUnstageVolume without passing it to the driver (seed 000).
+	SkipUnstage float64
+	// Seed seeds the taps' decisions.
+	Seed uint64
+	// OnNodeCall is told about every node call the kubelets make.
+	OnNodeCall func(nodetap.Call)
 }
 
 // Guest is a running guest cluster.
@@ -112,6 +124,8 @@ type Node struct {
 	Name    string
 	Root    string // kubelet root directory
 	Socket  string // the driver's node-plugin socket
+	TapSock string // what the kubelet calls: the lab's tap in front of Socket
+	Tap     *nodetap.Tap
 	Kubelet *proc.Proc
 	Plugin  *proc.Proc
 	Reg     *proc.Proc
@@ -133,6 +147,9 @@ func Start(ctx context.Context, o Options) (*Guest, error) {
 	}
 	if o.Verbosity == 0 {
 		o.Verbosity = 2
+	}
+	if o.ContainerRestartDelay == 0 {
+		o.ContainerRestartDelay = time.Second
 	}
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	g := &Guest{o: o, ctx: runCtx, cancel: cancel, nodes: map[string]*Node{}}
@@ -211,7 +228,9 @@ func (g *Guest) start(ctx context.Context) error {
 		if args, err = chart.Rewrite(args, map[string]string{"http-endpoint": "", "v": fmt.Sprint(o.Verbosity)}, "--kubeconfig="+kc); err != nil {
 			return err
 		}
-		if _, err := g.Procs.Start(proc.Spec{Name: sc, Path: g.bin(sc), Args: args}); err != nil {
+		// A sidecar exits when it loses the driver's socket (the controller
+		// process restarting); the kubelet restarts it, so does the lab.
+		if _, err := g.Procs.Start(proc.Spec{Name: sc, Path: g.bin(sc), Args: args, Restart: true, RestartDelay: o.ContainerRestartDelay}); err != nil {
 			return err
 		}
 	}
@@ -271,11 +290,7 @@ func (g *Guest) startController() error {
 	if err != nil {
 		return err
 	}
-	delay := g.o.ControllerRestartDelay
-	if delay == 0 {
-		delay = time.Second
-	}
-	p, err := g.Procs.Start(proc.Spec{Name: "driver-controller", Path: bin, Args: args, Restart: true, RestartDelay: delay})
+	p, err := g.Procs.Start(proc.Spec{Name: "driver-controller", Path: bin, Args: args, Restart: true, RestartDelay: g.o.ContainerRestartDelay})
 	if err != nil {
 		return err
 	}
@@ -298,7 +313,8 @@ func (g *Guest) Controller() *proc.Proc {
 func (g *Guest) AddNode(ctx context.Context, name string) (*Node, error) {
 	o := g.o
 	dir := filepath.Join(o.SocketDir, name)
-	n := &Node{Name: name, Root: filepath.Join(dir, "kubelet"), Socket: filepath.Join(dir, "csi", "csi.sock")}
+	n := &Node{Name: name, Root: filepath.Join(dir, "kubelet"), Socket: filepath.Join(dir, "csi", "csi.sock"),
+		TapSock: filepath.Join(dir, "tap.sock")}
 	for _, d := range []string{n.Root, filepath.Dir(n.Socket), filepath.Join(n.Root, "plugins_registry")} {
 		if err := os.MkdirAll(d, 0o750); err != nil {
 			return nil, err
@@ -308,21 +324,34 @@ func (g *Guest) AddNode(ctx context.Context, name string) (*Node, error) {
 	if err != nil {
 		return nil, err
 	}
+	metrics, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
 	args, err = chart.Rewrite(args, map[string]string{
-		"endpoint":   "unix://" + n.Socket,
-		"kubeconfig": g.hostKubeconfig,
-		"by-id-dir":  o.Host.ByIDDir(name),
+		"endpoint":        "unix://" + n.Socket,
+		"kubeconfig":      g.hostKubeconfig,
+		"by-id-dir":       o.Host.ByIDDir(name),
+		"metrics-address": metrics,
 	}, "--nodeid="+name, "--v=4")
 	if err != nil {
 		return nil, err
 	}
 	if n.Plugin, err = g.Procs.Start(proc.Spec{Name: "driver-node-" + name, Path: o.DriverBinary, Args: args,
-		Env: []string{"NODE_NAME=" + name}, Restart: true, RestartDelay: time.Second}); err != nil {
+		Env: []string{"NODE_NAME=" + name}, Restart: true, RestartDelay: o.ContainerRestartDelay}); err != nil {
+		return nil, err
+	}
+	seed := o.Seed
+	for _, c := range name {
+		seed = seed*31 + uint64(c)
+	}
+	if n.Tap, err = nodetap.Start(ctx, nodetap.Options{Node: name, Listen: n.TapSock, Plugin: n.Socket,
+		SkipUnstage: o.SkipUnstage, Seed: seed, OnCall: o.OnNodeCall}); err != nil {
 		return nil, err
 	}
 	if n.Reg, err = g.Procs.Start(proc.Spec{Name: "registrar-" + name, Path: g.bin("csi-registrar"), Args: []string{
 		"--csi-address=" + n.Socket,
-		"--kubelet-registration-path=" + n.Socket,
+		"--kubelet-registration-path=" + n.TapSock,
 		"--plugin-registration-dir=" + filepath.Join(n.Root, "plugins_registry"),
 	}}); err != nil {
 		return nil, err
@@ -338,7 +367,7 @@ func (g *Guest) AddNode(ctx context.Context, name string) (*Node, error) {
 	if len(o.AgentBinary) > 0 {
 		kargs = append(kargs, "--exec="+o.AgentImage+"="+strings.Join(o.AgentBinary, " "))
 	}
-	if n.Kubelet, err = g.Procs.Start(proc.Spec{Name: "kubelet-" + name, Path: g.bin("hollow-kubelet"), Args: kargs}); err != nil {
+	if n.Kubelet, err = g.Procs.Start(proc.Spec{Name: "kubelet-" + name, Path: g.bin("hollow-kubelet"), Args: kargs, Env: o.AgentEnv}); err != nil {
 		return nil, err
 	}
 	g.mu.Lock()
@@ -408,6 +437,11 @@ func (g *Guest) Stop(ctx context.Context) error {
 	var errs []error
 	if g.Procs != nil {
 		g.Procs.Stop(15 * time.Second)
+	}
+	for _, n := range g.Nodes() {
+		if n.Tap != nil {
+			n.Tap.Stop()
+		}
 	}
 	g.cancel()
 	if g.Env != nil {

@@ -1,0 +1,5 @@
+package lab
+
+import "errors"
+
+func writeLatencySVG(path string, rep *Report) error { return errors.New("not yet") }
