@@ -133,6 +133,7 @@ type run struct {
 	violations []invariants.Violation
 	seen       map[string]bool
 	taps       tapCounts
+	inflight   []InFlight
 	phase      string
 }
 
@@ -315,6 +316,10 @@ func (r *run) checkLoop(ctx context.Context) {
 		case <-t.C:
 		}
 		now := time.Now()
+		snap := r.mon.Snapshot()
+		r.mu.Lock()
+		r.inflight = append(r.inflight, InFlight{Seconds: now.Sub(r.start).Seconds(), Attaching: snap.Attaching, Detaching: snap.Detaching})
+		r.mu.Unlock()
 		r.violate(invariants.RWOHost(now, vmiVolumes(r.h, r.nodes))...)
 		if st, err := staged(r.h, r.g.Nodes()); err == nil {
 			r.violate(invariants.RWOStaged(now, st)...)

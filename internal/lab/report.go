@@ -40,6 +40,7 @@ type Report struct {
 	// Samples for latency.svg.
 	AttachSamples []monitor.Sample `json:"attach_samples,omitempty"`
 	DetachSamples []monitor.Sample `json:"detach_samples,omitempty"`
+	InFlight      []InFlight       `json:"in_flight,omitempty"`
 }
 
 // Operations counts what the workload did.
@@ -173,6 +174,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 	r.mu.Lock()
 	rep.InvariantViolations = append([]invariants.Violation{}, r.violations...)
 	rep.NodeCalls = NodeCalls{Total: r.taps.calls, Failed: r.taps.failed, UnstageSkipped: r.taps.skipped}
+	rep.InFlight = append([]InFlight(nil), r.inflight...)
 	r.mu.Unlock()
 	rep.Stuck = r.stuckCount()
 	bin := r.c.DriverBinary

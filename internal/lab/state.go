@@ -3,10 +3,12 @@ package lab
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 
+	"golang.org/x/sys/unix"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -17,7 +19,7 @@ import (
 )
 
 // mount is one line of the mount table.
-type mount struct{ point, source string }
+type mount struct{ point, source, dev string }
 
 func readMounts() ([]mount, error) {
 	data, err := os.ReadFile("/proc/self/mountinfo")
@@ -37,7 +39,7 @@ func readMounts() ([]mount, error) {
 		if len(f) < 5 || sep < 0 || sep+2 >= len(f) {
 			continue
 		}
-		out = append(out, mount{point: unescape(f[4]), source: f[sep+2]})
+		out = append(out, mount{point: unescape(f[4]), source: f[sep+2], dev: f[2]})
 	}
 	return out, nil
 }
@@ -79,6 +81,15 @@ func publishedVolume(point string) string {
 	return strings.TrimSuffix(rest, "/mount")
 }
 
+// devNumber is a block device's "major:minor", as the mount table shows it.
+func devNumber(path string) string {
+	var st unix.Stat_t
+	if unix.Stat(path, &st) != nil {
+		return ""
+	}
+	return fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev))
+}
+
 // staged lists every staging mount on the guest nodes, and whether its device
 // is still the disk plugged into that node's VM.
 func staged(h *host.Host, nodes []*guest.Node) ([]invariants.Staged, error) {
@@ -92,7 +103,7 @@ func staged(h *host.Host, nodes []*guest.Node) ([]invariants.Staged, error) {
 		for _, m := range st {
 			vol := stagedVolume(m.point)
 			dev, ok := h.Disks.Device(h.Namespace+"/"+n.Name, vol)
-			out = append(out, invariants.Staged{Node: n.Name, Volume: vol, Attached: ok && dev == m.source})
+			out = append(out, invariants.Staged{Node: n.Name, Volume: vol, Attached: ok && devNumber(dev) == m.dev})
 		}
 	}
 	return out, nil

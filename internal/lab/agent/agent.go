@@ -142,11 +142,19 @@ func RunDB(ctx context.Context, e Env, containerPath string, interval time.Durat
 	if !ev.OK {
 		return fmt.Errorf("agent: data check failed on %s: %s", vol, ev.Detail)
 	}
+	// A record written after the last acknowledgement was never confirmed to
+	// anyone: drop it and continue from the acknowledged one.
+	if err := truncateAfter(filepath.Join(dir, dbLog), n); err != nil {
+		return err
+	}
 	f, err := os.OpenFile(filepath.Join(dir, dbLog), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o640)
 	if err != nil {
 		return err
 	}
 	defer f.Close()
+	if err := syncDir(dir); err != nil { // the log's directory entry is durable too
+		return err
+	}
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
@@ -170,6 +178,18 @@ func RunDB(ctx context.Context, e Env, containerPath string, interval time.Durat
 			return err
 		}
 	}
+}
+
+// Acknowledged is the number of records the database in dir has
+// acknowledged.
+func Acknowledged(dir string) int {
+	ack, err := os.ReadFile(filepath.Join(dir, dbAck))
+	if err != nil {
+		return 0
+	}
+	var n int
+	_, _ = fmt.Sscanf(string(ack), "%d", &n)
+	return n
 }
 
 // VerifyDB checks the record log in dir against its acknowledgement: every
@@ -224,16 +244,14 @@ func VerifyDB(dir string) (int, string, Event) {
 	if n < ackN || sum != ackSum {
 		return n, sum, Event{OK: false, Records: n, Expected: ackSum, Got: sum, Detail: fmt.Sprintf("%d records acknowledged, %d found", ackN, n)}
 	}
-	// Records written after the acknowledgement (not acknowledged) are
-	// dropped by continuing from the acknowledged one: truncate them.
-	if err := truncateAfter(filepath.Join(dir, dbLog), n); err != nil {
-		return n, sum, Event{OK: false, Records: n, Detail: err.Error()}
-	}
 	return n, sum, Event{OK: true, Records: n, Expected: ackSum, Got: sum}
 }
 
 func truncateAfter(path string, n int) error {
 	data, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
 	if err != nil {
 		return err
 	}
@@ -248,6 +266,9 @@ func truncateAfter(path string, n int) error {
 	return os.Truncate(path, int64(len(keep)))
 }
 
+// writeAtomic replaces path with content durably, as a careful database
+// does: write and fsync a temporary file, rename it, fsync the directory. A
+// disk pulled at any moment leaves the old or the new content.
 func writeAtomic(path, content string) error {
 	tmp := path + ".tmp"
 	f, err := os.Create(tmp)
@@ -265,9 +286,23 @@ func writeAtomic(path, content string) error {
 	if err := f.Close(); err != nil {
 		return err
 	}
-	return os.Rename(tmp, path)
+	if err := os.Rename(tmp, path); err != nil {
+		return err
+	}
+	return syncDir(filepath.Dir(path))
 }
 
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
+}
+
+// backupFile holds one backup: a header line "<records> <sha256 of the
+// rest>" and the dump, replaced atomically so the pair never tears.
 const backupFile = "backup.dat"
 
 // backupContent is what a backup of n records holds (a stand-in for a dump).
@@ -285,7 +320,7 @@ func sum(data []byte) string {
 }
 
 // RunBackup does one backup run on the volume at containerPath, taking work
-// time in all, and returns whether it verified the previous run's file.
+// time in all: it verifies the previous run's file, then writes a new one.
 func RunBackup(ctx context.Context, e Env, containerPath string, work time.Duration) error {
 	dir, err := e.dir(containerPath)
 	if err != nil {
@@ -310,31 +345,25 @@ func RunBackup(ctx context.Context, e Env, containerPath string, work time.Durat
 	case <-time.After(work):
 	}
 	data := backupContent(e.Namespace, n)
-	if err := writeAtomic(filepath.Join(dir, backupFile), string(data)); err != nil {
-		return err
-	}
-	return writeAtomic(filepath.Join(dir, backupFile+".sum"), fmt.Sprintf("%d %s\n", n, sum(data)))
+	return writeAtomic(filepath.Join(dir, backupFile), fmt.Sprintf("%d %s\n%s", n, sum(data), data))
 }
 
 // VerifyBackup checks the previous run's backup file against its checksum.
 func VerifyBackup(dir string) Event {
-	meta, err := os.ReadFile(filepath.Join(dir, backupFile+".sum"))
+	raw, err := os.ReadFile(filepath.Join(dir, backupFile))
 	if errors.Is(err, os.ErrNotExist) {
 		return Event{OK: true, Detail: "first backup"}
 	}
 	if err != nil {
 		return Event{OK: false, Detail: err.Error()}
 	}
+	header, data, ok := strings.Cut(string(raw), "\n")
 	var n int
 	var want string
-	if _, err := fmt.Sscanf(string(meta), "%d %s", &n, &want); err != nil {
-		return Event{OK: false, Detail: fmt.Sprintf("unreadable checksum file %q", meta)}
+	if _, err := fmt.Sscanf(header, "%d %s", &n, &want); err != nil || !ok {
+		return Event{OK: false, Detail: fmt.Sprintf("unreadable backup header %q", header)}
 	}
-	data, err := os.ReadFile(filepath.Join(dir, backupFile))
-	if err != nil {
-		return Event{OK: false, Records: n, Expected: want, Detail: err.Error()}
-	}
-	got := sum(data)
+	got := sum([]byte(data))
 	if got != want {
 		return Event{OK: false, Records: n, Expected: want, Got: got, Detail: "backup file does not match its checksum"}
 	}

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -91,7 +92,7 @@ func Start(ctx context.Context, o Options) (*Host, error) {
 	}
 	so := o.Sim
 	so.Namespace = o.Namespace
-	so.DiskHook = h.Disks
+	so.DiskHook = hardUnplug{h.Disks}
 	// The driver leaves the host class to Harvester's default when the guest
 	// StorageClass names none (the chart's does not).
 	so.BindClasslessPVCs = true
@@ -108,6 +109,43 @@ func Start(ctx context.Context, o Options) (*Host, error) {
 		return nil, fmt.Errorf("simulator: %w", err)
 	}
 	return h, nil
+}
+
+// hardUnplug is the loop-device disk hook with one change that keeps the
+// lab honest: an unplugged disk stops answering at once, as a disk removed
+// from a VM does. A plain loop device detached while the guest still has it
+// mounted (a staging mount whose NodeUnstageVolume never came) stays fully
+// usable until the last unmount, so the stale filesystem would write its
+// cached state over the data another node wrote since; with a real hot
+// unplug those writes fail. So before the device is detached its size limit
+// drops to one sector: every later read or write of the filesystem fails
+// with an I/O error and nothing reaches the backing file.
+type hardUnplug struct{ *loopdisk.LoopDisks }
+
+func (d hardUnplug) Unplug(ctx context.Context, vm, volume string) error {
+	if dev, ok := d.Device(vm, volume); ok {
+		if err := cutIO(dev); err != nil {
+			klog.FromContext(ctx).Error(err, "cannot cut the unplugged disk's I/O", "vm", vm, "volume", volume, "device", dev)
+		}
+	}
+	return d.LoopDisks.Unplug(ctx, vm, volume)
+}
+
+func cutIO(dev string) error {
+	f, err := os.OpenFile(dev, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return fmt.Errorf("LOOP_GET_STATUS64 %s: %w", dev, err)
+	}
+	info.Sizelimit = 512
+	if err := unix.IoctlLoopSetStatus64(int(f.Fd()), info); err != nil {
+		return fmt.Errorf("LOOP_SET_STATUS64 %s: %w", dev, err)
+	}
+	return nil
 }
 
 // CreateVM creates the running VM of guest node name.
