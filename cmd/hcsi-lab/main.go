@@ -200,6 +200,10 @@ func outside(f *flags, args []string) int {
 		fmt.Fprintln(os.Stderr, "hcsi-lab:", err)
 		code = 2
 	}
+	if pids := lab.KillLeftovers(f.cfg.Out); len(pids) > 0 {
+		fmt.Fprintf(os.Stderr, "hcsi-lab: killed %d processes the lab left running: %v\n", len(pids), pids)
+		lab.WaitGone(pids, 10*time.Second) // they hold mounts and loop devices until they are gone
+	}
 	if err := lab.DetachLoopDevices(filepath.Join(f.cfg.Out, "host", "backing")); err != nil {
 		fmt.Fprintln(os.Stderr, "hcsi-lab: detaching loop devices:", err)
 		code = max(code, 1)

@@ -136,6 +136,45 @@ func (r *run) startFaults(ctx context.Context, wg *sync.WaitGroup) {
 	}
 }
 
+// KillLeftovers kills every process whose command line mentions dir (a run
+// directory): what a lab killed outright left running (its kubelets and
+// driver processes die with it; the control planes' processes do not).
+func KillLeftovers(dir string) []int {
+	var killed []int
+	ents, _ := os.ReadDir("/proc")
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == os.Getpid() {
+			continue
+		}
+		cmd, err := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if err != nil {
+			continue
+		}
+		if strings.Contains(string(cmd), dir+"/") && syscall.Kill(pid, syscall.SIGKILL) == nil {
+			killed = append(killed, pid)
+		}
+	}
+	return killed
+}
+
+// WaitGone waits until none of pids exists any more, at most for d.
+func WaitGone(pids []int, d time.Duration) {
+	deadline := time.Now().Add(d)
+	for time.Now().Before(deadline) {
+		alive := false
+		for _, pid := range pids {
+			if _, err := os.Stat(filepath.Join("/proc", strconv.Itoa(pid))); err == nil {
+				alive = true
+			}
+		}
+		if !alive {
+			return
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
+
 // pidsOf finds the processes running binary name whose command line
 // mentions dir.
 func pidsOf(name, dir string) []int {
