@@ -238,6 +238,7 @@ func inside(f *flags) int {
 		return 2
 	}
 	c.AgentCommand = []string{exe, "agent"}
+	c.PrivateMountNamespace = true
 	c.Progress = os.Stdout
 	if st, err := os.Stdout.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
 		c.TTY = true

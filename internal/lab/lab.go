@@ -81,6 +81,10 @@ type Config struct {
 	ControllerBinary string   `json:"controller_binary,omitempty"`
 	Manifests        string   `json:"manifests"`
 	AgentCommand     []string `json:"-"`
+	// PrivateMountNamespace: the lab runs in its own mount namespace, so it
+	// may mount in-cluster credentials for the driver processes at the
+	// path every in-cluster client reads (upstream's driver needs them).
+	PrivateMountNamespace bool `json:"-"`
 	// Progress receives the live progress line; TTY updates it in place.
 	Progress io.Writer `json:"-"`
 	TTY      bool      `json:"-"`
@@ -213,6 +217,7 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 		Manifests: m, Host: r.h, NodeStatusUpdate: status, KubeletSyncFrequency: status,
 		SkipUnstage: c.SkipUnstage, Seed: c.Seed, OnNodeCall: r.nodeCall,
 		ContainerRestartDelay: max(time.Second, c.scaled(10*time.Second)),
+		InCluster:             c.PrivateMountNamespace,
 	})
 	if err != nil {
 		return nil, err

@@ -12,12 +12,14 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -101,6 +103,12 @@ type Options struct {
 	Seed uint64
 	// OnNodeCall is told about every node call the kubelets make.
 	OnNodeCall func(nodetap.Call)
+	// InCluster gives the driver processes what a pod has: the guest API
+	// server in KUBERNETES_SERVICE_HOST/PORT and credentials mounted at
+	// /var/run/secrets/kubernetes.io/serviceaccount. Upstream's driver
+	// needs them. The mount is only safe in a private mount namespace
+	// (hcsi-lab runs in one).
+	InCluster bool
 }
 
 // Guest is a running guest cluster.
@@ -208,6 +216,11 @@ func (g *Guest) start(ctx context.Context) error {
 		return err
 	}
 
+	if o.InCluster {
+		if err := g.mountServiceAccount(); err != nil {
+			return fmt.Errorf("in-cluster credentials: %w", err)
+		}
+	}
 	g.hostKubeconfig = filepath.Join(o.SocketDir, "host-kubeconfig")
 	if err := o.Host.WriteDriverKubeconfig(g.ctx, g.hostKubeconfig); err != nil {
 		return err
@@ -290,7 +303,7 @@ func (g *Guest) startController() error {
 	if err != nil {
 		return err
 	}
-	p, err := g.Procs.Start(proc.Spec{Name: "driver-controller", Path: bin, Args: args, Restart: true, RestartDelay: g.o.ContainerRestartDelay})
+	p, err := g.Procs.Start(proc.Spec{Name: "driver-controller", Path: bin, Args: args, Env: g.podEnv(), Restart: true, RestartDelay: g.o.ContainerRestartDelay})
 	if err != nil {
 		return err
 	}
@@ -338,7 +351,7 @@ func (g *Guest) AddNode(ctx context.Context, name string) (*Node, error) {
 		return nil, err
 	}
 	if n.Plugin, err = g.Procs.Start(proc.Spec{Name: "driver-node-" + name, Path: o.DriverBinary, Args: args,
-		Env: []string{"NODE_NAME=" + name}, Restart: true, RestartDelay: o.ContainerRestartDelay}); err != nil {
+		Env: append(g.podEnv(), "NODE_NAME="+name), Restart: true, RestartDelay: o.ContainerRestartDelay}); err != nil {
 		return nil, err
 	}
 	seed := o.Seed
@@ -452,6 +465,46 @@ func (g *Guest) Stop(ctx context.Context) error {
 	}
 	klog.FromContext(ctx).V(2).Info("guest stopped")
 	return errors.Join(errs...)
+}
+
+// serviceAccountDir is where in-cluster clients read their credentials.
+const serviceAccountDir = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+// mountServiceAccount mounts a tmpfs with the guest's admin token and CA at
+// serviceAccountDir (in the lab's private mount namespace).
+func (g *Guest) mountServiceAccount() error {
+	if err := os.MkdirAll(serviceAccountDir, 0o755); err != nil {
+		return err
+	}
+	if err := unix.Mount("tmpfs", serviceAccountDir, "tmpfs", 0, "size=1m,mode=0755"); err != nil {
+		return err
+	}
+	ca, err := os.ReadFile(filepath.Join(g.Env.Dir, "certs", "apiserver.crt"))
+	if err != nil {
+		return err
+	}
+	for name, data := range map[string][]byte{
+		"token":     []byte(g.Env.Config.BearerToken),
+		"ca.crt":    ca,
+		"namespace": []byte(g.o.Manifests.Namespace),
+	} {
+		if err := os.WriteFile(filepath.Join(serviceAccountDir, name), data, 0o644); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// podEnv is the environment a pod's container gets from the kubelet.
+func (g *Guest) podEnv() []string {
+	if !g.o.InCluster {
+		return nil
+	}
+	u, err := url.Parse(g.Env.Config.Host)
+	if err != nil {
+		return nil
+	}
+	return []string{"KUBERNETES_SERVICE_HOST=" + u.Hostname(), "KUBERNETES_SERVICE_PORT=" + u.Port()}
 }
 
 func freeAddr() (string, error) {

@@ -9,6 +9,7 @@ package monitor
 import (
 	"context"
 	"fmt"
+	"regexp"
 	"slices"
 	"sort"
 	"sync"
@@ -23,6 +24,10 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
 )
+
+// volumeID matches the volume IDs in messages, so the same error on
+// different volumes counts as one kind.
+var volumeID = regexp.MustCompile(`pvc-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}`)
 
 // Sample is one latency measurement.
 type Sample struct {
@@ -136,7 +141,7 @@ func (m *Monitor) va(va *storagev1.VolumeAttachment, gone bool) {
 	for _, e := range []*storagev1.VolumeError{va.Status.AttachError, va.Status.DetachError} {
 		if e != nil && e.Message != "" && m.vaErr[name] != e.Message {
 			m.vaErr[name] = e.Message
-			m.AttacherErrors[e.Message]++
+			m.AttacherErrors[volumeID.ReplaceAllString(e.Message, "<volume>")]++
 		}
 	}
 	if va.DeletionTimestamp != nil {
