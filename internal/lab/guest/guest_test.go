@@ -41,7 +41,7 @@ func TestPodWithVolumeRunsAndDetaches(t *testing.T) {
 		t.Fatal(err)
 	}
 	work := t.TempDir()
-	sockets, err := os.MkdirTemp("", "hcsi-lab-")
+	sockets, err := os.MkdirTemp("", "hcsi-guest-test-")
 	if err != nil {
 		t.Fatal(err)
 	}
