@@ -122,6 +122,9 @@ type Guest struct {
 	ctx            context.Context
 	cancel         context.CancelFunc
 
+	saMounted   bool
+	createdDirs []string // deepest first
+
 	mu         sync.Mutex
 	controller *proc.Proc
 	nodes      map[string]*Node
@@ -457,6 +460,12 @@ func (g *Guest) Stop(ctx context.Context) error {
 		}
 	}
 	g.cancel()
+	if g.saMounted {
+		errs = append(errs, unix.Unmount(serviceAccountDir, unix.MNT_DETACH))
+	}
+	for _, d := range g.createdDirs {
+		_ = os.Remove(d) // only if empty: never another's
+	}
 	if g.Env != nil {
 		if g.o.LogDir != "" {
 			errs = append(errs, host.CopyLogs(g.Env.Dir, g.o.LogDir, "guest-"))
@@ -473,12 +482,20 @@ const serviceAccountDir = "/var/run/secrets/kubernetes.io/serviceaccount"
 // mountServiceAccount mounts a tmpfs with the guest's admin token and CA at
 // serviceAccountDir (in the lab's private mount namespace).
 func (g *Guest) mountServiceAccount() error {
+	// Remember which directories are new, to remove them at Stop.
+	for d := serviceAccountDir; d != "/"; d = filepath.Dir(d) {
+		if _, err := os.Lstat(d); err == nil {
+			break
+		}
+		g.createdDirs = append(g.createdDirs, d)
+	}
 	if err := os.MkdirAll(serviceAccountDir, 0o755); err != nil {
 		return err
 	}
 	if err := unix.Mount("tmpfs", serviceAccountDir, "tmpfs", 0, "size=1m,mode=0755"); err != nil {
 		return err
 	}
+	g.saMounted = true
 	ca, err := os.ReadFile(filepath.Join(g.Env.Dir, "certs", "apiserver.crt"))
 	if err != nil {
 		return err
