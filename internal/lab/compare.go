@@ -22,7 +22,7 @@ func Compare(a, b *Report) string {
 	row("jobs run", d(a.Operations.JobsRun), d(b.Operations.JobsRun))
 	for _, p := range []struct {
 		name string
-		x, y Percentilesish
+		x, y pcts
 	}{
 		{"attach (VA created -> attached)", pct(a.AttachLatency.P50, a.AttachLatency.P95, a.AttachLatency.P99), pct(b.AttachLatency.P50, b.AttachLatency.P95, b.AttachLatency.P99)},
 		{"detach (VA deleted -> gone)", pct(a.DetachLatency.P50, a.DetachLatency.P95, a.DetachLatency.P99), pct(b.DetachLatency.P50, b.DetachLatency.P95, b.DetachLatency.P99)},
@@ -62,10 +62,10 @@ func Compare(a, b *Report) string {
 	return s.String()
 }
 
-// Percentilesish is p50, p95, p99.
-type Percentilesish [3]float64
+// pcts is p50, p95 and p99.
+type pcts [3]float64
 
-func pct(a, b, c float64) Percentilesish { return Percentilesish{a, b, c} }
+func pct(a, b, c float64) pcts { return pcts{a, b, c} }
 
 func short(s string) string {
 	if len(s) > 24 {
