@@ -15,7 +15,7 @@ gover=$(go version)
 links=()
 build() { # module-dir binary package
 	local dir=$1 name=$2 pkg=$3 key out
-	key=$( (echo "$gover"; cat "$root/tools/$dir/go.mod" "$root/tools/$dir/go.sum"; cat "$root/tools/$dir"/cmd/*/main.go 2>/dev/null || true) | sha256sum | cut -c1-16)
+	key=$( (echo "$gover"; cat "$root/tools/$dir/go.mod" "$root/tools/$dir/go.sum"; cat "$root/tools/$dir"/cmd/*/*.go 2>/dev/null || true) | sha256sum | cut -c1-16)
 	out=$cache/$dir-$key
 	if [ ! -x "$out/$name" ]; then
 		echo "building $name (first run on this machine; cached in $out)" >&2
@@ -32,6 +32,10 @@ build kube kube-controller-manager ./cmd/kube-controller-manager
 build attacher csi-attacher github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
 build resizer csi-resizer github.com/kubernetes-csi/external-resizer/cmd/csi-resizer
 build snapshotter csi-snapshotter github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter
+build scheduler kube-scheduler ./cmd/kube-scheduler
+build provisioner csi-provisioner github.com/kubernetes-csi/external-provisioner/v5/cmd/csi-provisioner
+build kubelet hollow-kubelet ./cmd/hollow-kubelet
+build kubelet csi-registrar ./cmd/csi-registrar
 
 bin=$cache/bin-$(printf '%s\n' "${links[@]}" | sha256sum | cut -c1-16)
 mkdir -p "$bin"

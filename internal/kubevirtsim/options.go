@@ -23,6 +23,10 @@ const (
 	ModeDeclarative Mode = "declarative"
 )
 
+// DefaultStorageClass is the host storage class the provisioner binds when
+// Options.StorageClass is empty (Harvester's default class).
+const DefaultStorageClass = "longhorn"
+
 // Feature gate names in the KubeVirt CR.
 const (
 	GateHotplugVolumes            = "HotplugVolumes"
@@ -197,7 +201,7 @@ func (o *Options) setDefaults() error {
 		o.ServerVersion = o.Version.features().harvester
 	}
 	if o.StorageClass == "" {
-		o.StorageClass = "longhorn"
+		o.StorageClass = DefaultStorageClass
 	}
 	if o.NodeName == "" {
 		o.NodeName = "harvester-node-0"

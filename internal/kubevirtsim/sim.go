@@ -9,8 +9,6 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
-
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
 // Sim is a running KubeVirt simulator: one object per simulated controller,
@@ -168,12 +166,6 @@ func (s *Sim) ClientConfig() *rest.Config {
 
 // ProxyURL is the front proxy's base URL.
 func (s *Sim) ProxyURL() string { return s.proxy.url }
-
-// WriteKubeconfig writes a kubeconfig for ClientConfig whose current context
-// has the given namespace.
-func (s *Sim) WriteKubeconfig(path, namespace string) error {
-	return testenv.WriteKubeconfig(path, s.ClientConfig(), namespace)
-}
 
 // Stats returns a snapshot of the proxy's counters (empty before Start).
 func (s *Sim) Stats() Stats { return s.proxy.stats() }

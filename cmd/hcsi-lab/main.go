@@ -1,0 +1,301 @@
+// Command hcsi-lab is the local Harvester-in-a-box lab (`make lab`): it runs
+// the seed-002 CronJob churn against a simulated Harvester and a real guest
+// control plane with this driver as separate processes, checks the
+// invariants, and writes a report. See docs/lab.md.
+//
+//	hcsi-lab [flags]               run the lab (as root)
+//	hcsi-lab agent db|backup ...   the workload's container process (run by the lab's kubelets)
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
+)
+
+// inNamespace marks the re-executed lab inside its private mount namespace.
+const inNamespace = "HCSI_LAB_IN_MOUNT_NS"
+
+func main() {
+	if len(os.Args) > 1 && os.Args[1] == "agent" {
+		os.Exit(agentMain(os.Args[2:]))
+	}
+	os.Exit(labMain(os.Args[1:]))
+}
+
+type flags struct {
+	cfg                  lab.Config
+	quick                bool
+	compare              string
+	pauseFor, pauseEvery time.Duration
+	verbosity            int
+	set                  map[string]bool
+	repo                 string
+}
+
+func parse(args []string) (*flags, error) {
+	f := &flags{set: map[string]bool{}}
+	c := &f.cfg
+	fs := flag.NewFlagSet("hcsi-lab", flag.ContinueOnError)
+	fs.BoolVar(&f.quick, "quick", false, "the CI preset: 2 nodes, 6 namespaces, lab-made Jobs every few seconds, time scale 0.1, faults on")
+	fs.Float64Var(&c.Minutes, "minutes", 8, "how long the workload runs (schedule minutes) before quiescing")
+	fs.IntVar(&c.Namespaces, "namespaces", 40, "workload namespaces (a database StatefulSet and a backup CronJob each)")
+	fs.IntVar(&c.Nodes, "nodes", 3, "guest nodes (VMs)")
+	fs.StringVar(&c.KubeVirt, "kubevirt", lab.KubeVirtLegacyV15, "simulated KubeVirt: a version (v1.5.3, v1.6.3, v1.7.0, v1.8.2, main), optionally prefixed legacy- or declarative- (default: the hotplug Harvester ships it with), or "+lab.KubeVirtLegacyV15+" (Harvester 1.6), "+lab.KubeVirtLegacyV17+" (1.7), "+lab.KubeVirtDeclarative+" (1.8)")
+	fs.Float64Var(&c.TimeScale, "time-scale", 1, "multiplies the simulated real-world timings (0.1 = ten times faster)")
+	fs.Uint64Var(&c.Seed, "seed", 1, "seed of every random choice")
+	fs.StringVar(&c.Out, "out", "", "run directory `DIR` (default lab-runs/<time> in the working tree)")
+	fs.StringVar(&c.ControllerBinary, "controller-binary", "", "run the binary at `PATH` as the controller process instead of the driver's (it takes upstream's flags)")
+	fs.StringVar(&f.compare, "compare", "", "run the scenario twice, this driver then the controller binary at `PATH`, and compare")
+	fs.StringVar(&c.DriverBinary, "driver-binary", "", "the driver binary `PATH` (default bin/harvester-csi-driver, which make lab builds)")
+	fs.StringVar(&c.Manifests, "manifests", "", "the rendered chart (default deploy/harvester-csi-driver.yaml)")
+	fs.DurationVar(&c.StuckBound, "stuck-bound", 0, "a pod or VolumeAttachment in progress longer than this is stuck (default 5m at time scale 1)")
+	fs.DurationVar(&c.JobInterval, "job-interval", 0, "with lab-made Jobs (--quick), how often each namespace runs one")
+	fs.DurationVar(&c.MoveInterval, "move-interval", 0, "how often a database is moved to another node (default 20s at time scale 1)")
+	fs.Float64Var(&c.SkipUnstage, "skip-unstage", 0, "fault: probability that a kubelet's NodeUnstageVolume never reaches the driver (seed 000)")
+	fs.DurationVar(&c.ControllerKillEvery, "kill-controller-every", 0, "fault: SIGKILL the driver's controller process this often (it restarts)")
+	fs.DurationVar(&f.pauseFor, "pause-api-for", 0, "fault: pause (SIGSTOP) the host API server for this long ...")
+	fs.DurationVar(&f.pauseEvery, "pause-api-every", 0, "... this often")
+	fs.DurationVar(&c.AttachPodStuck, "attachment-pod-stuck", 0, "fault: a VM's attachment pods stay unready for this long, now and then")
+	fs.DurationVar(&c.AttachPodStuckEvery, "attachment-pod-stuck-every", 0, "how often the attachment-pod fault strikes (default 4x its length)")
+	fs.BoolVar(&c.StuckDetachOnReadd, "stuck-detach-on-readd", false, "fault: a volume re-added while Detaching stays Detaching (KubeVirt before 1.8.2 does this by itself; the flag refuses a newer --kubevirt)")
+	fs.Float64Var(&c.DenyHotplug, "deny-hotplug", 0, "fault: fraction of volumes a validating webhook denies hotplug for, a few seconds at a time")
+	fs.IntVar(&f.verbosity, "v", 2, "log verbosity of the lab's own log (logs/lab.log)")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
+	}
+	fs.Visit(func(fl *flag.Flag) { f.set[fl.Name] = true })
+	if f.quick {
+		preset := map[string]func(){
+			"nodes":                 func() { c.Nodes = 2 },
+			"namespaces":            func() { c.Namespaces = 6 },
+			"minutes":               func() { c.Minutes = 2 },
+			"time-scale":            func() { c.TimeScale = 0.1 },
+			"job-interval":          func() { c.JobInterval = 5 * time.Second },
+			"move-interval":         func() { c.MoveInterval = 4 * time.Second },
+			"stuck-bound":           func() { c.StuckBound = 2 * time.Minute },
+			"skip-unstage":          func() { c.SkipUnstage = 0.2 },
+			"kill-controller-every": func() { c.ControllerKillEvery = 40 * time.Second },
+		}
+		for name, apply := range preset {
+			if !f.set[name] {
+				apply()
+			}
+		}
+		c.LabJobs = true
+	}
+	if c.Nodes < 1 || c.Namespaces < 1 || c.Minutes <= 0 || c.TimeScale <= 0 {
+		return nil, errors.New("--nodes, --namespaces, --minutes and --time-scale must be positive")
+	}
+	if c.StuckBound == 0 {
+		c.StuckBound = max(2*time.Minute, time.Duration(float64(5*time.Minute)*c.TimeScale))
+	}
+	if c.MoveInterval == 0 {
+		c.MoveInterval = max(2*time.Second, time.Duration(float64(20*time.Second)*c.TimeScale))
+	}
+	if c.LabJobs && c.JobInterval == 0 {
+		c.JobInterval = max(2*time.Second, time.Duration(float64(time.Minute)*c.TimeScale))
+	}
+	c.APIPause, c.APIPauseEvery = f.pauseFor, f.pauseEvery
+	if (f.pauseFor > 0) != (f.pauseEvery > 0) {
+		return nil, errors.New("--pause-api-for and --pause-api-every go together")
+	}
+	wd, err := os.Getwd()
+	if err != nil {
+		return nil, err
+	}
+	if c.Manifests == "" {
+		if c.Manifests, err = chart.Find(wd); err != nil {
+			return nil, err
+		}
+	}
+	f.repo = filepath.Dir(filepath.Dir(c.Manifests))
+	if c.DriverBinary == "" {
+		c.DriverBinary = filepath.Join(f.repo, "bin", "harvester-csi-driver")
+	}
+	if c.Out == "" {
+		c.Out = filepath.Join(f.repo, "lab-runs", time.Now().Format("20060102-150405"))
+	}
+	for _, p := range []*string{&c.Out, &c.DriverBinary, &c.Manifests, &c.ControllerBinary, &f.compare} {
+		if *p != "" {
+			if *p, err = filepath.Abs(*p); err != nil {
+				return nil, err
+			}
+		}
+	}
+	for _, b := range []string{c.DriverBinary, c.ControllerBinary, f.compare} {
+		if b == "" {
+			continue
+		}
+		if st, err := os.Stat(b); err != nil || st.IsDir() {
+			return nil, fmt.Errorf("binary %s: not found (run `make build` for the driver)", b)
+		}
+	}
+	return f, nil
+}
+
+func labMain(args []string) int {
+	f, err := parse(args)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "hcsi-lab:", err)
+		return 2
+	}
+	if os.Geteuid() != 0 {
+		fmt.Fprintln(os.Stderr, "hcsi-lab: the lab needs root (loop devices, mounts, mkfs)")
+		return 2
+	}
+	if os.Getenv(inNamespace) == "" {
+		return outside(f, args)
+	}
+	return inside(f)
+}
+
+// outside re-runs the lab in a private mount namespace, so every mount the
+// lab's kubelets and drivers make disappears with it whatever happens, then
+// detaches the loop devices the run left (those are global).
+func outside(f *flags, args []string) int {
+	exe, err := os.Executable()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "hcsi-lab:", err)
+		return 2
+	}
+	// Fix the run directory here, so both sides agree on it.
+	args = append(args, "--out="+f.cfg.Out)
+	cmd := exec.Command(exe, args...)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
+	cmd.Env = append(os.Environ(), inNamespace+"=1")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNS}
+	// Ctrl-C reaches the lab too (same process group): it stops, reports
+	// and cleans up; this side only waits for it.
+	signal.Ignore(os.Interrupt, syscall.SIGTERM)
+	err = cmd.Run()
+	code := 0
+	var ee *exec.ExitError
+	switch {
+	case errors.As(err, &ee):
+		code = ee.ExitCode()
+		if code < 0 {
+			code = 1
+		}
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "hcsi-lab:", err)
+		code = 2
+	}
+	if pids := lab.KillLeftovers(f.cfg.Out); len(pids) > 0 {
+		fmt.Fprintf(os.Stderr, "hcsi-lab: killed %d processes the lab left running: %v\n", len(pids), pids)
+		lab.WaitGone(pids, 10*time.Second) // they hold mounts and loop devices until they are gone
+	}
+	if err := lab.DetachLoopDevices(filepath.Join(f.cfg.Out, "host", "backing")); err != nil {
+		fmt.Fprintln(os.Stderr, "hcsi-lab: detaching loop devices:", err)
+		code = max(code, 1)
+	}
+	return code
+}
+
+func inside(f *flags) int {
+	// Mounts made in here must not propagate to the host's namespace.
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		fmt.Fprintln(os.Stderr, "hcsi-lab: private mount namespace:", err)
+		return 2
+	}
+	c := &f.cfg
+	if err := os.MkdirAll(filepath.Join(c.Out, "logs"), 0o750); err != nil {
+		fmt.Fprintln(os.Stderr, "hcsi-lab:", err)
+		return 2
+	}
+	fs := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(fs)
+	_ = fs.Set("logtostderr", "false")
+	_ = fs.Set("alsologtostderr", "false")
+	_ = fs.Set("one_output", "true")
+	_ = fs.Set("skip_log_headers", "true")
+	_ = fs.Set("log_file", filepath.Join(c.Out, "logs", "lab.log"))
+	_ = fs.Set("v", fmt.Sprint(f.verbosity))
+	defer klog.Flush()
+
+	exe, err := os.Executable()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "hcsi-lab:", err)
+		return 2
+	}
+	c.AgentCommand = []string{exe, "agent"}
+	c.PrivateMountNamespace = true
+	c.Progress = os.Stdout
+	if st, err := os.Stdout.Stat(); err == nil && st.Mode()&os.ModeCharDevice != 0 {
+		c.TTY = true
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	ctx = klog.NewContext(ctx, klog.Background().WithName("lab"))
+
+	if f.compare != "" {
+		return compare(ctx, f)
+	}
+	fmt.Printf("hcsi-lab: run directory %s\n", c.Out)
+	rep, err := lab.Run(ctx, *c)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "hcsi-lab: the lab could not run:", err)
+		if rep == nil {
+			return 2
+		}
+	}
+	if rep == nil {
+		return 2
+	}
+	fmt.Print(rep.Summary())
+	if !rep.Passed {
+		return 1
+	}
+	return 0
+}
+
+// compare runs the same scenario and seed twice: this driver's controller,
+// then the binary at --compare, and prints both side by side.
+func compare(ctx context.Context, f *flags) int {
+	base := f.cfg.Out
+	var reps [2]*lab.Report
+	for i, bin := range []string{"", f.compare} {
+		c := f.cfg
+		c.ControllerBinary = bin
+		c.Out = filepath.Join(base, []string{"this-driver", "compared"}[i])
+		fmt.Printf("hcsi-lab: run %d of 2 (%s) in %s\n", i+1, []string{"this driver", bin}[i], c.Out)
+		rep, err := lab.Run(ctx, c)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "hcsi-lab:", err)
+		}
+		if rep == nil {
+			return 2
+		}
+		reps[i] = rep
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	if reps[1] == nil {
+		return 2
+	}
+	fmt.Print(lab.Compare(reps[0], reps[1]))
+	if !reps[0].Passed {
+		return 1
+	}
+	return 0
+}

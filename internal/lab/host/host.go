@@ -1,0 +1,231 @@
+// Package host runs the lab's Harvester side: a real etcd and kube-apiserver
+// (internal/testenv), the KubeVirt simulator (internal/kubevirtsim) with
+// loop-device disks (internal/loopdisk), and one VM with its VMI per guest
+// node.
+package host
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"golang.org/x/sys/unix"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+)
+
+// Options configure the host.
+type Options struct {
+	// Dir holds the host's state: control plane, backing files, by-id
+	// directories.
+	Dir string
+	// LogDir receives the control plane's logs when the host stops.
+	LogDir string
+	// Namespace holds the guest VMs (default "guests").
+	Namespace string
+	// Sim are the simulator options (Namespace, DiskHook are set here).
+	Sim kubevirtsim.Options
+}
+
+// Host is a running simulated Harvester cluster.
+type Host struct {
+	Env       *testenv.Env
+	Sim       *kubevirtsim.Sim
+	Disks     *loopdisk.LoopDisks
+	Kube      kubernetes.Interface
+	Namespace string
+
+	o      Options
+	cancel context.CancelFunc
+}
+
+// Start starts the host cluster.
+func Start(ctx context.Context, o Options) (*Host, error) {
+	if o.Namespace == "" {
+		o.Namespace = "guests"
+	}
+	h := &Host{Namespace: o.Namespace, o: o}
+	if err := os.MkdirAll(filepath.Join(o.Dir, "control-plane"), 0o750); err != nil {
+
+		return nil, err
+	}
+	env, err := testenv.Start(ctx, testenv.Options{Dir: filepath.Join(o.Dir, "control-plane")})
+	if err != nil {
+		return nil, fmt.Errorf("host control plane: %w", err)
+	}
+	h.Env = env
+	h.Kube, err = kubernetes.NewForConfig(env.Config)
+	if err != nil {
+		h.Stop(ctx)
+		return nil, err
+	}
+	if _, err := h.Kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: o.Namespace}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		h.Stop(ctx)
+		return nil, err
+	}
+	h.Disks, err = loopdisk.New(loopdisk.Options{
+		BackingDir: filepath.Join(o.Dir, "backing"),
+		ByIDRoot:   filepath.Join(o.Dir, "by-id"),
+		Size: func(ctx context.Context, claim string) (int64, error) {
+			pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, claim, metav1.GetOptions{})
+			if err != nil {
+				return 0, err
+			}
+			q := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+			return q.Value(), nil
+		},
+	})
+	if err != nil {
+		h.Stop(ctx)
+		return nil, err
+	}
+	so := o.Sim
+	so.Namespace = o.Namespace
+	so.DiskHook = hardUnplug{h.Disks}
+	// The driver leaves the host class to Harvester's default when the guest
+	// StorageClass names none (the chart's does not).
+	so.BindClasslessPVCs = true
+	h.Sim, err = kubevirtsim.New(env.Config, so)
+	if err != nil {
+		h.Stop(ctx)
+		return nil, err
+	}
+	simCtx, cancel := context.WithCancel(klog.NewContext(context.WithoutCancel(ctx), klog.FromContext(ctx)))
+	h.cancel = cancel
+	if err := h.Sim.Start(simCtx); err != nil {
+		h.Sim = nil
+		h.Stop(ctx)
+		return nil, fmt.Errorf("simulator: %w", err)
+	}
+	return h, nil
+}
+
+// hardUnplug is the loop-device disk hook with one change that keeps the
+// lab honest: an unplugged disk stops answering at once, as a disk removed
+// from a VM does. A plain loop device detached while the guest still has it
+// mounted (a staging mount whose NodeUnstageVolume never came) stays fully
+// usable until the last unmount, so the stale filesystem would write its
+// cached state over the data another node wrote since; with a real hot
+// unplug those writes fail. So before the device is detached its size limit
+// drops to one sector: every later read or write of the filesystem fails
+// with an I/O error and nothing reaches the backing file.
+type hardUnplug struct{ *loopdisk.LoopDisks }
+
+func (d hardUnplug) Unplug(ctx context.Context, vm, volume string) error {
+	if dev, ok := d.Device(vm, volume); ok {
+		if err := cutIO(dev); err != nil {
+			klog.FromContext(ctx).Error(err, "cannot cut the unplugged disk's I/O", "vm", vm, "volume", volume, "device", dev)
+		}
+	}
+	return d.LoopDisks.Unplug(ctx, vm, volume)
+}
+
+func cutIO(dev string) error {
+	f, err := os.OpenFile(dev, os.O_RDWR, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	info, err := unix.IoctlLoopGetStatus64(int(f.Fd()))
+	if err != nil {
+		return fmt.Errorf("LOOP_GET_STATUS64 %s: %w", dev, err)
+	}
+	info.Sizelimit = 512
+	if err := unix.IoctlLoopSetStatus64(int(f.Fd()), info); err != nil {
+		return fmt.Errorf("LOOP_SET_STATUS64 %s: %w", dev, err)
+	}
+	return nil
+}
+
+// CreateVM creates the running VM of guest node name.
+func (h *Host) CreateVM(ctx context.Context, name string) error {
+	_, err := h.Sim.CreateVM(ctx, kubevirtsim.VMSpec{Namespace: h.Namespace, Name: name})
+	return err
+}
+
+// ByIDDir is the by-id directory the node plugin of VM name reads.
+func (h *Host) ByIDDir(name string) string { return h.Disks.ByIDDir(h.Namespace + "/" + name) }
+
+// WriteDriverKubeconfig writes the kubeconfig a driver process uses to reach
+// the host (TLS front of the simulator's proxy, admin token, VM namespace);
+// it works until ctx is done.
+func (h *Host) WriteDriverKubeconfig(ctx context.Context, path string) error {
+	return h.Sim.WriteKubeconfig(ctx, path, h.Namespace)
+}
+
+// Stop stops the simulator, unplugs every disk, keeps the control plane's
+// logs in LogDir and stops the control plane.
+func (h *Host) Stop(ctx context.Context) error {
+	var errs []error
+	if h.cancel != nil {
+		h.cancel()
+	}
+	if h.Sim != nil {
+		h.Sim.Stop()
+	}
+	if h.Disks != nil {
+		errs = append(errs, h.Disks.Close(context.WithoutCancel(ctx)))
+	}
+	if h.Env != nil {
+		if h.o.LogDir != "" {
+			errs = append(errs, CopyLogs(h.Env.Dir, h.o.LogDir, "host-"))
+		}
+		h.Env.Stop()
+	}
+	return errors.Join(errs...)
+}
+
+// CopyLogs copies dir's *.log files to logDir, names prefixed.
+func CopyLogs(dir, logDir, prefix string) error {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(logDir, 0o750); err != nil {
+		return err
+	}
+	var errs []error
+	for _, e := range ents {
+		if e.IsDir() || !strings.HasSuffix(e.Name(), ".log") {
+			continue
+		}
+		errs = append(errs, copyFile(filepath.Join(dir, e.Name()), filepath.Join(logDir, prefix+e.Name())))
+	}
+	return errors.Join(errs...)
+}
+
+func copyFile(src, dst string) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.Create(dst)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return err
+	}
+	return out.Close()
+}
+
+// StorageClass is the host storage class the simulated provisioner binds.
+func (h *Host) StorageClass() string {
+	if h.o.Sim.StorageClass != "" {
+		return h.o.Sim.StorageClass
+	}
+	return kubevirtsim.DefaultStorageClass
+}

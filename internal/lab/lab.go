@@ -1,0 +1,541 @@
+// Package lab runs the local Harvester-in-a-box lab (`make lab`): a simulated
+// Harvester host with loop-device disks, a real guest control plane, the
+// driver as separate OS processes, the real kubelet per guest node, and the
+// seed-002 workload (databases and backup CronJobs), while checking the
+// invariants all the time and at the end, and writing a report.
+//
+// Subpackages: host and guest start the two clusters, proc runs processes,
+// chart reads the rendered chart, nodetap sits between kubelets and node
+// plugins, workload and agent make and run the workload, monitor measures,
+// invariants checks.
+package lab
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/klog/v2"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/agent"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/guest"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/monitor"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/nodetap"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/workload"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+)
+
+// AgentImage is the image the hollow kubelets run the agent for.
+const AgentImage = "hcsi-lab.local/agent:v1"
+
+// KubeVirt versions the lab simulates.
+const (
+	KubeVirtLegacyV15   = "legacy-v1.5"
+	KubeVirtLegacyV17   = "legacy-v1.7"
+	KubeVirtDeclarative = "declarative"
+)
+
+// Config is one lab run.
+type Config struct {
+	Nodes      int           `json:"nodes"`
+	Namespaces int           `json:"namespaces"`
+	Minutes    float64       `json:"minutes"`
+	KubeVirt   string        `json:"kubevirt"`
+	TimeScale  float64       `json:"time_scale"`
+	Seed       uint64        `json:"seed"`
+	StuckBound time.Duration `json:"stuck_bound"`
+	// LabJobs: Jobs created by the lab every JobInterval instead of by
+	// CronJobs (the --quick preset).
+	LabJobs      bool          `json:"lab_jobs"`
+	JobInterval  time.Duration `json:"job_interval"`
+	MoveInterval time.Duration `json:"move_interval"`
+
+	// Faults.
+	SkipUnstage         float64       `json:"fault_skip_unstage"`
+	ControllerKillEvery time.Duration `json:"fault_controller_kill_every"`
+	APIPause            time.Duration `json:"fault_api_pause"`
+	APIPauseEvery       time.Duration `json:"fault_api_pause_every"`
+	AttachPodStuck      time.Duration `json:"fault_attachment_pod_stuck"`
+	AttachPodStuckEvery time.Duration `json:"fault_attachment_pod_stuck_every"`
+	StuckDetachOnReadd  bool          `json:"fault_stuck_detach_on_readd"`
+	DenyHotplug         float64       `json:"fault_deny_hotplug"`
+
+	// Out is the run directory; Bin the upstream binaries; DriverBinary the
+	// driver; ControllerBinary an alternative controller process; Manifests
+	// the rendered chart; AgentCommand how the hollow kubelets run the agent.
+	Out              string   `json:"out"`
+	Bin              string   `json:"-"`
+	DriverBinary     string   `json:"driver_binary"`
+	ControllerBinary string   `json:"controller_binary,omitempty"`
+	Manifests        string   `json:"manifests"`
+	AgentCommand     []string `json:"-"`
+	// PrivateMountNamespace: the lab runs in its own mount namespace, so it
+	// may mount in-cluster credentials for the driver processes at the
+	// path every in-cluster client reads (upstream's driver needs them).
+	PrivateMountNamespace bool `json:"-"`
+	// Progress receives the live progress line; TTY updates it in place.
+	Progress io.Writer `json:"-"`
+	TTY      bool      `json:"-"`
+}
+
+// scaled is d at the run's time scale.
+func (c *Config) scaled(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * c.TimeScale)
+}
+
+func (c *Config) simOptions() (kubevirtsim.Options, error) {
+	o := kubevirtsim.Options{Scale: c.TimeScale, Jitter: 0.2, Seed: c.Seed}
+	mode, version, err := ParseKubeVirt(c.KubeVirt)
+	if err != nil {
+		return o, err
+	}
+	o.Mode, o.Version = mode, version
+	// The simulator reproduces the stuck re-add of the versions before
+	// 1.8.2 by itself; the fault only makes sure the run uses one.
+	if c.StuckDetachOnReadd && (version == kubevirtsim.V1_8_2 || version == kubevirtsim.VMain) {
+		return o, fmt.Errorf("the stuck-detach-on-readd fault exists in KubeVirt before 1.8.2, not in %s: pick an older --kubevirt", version)
+	}
+	return o, nil
+}
+
+// ParseKubeVirt reads --kubevirt: "[legacy-|declarative-]VERSION" with a
+// simulated KubeVirt version (v1.5.3, v1.6.3, v1.7.0, v1.8.2, main), or one
+// of the short names legacy-v1.5, legacy-v1.7 and declarative. Without a
+// mode, a version gets the hotplug Harvester ships it with: legacy up to
+// 1.6.3 (Harvester 1.6 and 1.7), declarative from 1.7.0 (Harvester 1.8).
+func ParseKubeVirt(name string) (kubevirtsim.Mode, kubevirtsim.Version, error) {
+	switch name {
+	case KubeVirtLegacyV15, "":
+		return kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, nil
+	case KubeVirtLegacyV17:
+		return kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3, nil
+	case KubeVirtDeclarative:
+		return kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, nil
+	}
+	mode, rest := kubevirtsim.Mode(""), name
+	for _, m := range []kubevirtsim.Mode{kubevirtsim.ModeLegacy, kubevirtsim.ModeDeclarative} {
+		if after, ok := strings.CutPrefix(name, string(m)+"-"); ok {
+			mode, rest = m, after
+		}
+	}
+	version, err := kubevirtsim.ParseVersion(rest)
+	if err != nil {
+		return "", "", fmt.Errorf("--kubevirt %q: %w (or %s, %s, %s)", name, err, KubeVirtLegacyV15, KubeVirtLegacyV17, KubeVirtDeclarative)
+	}
+	if mode == "" {
+		mode = kubevirtsim.ModeDeclarative
+		if version == kubevirtsim.V1_5_3 || version == kubevirtsim.V1_6_3 {
+			mode = kubevirtsim.ModeLegacy
+		}
+	}
+	if mode == kubevirtsim.ModeDeclarative && version == kubevirtsim.V1_5_3 {
+		return "", "", fmt.Errorf("--kubevirt %q: KubeVirt 1.5 has no declarative hotplug", name)
+	}
+	return mode, version, nil
+}
+
+// Run runs the lab once and returns its report (also written to Out). The
+// report says whether the run passed; err is for a lab that could not run.
+func Run(ctx context.Context, c Config) (*Report, error) {
+	r := &run{c: c, start: time.Now(), seen: map[string]bool{}}
+	return r.run(ctx)
+}
+
+type run struct {
+	c     Config
+	start time.Time
+	log   klog.Logger
+
+	h       *host.Host
+	g       *guest.Guest
+	mon     *monitor.Monitor
+	wl      *workload.Workload
+	nodes   []string
+	results string
+	sockets string
+
+	mu         sync.Mutex
+	violations []invariants.Violation
+	seen       map[string]bool
+	taps       tapCounts
+	inflight   []InFlight
+	phase      string
+}
+
+type tapCounts struct {
+	calls, skipped, failed int
+}
+
+func (r *run) violate(vs ...invariants.Violation) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, v := range vs {
+		if r.seen[v.Key()] {
+			continue
+		}
+		r.seen[v.Key()] = true
+		r.violations = append(r.violations, v)
+		r.log.Info("INVARIANT VIOLATED", "kind", v.Kind, "volume", v.Volume, "nodes", v.Nodes, "details", v.Details)
+	}
+}
+
+func (r *run) setPhase(p string) {
+	r.mu.Lock()
+	r.phase = p
+	r.mu.Unlock()
+	r.log.Info("lab phase", "phase", p)
+}
+
+func (r *run) run(ctx context.Context) (rep *Report, err error) {
+	c := &r.c
+	r.log = klog.FromContext(ctx)
+	if err := os.MkdirAll(filepath.Join(c.Out, "logs"), 0o750); err != nil {
+		return nil, err
+	}
+	if c.Bin == "" {
+		if c.Bin, err = testenv.BinDir(); err != nil {
+			return nil, err
+		}
+	}
+	m, err := chart.Load(c.Manifests)
+	if err != nil {
+		return nil, err
+	}
+	simOpts, err := c.simOptions()
+	if err != nil {
+		return nil, err
+	}
+	r.results = filepath.Join(c.Out, "results")
+	if err := os.MkdirAll(r.results, 0o750); err != nil {
+		return nil, err
+	}
+	// Unix socket paths are short: sockets and kubelet roots live in a short
+	// temporary directory, linked from the run directory.
+	if r.sockets, err = os.MkdirTemp("", "hcsi-lab-"); err != nil {
+		return nil, err
+	}
+	_ = os.Symlink(r.sockets, filepath.Join(c.Out, "nodes"))
+	defer r.cleanup(ctx)
+
+	r.setPhase("host")
+	if r.h, err = host.Start(ctx, host.Options{Dir: filepath.Join(c.Out, "host"), LogDir: filepath.Join(c.Out, "logs"), Sim: simOpts}); err != nil {
+		return nil, err
+	}
+	for i := range c.Nodes {
+		r.nodes = append(r.nodes, fmt.Sprintf("node-%d", i))
+	}
+	for _, n := range r.nodes {
+		if err := r.h.CreateVM(ctx, n); err != nil {
+			return nil, fmt.Errorf("VM %s: %w", n, err)
+		}
+	}
+	r.setPhase("guest")
+	status := max(time.Second, c.scaled(10*time.Second))
+	r.g, err = guest.Start(ctx, guest.Options{
+		Dir: filepath.Join(c.Out, "guest"), SocketDir: r.sockets, LogDir: filepath.Join(c.Out, "logs"), Bin: c.Bin,
+		DriverBinary: c.DriverBinary, ControllerBinary: c.ControllerBinary,
+		AgentBinary: c.AgentCommand, AgentImage: AgentImage, AgentEnv: []string{"HCSI_LAB_RESULTS=" + r.results},
+		Manifests: m, Host: r.h, NodeStatusUpdate: status, KubeletSyncFrequency: status,
+		SkipUnstage: c.SkipUnstage, Seed: c.Seed, OnNodeCall: r.nodeCall,
+		ContainerRestartDelay: max(time.Second, c.scaled(10*time.Second)),
+		InCluster:             c.PrivateMountNamespace,
+	})
+	if err != nil {
+		return nil, err
+	}
+	for _, n := range r.nodes {
+		if _, err := r.g.AddNode(ctx, n); err != nil {
+			return nil, fmt.Errorf("guest node %s: %w", n, err)
+		}
+	}
+	readyCtx, cancel := context.WithTimeout(ctx, 3*time.Minute)
+	err = r.g.WaitNodesReady(readyCtx, r.nodes)
+	cancel()
+	if err != nil {
+		return nil, err
+	}
+	if r.mon, err = monitor.Start(ctx, r.g.Kube); err != nil {
+		return nil, err
+	}
+
+	r.setPhase("workload")
+	r.wl = workload.New(r.g.Kube, workload.Options{
+		Namespaces: c.Namespaces, Nodes: r.nodes, StorageClass: m.StorageClass.Name, Image: AgentImage,
+		DBInterval: max(200*time.Millisecond, c.scaled(2*time.Second)), BackupWork: c.scaled(10 * time.Second),
+		LabJobs: c.LabJobs, JobInterval: c.JobInterval, MoveInterval: c.MoveInterval, Seed: c.Seed,
+	})
+	if err := r.wl.Create(ctx); err != nil {
+		return nil, err
+	}
+	runCtx, stopRun := context.WithTimeout(ctx, time.Duration(c.Minutes*float64(time.Minute)))
+	defer stopRun()
+	var bg sync.WaitGroup
+	bgCtx, stopBG := context.WithCancel(ctx)
+	defer func() { stopBG(); bg.Wait() }()
+	bg.Add(3)
+	go func() { defer bg.Done(); r.wl.Run(runCtx) }()
+	go func() { defer bg.Done(); r.checkLoop(bgCtx) }()
+	go func() { defer bg.Done(); r.progressLoop(bgCtx) }()
+	r.startFaults(runCtx, &bg)
+	<-runCtx.Done()
+	if ctx.Err() != nil {
+		return r.report(ctx, "interrupted")
+	}
+
+	r.setPhase("quiesce")
+	qctx, cancelQ := context.WithTimeout(context.WithoutCancel(ctx), max(5*time.Minute, 2*c.StuckBound))
+	defer cancelQ()
+	if err := r.quiesce(qctx); err != nil {
+		r.violate(invariants.Violation{Kind: invariants.KindStuck, At: time.Now(), Details: "quiescing did not finish: " + err.Error()})
+	}
+	stopBG()
+	bg.Wait()
+	r.finalChecks(qctx)
+	return r.report(ctx, "done")
+}
+
+// quiesce suspends the CronJobs, waits for running Jobs, deletes the
+// workload and waits until no VolumeAttachment is left.
+func (r *run) quiesce(ctx context.Context) error {
+	if err := r.wl.Suspend(ctx); err != nil {
+		return err
+	}
+	if err := r.wl.WaitJobsDone(ctx); err != nil {
+		return fmt.Errorf("backup Jobs still running: %w", err)
+	}
+	if err := r.wl.Delete(ctx); err != nil {
+		return fmt.Errorf("workload namespaces not gone: %w", err)
+	}
+	return wait.PollUntilContextCancel(ctx, time.Second, true, func(ctx context.Context) (bool, error) {
+		s := r.mon.Snapshot()
+		return s.Attaching+s.Detaching == 0 && len(r.mon.Pending()) == 0 && r.noVAs(ctx), nil
+	})
+}
+
+func (r *run) noVAs(ctx context.Context) bool {
+	vas, err := r.g.Kube.StorageV1().VolumeAttachments().List(ctx, metav1ListAll)
+	return err == nil && len(vas.Items) == 0
+}
+
+func (r *run) nodeCall(c nodetap.Call) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.taps.calls++
+	if c.Skipped {
+		r.taps.skipped++
+		r.log.Info("fault: NodeUnstageVolume not passed to the driver", "node", c.Node, "volume", c.Volume)
+	}
+	if c.Err != nil {
+		r.taps.failed++
+	}
+}
+
+// checkLoop runs the continuous checkers.
+func (r *run) checkLoop(ctx context.Context) {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	read := 0
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		now := time.Now()
+		snap := r.mon.Snapshot()
+		r.mu.Lock()
+		r.inflight = append(r.inflight, InFlight{Seconds: now.Sub(r.start).Seconds(), Attaching: snap.Attaching, Detaching: snap.Detaching})
+		r.mu.Unlock()
+		r.violate(invariants.RWOHost(now, vmiVolumes(r.h, r.nodes))...)
+		if st, err := staged(r.h, r.g.Nodes()); err == nil {
+			r.violate(invariants.RWOStaged(now, st)...)
+		}
+		if evs, err := agent.ReadEvents(r.results); err == nil && len(evs) > read {
+			r.violate(invariants.Data(dataChecks(evs[read:]))...)
+			read = len(evs)
+		}
+		pending := r.mon.Pending()
+		stuck := invariants.Stuck(now, r.c.StuckBound, pending)
+		for i := range stuck {
+			stuck[i].Details += r.stuckContext(stuck[i])
+		}
+		r.violate(stuck...)
+		if err := r.g.Procs.Dead(); err != nil {
+			r.violate(invariants.Violation{Kind: invariants.KindStuck, At: now, Details: "a lab component died: " + err.Error()})
+		}
+	}
+}
+
+func dataChecks(evs []agent.Event) []invariants.DataCheck {
+	out := make([]invariants.DataCheck, len(evs))
+	for i, e := range evs {
+		out[i] = invariants.DataCheck{At: e.Time, Role: e.Role, Volume: e.Volume, Pod: e.Namespace + "/" + e.Pod, Node: e.Node,
+			OK: e.OK, Records: e.Records, Expected: e.Expected, Got: e.Got, Details: e.Detail}
+	}
+	return out
+}
+
+// stuckContext is what an operator would look at for a stuck volume: the
+// VM spec and VMI volumeStatus entries of the volume, and the driver's log
+// lines that name it.
+func (r *run) stuckContext(v invariants.Violation) string {
+	var b strings.Builder
+	for _, n := range r.nodes {
+		vm, vmi := r.h.Sim.VM(r.h.Namespace, n)
+		if vm != nil && vm.Spec.Template != nil {
+			for _, vol := range vm.Spec.Template.Spec.Volumes {
+				if strings.Contains(v.Volume, vol.Name) && vol.Name != "" {
+					fmt.Fprintf(&b, "  VM %s spec lists %s\n", n, vol.Name)
+				}
+			}
+			for _, req := range vm.Status.VolumeRequests {
+				fmt.Fprintf(&b, "  VM %s volumeRequest %+v\n", n, req)
+			}
+		}
+		if vmi != nil {
+			for _, vs := range vmi.Status.VolumeStatus {
+				if strings.Contains(v.Volume, vs.Name) {
+					fmt.Fprintf(&b, "  VMI %s volumeStatus %s phase=%s reason=%s message=%s\n", n, vs.Name, vs.Phase, vs.Reason, vs.Message)
+				}
+			}
+		}
+	}
+	if v.Volume != "" {
+		for _, l := range grepLog(r.g.Procs.LogPath("driver-controller"), firstVolume(v.Volume), 8) {
+			b.WriteString("  driver: " + l + "\n")
+		}
+	}
+	return b.String()
+}
+
+func firstVolume(s string) string {
+	s = strings.Trim(s, "[]")
+	if i := strings.IndexAny(s, " ,"); i > 0 {
+		return s[:i]
+	}
+	return s
+}
+
+func grepLog(path, needle string, n int) []string {
+	data, err := os.ReadFile(path)
+	if err != nil || needle == "" {
+		return nil
+	}
+	var out []string
+	for _, l := range strings.Split(string(data), "\n") {
+		if strings.Contains(l, needle) {
+			out = append(out, l)
+		}
+	}
+	if len(out) > n {
+		out = out[len(out)-n:]
+	}
+	return out
+}
+
+// finalChecks compares every view of the attachments after quiescing.
+func (r *run) finalChecks(ctx context.Context) {
+	backing, _ := filepath.EvalSymlinks(filepath.Join(r.c.Out, "host", "backing"))
+	// The driver's sweeper and KubeVirt may still be settling: give the
+	// views a bounded time to agree before reporting what differs.
+	var last []invariants.Violation
+	_ = wait.PollUntilContextTimeout(ctx, time.Second, max(time.Minute, r.c.scaled(2*time.Minute)), true, func(ctx context.Context) (bool, error) {
+		f, err := finalState(ctx, r.g.Kube, r.h, r.g.Nodes(), backing)
+		if err != nil {
+			return false, nil
+		}
+		f.ExpectEmpty = true
+		last = invariants.FinalAgreement(time.Now(), f)
+		return len(last) == 0, nil
+	})
+	r.violate(last...)
+	if evs, err := agent.ReadEvents(r.results); err == nil {
+		r.violate(invariants.Data(dataChecks(evs))...)
+	}
+}
+
+// cleanup stops everything and removes every mount and loop device the run
+// made, whatever happened.
+func (r *run) cleanup(ctx context.Context) {
+	ctx = context.WithoutCancel(ctx)
+	if r.g != nil {
+		if err := r.g.Stop(ctx); err != nil {
+			r.log.Error(err, "stopping the guest")
+		}
+	}
+	if r.sockets != "" {
+		if err := UnmountUnder(r.sockets); err != nil {
+			r.log.Error(err, "unmounting the guest nodes' mounts")
+		}
+	}
+	if r.h != nil {
+		if err := r.h.Stop(ctx); err != nil {
+			r.log.Error(err, "stopping the host")
+		}
+	}
+	if err := DetachLoopDevices(filepath.Join(r.c.Out, "host", "backing")); err != nil {
+		r.log.Error(err, "detaching loop devices")
+	}
+	if r.sockets != "" {
+		_ = os.Remove(filepath.Join(r.c.Out, "nodes"))
+		if err := os.RemoveAll(r.sockets); err != nil {
+			r.log.Error(err, "removing the node directories")
+		}
+	}
+	// Backing files are big sparse files: not worth keeping.
+	_ = os.RemoveAll(filepath.Join(r.c.Out, "host", "backing"))
+}
+
+// UnmountUnder unmounts every mount at or below dir, deepest first.
+func UnmountUnder(dir string) error {
+	var errs []error
+	for range 3 {
+		mounts, err := readMounts()
+		if err != nil {
+			return err
+		}
+		var points []string
+		for _, m := range mounts {
+			if m.point == dir || strings.HasPrefix(m.point, dir+"/") {
+				points = append(points, m.point)
+			}
+		}
+		if len(points) == 0 {
+			return nil
+		}
+		errs = nil
+		for i := len(points) - 1; i >= 0; i-- {
+			if err := syscall.Unmount(points[i], syscall.MNT_DETACH); err != nil && !errors.Is(err, syscall.EINVAL) && !errors.Is(err, syscall.ENOENT) {
+				errs = append(errs, fmt.Errorf("umount %s: %w", points[i], err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// DetachLoopDevices detaches every loop device whose backing file is under
+// dir.
+func DetachLoopDevices(dir string) error {
+	if d, err := filepath.EvalSymlinks(dir); err == nil {
+		dir = d
+	}
+	var errs []error
+	for _, dev := range loopDevicesOn(dir) {
+		if err := detachLoop(dev); err != nil {
+			errs = append(errs, fmt.Errorf("detach %s: %w", dev, err))
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,55 @@
+package proc
+
+import (
+	"context"
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestRestartKillStop(t *testing.T) {
+	g, err := NewGroup(context.Background(), t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer g.Stop(time.Second)
+	sleeper, err := g.Start(Spec{Name: "sleeper", Path: "/bin/sh", Args: []string{"-c", "echo started; exec sleep 60"}, Restart: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	once, err := g.Start(Spec{Name: "once", Path: "/bin/sh", Args: []string{"-c", "exit 3"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the one-shot process to be reported dead", func() bool { return g.Dead() != nil })
+	if exited, err := once.Exited(); !exited || err == nil || !strings.Contains(g.Dead().Error(), "once") {
+		t.Fatalf("once: exited %v err %v, group says %v", exited, err, g.Dead())
+	}
+	if err := sleeper.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the killed process to be restarted", func() bool {
+		exited, _ := sleeper.Exited()
+		return sleeper.Starts() == 2 && !exited
+	})
+	sleeper.Stop(time.Second)
+	if exited, _ := sleeper.Exited(); !exited {
+		t.Fatal("Stop did not end the process")
+	}
+	log, err := os.ReadFile(g.LogPath("sleeper"))
+	if err != nil || strings.Count(string(log), "\nstarted\n") != 2 {
+		t.Fatalf("log %q (%v): want two starts", log, err)
+	}
+}

@@ -1,0 +1,275 @@
+package lab
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/agent"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/monitor"
+)
+
+// Report is report.json.
+type Report struct {
+	Passed              bool                   `json:"passed"`
+	Outcome             string                 `json:"outcome"`
+	Stuck               int                    `json:"stuck"`
+	InvariantViolations []invariants.Violation `json:"invariant_violations"`
+	Operations          Operations             `json:"operations"`
+	AttachLatency       monitor.Percentiles    `json:"attach_latency_seconds"`
+	DetachLatency       monitor.Percentiles    `json:"detach_latency_seconds"`
+	PodStartLatency     monitor.Percentiles    `json:"pod_start_latency_seconds"`
+	KubeVirtWrites      KubeVirtWrites         `json:"kubevirt_writes"`
+	Conflicts           map[string]int         `json:"conflicts"`
+	AttacherErrors      map[string]int         `json:"attacher_errors"`
+	Driver              Driver                 `json:"driver"`
+	DataChecks          DataChecks             `json:"data_checks"`
+	NodeCalls           NodeCalls              `json:"node_calls"`
+	Config              Config                 `json:"config"`
+	Components          map[string]string      `json:"components"`
+	Started             time.Time              `json:"started"`
+	Elapsed             float64                `json:"elapsed_seconds"`
+	RunDir              string                 `json:"run_dir"`
+	// Samples for latency.svg.
+	AttachSamples []monitor.Sample `json:"attach_samples,omitempty"`
+	DetachSamples []monitor.Sample `json:"detach_samples,omitempty"`
+	InFlight      []InFlight       `json:"in_flight,omitempty"`
+}
+
+// Operations counts what the workload did.
+type Operations struct {
+	Attaches      int `json:"attaches"`
+	Detaches      int `json:"detaches"`
+	JobsRun       int `json:"jobs_run"`
+	JobsFailed    int `json:"jobs_failed"`
+	DatabaseMoves int `json:"database_moves"`
+}
+
+// KubeVirtWrites counts the writes that reached KubeVirt (the simulator's
+// front proxy).
+type KubeVirtWrites struct {
+	Total        int     `json:"total"`
+	VMSpec       int     `json:"vm_spec"`
+	VMStatus     int     `json:"vm_status"`
+	VMI          int     `json:"vmi"`
+	AddVolume    int     `json:"addvolume"`
+	RemoveVolume int     `json:"removevolume"`
+	PerVolumeOp  float64 `json:"per_volume_operation"`
+}
+
+// Driver describes the controller process.
+type Driver struct {
+	Binary   string `json:"binary"`
+	Version  string `json:"version"`
+	Restarts int    `json:"restarts"`
+}
+
+// DataChecks counts the workload's verifications.
+type DataChecks struct {
+	Passed int `json:"passed"`
+	Failed int `json:"failed"`
+}
+
+// NodeCalls counts the kubelets' node calls through the taps.
+type NodeCalls struct {
+	Total          int `json:"total"`
+	Failed         int `json:"failed"`
+	UnstageSkipped int `json:"unstage_skipped"`
+}
+
+func (r *run) figures() (monitor.Snapshot, KubeVirtWrites, map[string]int) {
+	s := r.mon.Snapshot()
+	st := r.h.Sim.Stats()
+	kw := KubeVirtWrites{VMSpec: st.VMSpecWrites, VMStatus: st.VMStatusWrites, VMI: st.VMIWrites, AddVolume: st.AddVolume, RemoveVolume: st.RemoveVolume}
+	kw.Total = kw.VMSpec + kw.VMStatus + kw.VMI + kw.AddVolume + kw.RemoveVolume
+	if ops := s.Attaches + s.Detaches; ops > 0 {
+		kw.PerVolumeOp = float64(kw.Total) / float64(ops)
+	}
+	conflicts := map[string]int{"409": st.Conflicts, "422": st.Unprocessable}
+	return s, kw, conflicts
+}
+
+func (r *run) stuckCount() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for _, v := range r.violations {
+		if v.Kind == invariants.KindStuck {
+			n++
+		}
+	}
+	return n
+}
+
+// progressLoop prints the live progress line: in place every second on a
+// terminal, one line every 10 s otherwise.
+func (r *run) progressLoop(ctx context.Context) {
+	if r.c.Progress == nil {
+		return
+	}
+	period := 10 * time.Second
+	if r.c.TTY {
+		period = time.Second
+	}
+	t := time.NewTicker(period)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			if r.c.TTY {
+				fmt.Fprintln(r.c.Progress)
+			}
+			return
+		case <-t.C:
+		}
+		line := r.progressLine()
+		if r.c.TTY {
+			fmt.Fprintf(r.c.Progress, "\r\033[K%s", line)
+		} else {
+			fmt.Fprintln(r.c.Progress, line)
+		}
+	}
+}
+
+func (r *run) progressLine() string {
+	s, kw, conf := r.figures()
+	a := monitor.Summarize(s.Attach)
+	r.mu.Lock()
+	phase, nviol := r.phase, len(r.violations)
+	r.mu.Unlock()
+	return fmt.Sprintf("[%s %s] jobs %d  attaches %d  detaches %d  in flight %d  stuck %d  violations %d  attach p50 %.1fs p99 %.1fs  kubevirt writes %d  conflicts 409:%d 422:%d",
+		time.Since(r.start).Round(time.Second), phase, s.JobsSucceeded, s.Attaches, s.Detaches, s.Attaching+s.Detaching,
+		r.stuckCount(), nviol, a.P50, a.P99, kw.Total, conf["409"], conf["422"])
+}
+
+// report writes report.json and summary.txt and returns the report.
+func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
+	rep := &Report{Outcome: outcome, Config: r.c, Started: r.start, Elapsed: time.Since(r.start).Seconds(), RunDir: r.c.Out}
+	if r.mon != nil {
+		s, kw, conf := r.figures()
+		rep.Operations = Operations{Attaches: s.Attaches, Detaches: s.Detaches, JobsRun: s.JobsSucceeded + s.JobsFailed, JobsFailed: s.JobsFailed}
+		rep.AttachLatency, rep.DetachLatency, rep.PodStartLatency = monitor.Summarize(s.Attach), monitor.Summarize(s.Detach), monitor.Summarize(s.PodStart)
+		rep.KubeVirtWrites, rep.Conflicts, rep.AttacherErrors = kw, conf, s.AttacherErrors
+		rep.AttachSamples, rep.DetachSamples = s.Attach, s.Detach
+	}
+	if r.wl != nil {
+		rep.Operations.DatabaseMoves = r.wl.Moves()
+	}
+	if evs, err := agent.ReadEvents(r.results); err == nil {
+		for _, e := range evs {
+			if e.OK {
+				rep.DataChecks.Passed++
+			} else {
+				rep.DataChecks.Failed++
+			}
+		}
+	}
+	r.mu.Lock()
+	rep.InvariantViolations = append([]invariants.Violation{}, r.violations...)
+	rep.NodeCalls = NodeCalls{Total: r.taps.calls, Failed: r.taps.failed, UnstageSkipped: r.taps.skipped}
+	rep.InFlight = append([]InFlight(nil), r.inflight...)
+	r.mu.Unlock()
+	rep.Stuck = r.stuckCount()
+	bin := r.c.DriverBinary
+	if r.c.ControllerBinary != "" {
+		bin = r.c.ControllerBinary
+	}
+	rep.Driver = Driver{Binary: bin, Version: versionOf(ctx, bin)}
+	if r.g != nil {
+		if p := r.g.Controller(); p != nil {
+			rep.Driver.Restarts = p.Starts() - 1
+		}
+	}
+	rep.Components = map[string]string{
+		"kubernetes (guest and host control planes, kubelet, scheduler)": "v1.35.4",
+		"csi-attacher":    "external-attacher v4.13.0",
+		"csi-provisioner": "external-provisioner v5.3.0",
+		"kubevirt":        "simulated (" + r.c.KubeVirt + ")",
+	}
+	rep.Passed = outcome == "done" && len(rep.InvariantViolations) == 0 && rep.Stuck == 0
+	data, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return rep, err
+	}
+	if err := os.WriteFile(filepath.Join(r.c.Out, "report.json"), data, 0o640); err != nil {
+		return rep, err
+	}
+	if err := writeLatencySVG(filepath.Join(r.c.Out, "latency.svg"), rep); err != nil {
+		r.log.Error(err, "latency.svg")
+	}
+	return rep, os.WriteFile(filepath.Join(r.c.Out, "summary.txt"), []byte(rep.Summary()), 0o640)
+}
+
+func versionOf(ctx context.Context, bin string) string {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, bin, "--version").CombinedOutput()
+	if err != nil {
+		return "unknown"
+	}
+	return strings.TrimSpace(strings.SplitN(string(out), "\n", 2)[0])
+}
+
+// Summary is the plain-text summary.
+func (rep *Report) Summary() string {
+	var b strings.Builder
+	verdict := "PASSED"
+	if !rep.Passed {
+		verdict = "FAILED"
+	}
+	c := rep.Config
+	fmt.Fprintf(&b, "hcsi-lab %s (%s) in %s\n", verdict, rep.Outcome, time.Duration(rep.Elapsed*float64(time.Second)).Round(time.Second))
+	fmt.Fprintf(&b, "  scenario: %d nodes, %d namespaces, %.1f min, KubeVirt %s, time scale %g, seed %d\n",
+		c.Nodes, c.Namespaces, c.Minutes, c.KubeVirt, c.TimeScale, c.Seed)
+	fmt.Fprintf(&b, "  driver: %s (%s), controller restarts %d\n", rep.Driver.Binary, rep.Driver.Version, rep.Driver.Restarts)
+	o := rep.Operations
+	fmt.Fprintf(&b, "  operations: %d attaches, %d detaches, %d jobs run (%d failed), %d database moves\n", o.Attaches, o.Detaches, o.JobsRun, o.JobsFailed, o.DatabaseMoves)
+	pl := func(name string, p monitor.Percentiles) {
+		fmt.Fprintf(&b, "  %-18s p50 %6.1fs  p95 %6.1fs  p99 %6.1fs  max %6.1fs  (n=%d)\n", name, p.P50, p.P95, p.P99, p.Max, p.N)
+	}
+	pl("attach latency:", rep.AttachLatency)
+	pl("detach latency:", rep.DetachLatency)
+	pl("pod start:", rep.PodStartLatency)
+	kw := rep.KubeVirtWrites
+	fmt.Fprintf(&b, "  KubeVirt writes: %d (%.2f per volume operation; spec %d, status %d, VMI %d, addvolume %d, removevolume %d)\n",
+		kw.Total, kw.PerVolumeOp, kw.VMSpec, kw.VMStatus, kw.VMI, kw.AddVolume, kw.RemoveVolume)
+	fmt.Fprintf(&b, "  conflicts: 409 x%d, 422 x%d\n", rep.Conflicts["409"], rep.Conflicts["422"])
+	fmt.Fprintf(&b, "  data checks: %d passed, %d failed; node calls %d (%d failed, %d NodeUnstage skipped by the fault)\n",
+		rep.DataChecks.Passed, rep.DataChecks.Failed, rep.NodeCalls.Total, rep.NodeCalls.Failed, rep.NodeCalls.UnstageSkipped)
+	if len(rep.AttacherErrors) > 0 {
+		fmt.Fprintf(&b, "  errors seen by the attacher:\n")
+		type kv struct {
+			k string
+			v int
+		}
+		var errs []kv
+		for k, v := range rep.AttacherErrors {
+			errs = append(errs, kv{k, v})
+		}
+		sort.Slice(errs, func(i, j int) bool { return errs[i].v > errs[j].v })
+		for i, e := range errs {
+			if i == 10 {
+				fmt.Fprintf(&b, "    ... %d more\n", len(errs)-10)
+				break
+			}
+			fmt.Fprintf(&b, "    %4dx %s\n", e.v, e.k)
+		}
+	}
+	fmt.Fprintf(&b, "  stuck: %d; invariant violations: %d\n", rep.Stuck, len(rep.InvariantViolations))
+	for i, v := range rep.InvariantViolations {
+		if i == 20 {
+			fmt.Fprintf(&b, "    ... %d more in report.json\n", len(rep.InvariantViolations)-20)
+			break
+		}
+		fmt.Fprintf(&b, "    - %s\n", strings.ReplaceAll(v.String(), "\n", "\n      "))
+	}
+	fmt.Fprintf(&b, "  run directory: %s (report.json, summary.txt, latency.svg, logs/)\n", rep.RunDir)
+	return b.String()
+}

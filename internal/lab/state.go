@@ -1,0 +1,204 @@
+package lab
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"golang.org/x/sys/unix"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/guest"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
+	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
+)
+
+// mount is one line of the mount table.
+type mount struct{ point, source, dev string }
+
+func readMounts() ([]mount, error) {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return nil, err
+	}
+	var out []mount
+	for _, l := range strings.Split(string(data), "\n") {
+		f := strings.Fields(l)
+		sep := -1
+		for i, x := range f {
+			if x == "-" {
+				sep = i
+				break
+			}
+		}
+		if len(f) < 5 || sep < 0 || sep+2 >= len(f) {
+			continue
+		}
+		out = append(out, mount{point: unescape(f[4]), source: f[sep+2], dev: f[2]})
+	}
+	return out, nil
+}
+
+func unescape(s string) string { return strings.ReplaceAll(s, `\040`, " ") }
+
+// nodeMounts are the staging and publish mounts under a node's kubelet root.
+func nodeMounts(mounts []mount, n *guest.Node) (staged, published []mount) {
+	csiRoot := filepath.Join(n.Root, "plugins", "kubernetes.io", "csi") + "/"
+	pods := filepath.Join(n.Root, "pods") + "/"
+	for _, m := range mounts {
+		switch {
+		case strings.HasPrefix(m.point, csiRoot) && strings.HasSuffix(m.point, "/globalmount"):
+			staged = append(staged, m)
+		case strings.HasPrefix(m.point, pods) && strings.Contains(m.point, "/volumes/kubernetes.io~csi/") && strings.HasSuffix(m.point, "/mount"):
+			published = append(published, m)
+		}
+	}
+	return staged, published
+}
+
+// stagedVolume reads the volume handle the kubelet wrote next to a staging
+// directory.
+func stagedVolume(globalmount string) string {
+	data, err := os.ReadFile(filepath.Join(filepath.Dir(globalmount), "vol_data.json"))
+	if err != nil {
+		return ""
+	}
+	var v struct {
+		VolumeHandle string `json:"volumeHandle"`
+	}
+	_ = json.Unmarshal(data, &v)
+	return v.VolumeHandle
+}
+
+func publishedVolume(point string) string {
+	i := strings.Index(point, "/volumes/kubernetes.io~csi/")
+	rest := point[i+len("/volumes/kubernetes.io~csi/"):]
+	return strings.TrimSuffix(rest, "/mount")
+}
+
+// devNumber is a block device's "major:minor", as the mount table shows it.
+func devNumber(path string) string {
+	var st unix.Stat_t
+	if unix.Stat(path, &st) != nil {
+		return ""
+	}
+	return fmt.Sprintf("%d:%d", unix.Major(st.Rdev), unix.Minor(st.Rdev))
+}
+
+// staged lists every staging mount on the guest nodes, and whether its device
+// is still the disk plugged into that node's VM.
+func staged(h *host.Host, nodes []*guest.Node) ([]invariants.Staged, error) {
+	mounts, err := readMounts()
+	if err != nil {
+		return nil, err
+	}
+	var out []invariants.Staged
+	for _, n := range nodes {
+		st, _ := nodeMounts(mounts, n)
+		for _, m := range st {
+			vol := stagedVolume(m.point)
+			dev, ok := h.Disks.Device(h.Namespace+"/"+n.Name, vol)
+			out = append(out, invariants.Staged{Node: n.Name, Volume: vol, Attached: ok && devNumber(dev) == m.dev})
+		}
+	}
+	return out, nil
+}
+
+// vmiVolumes is every VMI's volumeStatus (hotplug entries).
+func vmiVolumes(h *host.Host, nodes []string) map[string]invariants.VMIVolumes {
+	out := map[string]invariants.VMIVolumes{}
+	for _, n := range nodes {
+		_, vmi := h.Sim.VM(h.Namespace, n)
+		vols := invariants.VMIVolumes{}
+		if vmi != nil {
+			for _, vs := range vmi.Status.VolumeStatus {
+				if vs.HotplugVolume != nil {
+					vols[vs.Name] = string(vs.Phase)
+				}
+			}
+		}
+		out[n] = vols
+	}
+	return out
+}
+
+// finalState gathers every view of the attachments.
+func finalState(ctx context.Context, kube kubernetes.Interface, h *host.Host, nodes []*guest.Node, backing string) (invariants.Final, error) {
+	var f invariants.Final
+	vas, err := kube.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return f, err
+	}
+	for _, va := range vas.Items {
+		vol := ""
+		if va.Spec.Source.PersistentVolumeName != nil {
+			vol = *va.Spec.Source.PersistentVolumeName
+		}
+		f.VolumeAttachments = append(f.VolumeAttachments, invariants.Pair{Node: va.Spec.NodeName, Volume: vol})
+	}
+	f.VolumeRequests = map[string]int{}
+	mounts, err := readMounts()
+	if err != nil {
+		return f, err
+	}
+	for _, n := range nodes {
+		vm, vmi := h.Sim.VM(h.Namespace, n.Name)
+		if vm != nil {
+			if t := vm.Spec.Template; t != nil {
+				for _, v := range t.Spec.Volumes {
+					hot := (v.PersistentVolumeClaim != nil && v.PersistentVolumeClaim.Hotpluggable) || (v.DataVolume != nil && v.DataVolume.Hotpluggable)
+					if hot {
+						f.VMSpec = append(f.VMSpec, invariants.Pair{Node: n.Name, Volume: v.Name})
+					}
+				}
+			}
+			f.VolumeRequests[n.Name] = len(vm.Status.VolumeRequests)
+		}
+		if vmi != nil {
+			for _, vs := range vmi.Status.VolumeStatus {
+				if vs.HotplugVolume != nil {
+					f.VMIStatus = append(f.VMIStatus, invariants.Pair{Node: n.Name, Volume: vs.Name})
+				}
+			}
+		}
+		ents, _ := os.ReadDir(h.ByIDDir(n.Name))
+		for _, e := range ents {
+			if vol, ok := strings.CutPrefix(e.Name(), loopdisk.LinkPrefix); ok {
+				f.ByID = append(f.ByID, invariants.Pair{Node: n.Name, Volume: vol})
+			}
+		}
+		st, pub := nodeMounts(mounts, n)
+		for _, m := range st {
+			f.Staged = append(f.Staged, invariants.Pair{Node: n.Name, Volume: stagedVolume(m.point)})
+		}
+		for _, m := range pub {
+			f.Published = append(f.Published, invariants.Pair{Node: n.Name, Volume: publishedVolume(m.point)})
+		}
+	}
+	f.LoopDevices = loopDevicesOn(backing)
+	return f, nil
+}
+
+// loopDevicesOn lists the loop devices whose backing file is under dir.
+func loopDevicesOn(dir string) []string {
+	var out []string
+	ents, _ := os.ReadDir("/sys/block")
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), "loop") {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join("/sys/block", e.Name(), "loop", "backing_file"))
+		if err != nil {
+			continue
+		}
+		if strings.HasPrefix(strings.TrimSpace(string(b)), dir+"/") {
+			out = append(out, "/dev/"+e.Name())
+		}
+	}
+	return out
+}

@@ -1,0 +1,365 @@
+// Package workload makes the lab's guest workload (seed 002): per namespace a
+// database StatefulSet (1 replica, 1Gi RWO claim) and a backup CronJob
+// (`*/1 * * * *`, concurrencyPolicy Forbid) whose Job mounts a second RWO
+// claim; it moves databases between nodes now and then, and at the end
+// suspends the CronJobs and deletes everything.
+package workload
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"sort"
+	"sync"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	batchv1 "k8s.io/api/batch/v1"
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+)
+
+// Options shape the workload.
+type Options struct {
+	Namespaces   int
+	Nodes        []string
+	StorageClass string
+	// Image is the agent's image (the hollow kubelet runs the agent for it).
+	Image string
+	// DBInterval is how often a database writes a record.
+	DBInterval time.Duration
+	// BackupWork is how long a backup run works.
+	BackupWork time.Duration
+	// LabJobs: the lab creates a backup Job in each namespace every
+	// JobInterval (when the last one has finished) instead of a CronJob.
+	LabJobs     bool
+	JobInterval time.Duration
+	// MoveInterval is how often one database is moved to another node (0:
+	// never).
+	MoveInterval time.Duration
+	Seed         uint64
+}
+
+// Workload drives the workload on the guest.
+type Workload struct {
+	kube kubernetes.Interface
+	o    Options
+	rnd  *rand.Rand
+
+	mu    sync.Mutex
+	moves int
+	jobs  int // Jobs the lab created (LabJobs)
+}
+
+// New prepares a workload.
+func New(kube kubernetes.Interface, o Options) *Workload {
+	return &Workload{kube: kube, o: o, rnd: rand.New(rand.NewPCG(o.Seed, o.Seed+1))}
+}
+
+// Namespace is the name of workload namespace i.
+func Namespace(i int) string { return fmt.Sprintf("lab-%02d", i) }
+
+// Namespaces lists the workload's namespaces.
+func (w *Workload) Namespaces() []string {
+	out := make([]string, w.o.Namespaces)
+	for i := range out {
+		out[i] = Namespace(i)
+	}
+	return out
+}
+
+func claim(name, class string) corev1.PersistentVolumeClaimSpec {
+	return corev1.PersistentVolumeClaimSpec{
+		AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+		StorageClassName: ptr.To(class),
+		Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
+	}
+}
+
+func (w *Workload) backupPod() corev1.PodTemplateSpec {
+	return corev1.PodTemplateSpec{
+		ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"app": "backup"}},
+		Spec: corev1.PodSpec{
+			RestartPolicy:                 corev1.RestartPolicyNever,
+			TerminationGracePeriodSeconds: ptr.To[int64](10),
+			Containers: []corev1.Container{{
+				Name: "backup", Image: w.o.Image, ImagePullPolicy: corev1.PullIfNotPresent,
+				Args:         []string{"backup", "--path=/backup", "--work=" + w.o.BackupWork.String()},
+				VolumeMounts: []corev1.VolumeMount{{Name: "backup", MountPath: "/backup"}},
+			}},
+			Volumes: []corev1.Volume{{Name: "backup", VolumeSource: corev1.VolumeSource{
+				PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "backup"}}}},
+		},
+	}
+}
+
+// Create makes every namespace with its claim, StatefulSet and CronJob.
+func (w *Workload) Create(ctx context.Context) error {
+	for _, ns := range w.Namespaces() {
+		if err := w.create(ctx, ns); err != nil {
+			return fmt.Errorf("namespace %s: %w", ns, err)
+		}
+	}
+	return nil
+}
+
+func ignoreExists(err error) error {
+	if apierrors.IsAlreadyExists(err) {
+		return nil
+	}
+	return err
+}
+
+func (w *Workload) create(ctx context.Context, ns string) error {
+	c := w.kube
+	if _, err := c.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: ns, Labels: map[string]string{"hcsi-lab": "workload"}}}, metav1.CreateOptions{}); ignoreExists(err) != nil {
+		return err
+	}
+	if _, err := c.CoreV1().PersistentVolumeClaims(ns).Create(ctx, &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: "backup"}, Spec: claim("backup", w.o.StorageClass)}, metav1.CreateOptions{}); ignoreExists(err) != nil {
+		return err
+	}
+	labels := map[string]string{"app": "db"}
+	sts := &appsv1.StatefulSet{
+		ObjectMeta: metav1.ObjectMeta{Name: "db"},
+		Spec: appsv1.StatefulSetSpec{
+			Replicas:    ptr.To[int32](1),
+			ServiceName: "db",
+			Selector:    &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{
+				ObjectMeta: metav1.ObjectMeta{Labels: labels},
+				Spec: corev1.PodSpec{
+					TerminationGracePeriodSeconds: ptr.To[int64](10),
+					Containers: []corev1.Container{{
+						Name: "db", Image: w.o.Image, ImagePullPolicy: corev1.PullIfNotPresent,
+						Args:         []string{"db", "--path=/data", "--interval=" + w.o.DBInterval.String()},
+						VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}},
+					}},
+				},
+			},
+			VolumeClaimTemplates: []corev1.PersistentVolumeClaim{{ObjectMeta: metav1.ObjectMeta{Name: "data"}, Spec: claim("data", w.o.StorageClass)}},
+			PersistentVolumeClaimRetentionPolicy: &appsv1.StatefulSetPersistentVolumeClaimRetentionPolicy{
+				WhenDeleted: appsv1.DeletePersistentVolumeClaimRetentionPolicyType,
+				WhenScaled:  appsv1.RetainPersistentVolumeClaimRetentionPolicyType,
+			},
+		},
+	}
+	if _, err := c.AppsV1().StatefulSets(ns).Create(ctx, sts, metav1.CreateOptions{}); ignoreExists(err) != nil {
+		return err
+	}
+	if w.o.LabJobs {
+		return nil
+	}
+	cj := &batchv1.CronJob{
+		ObjectMeta: metav1.ObjectMeta{Name: "backup"},
+		Spec: batchv1.CronJobSpec{
+			Schedule:          "*/1 * * * *",
+			ConcurrencyPolicy: batchv1.ForbidConcurrent,
+			JobTemplate: batchv1.JobTemplateSpec{Spec: batchv1.JobSpec{
+				BackoffLimit: ptr.To[int32](2),
+				Template:     w.backupPod(),
+			}},
+		},
+	}
+	if _, err := c.BatchV1().CronJobs(ns).Create(ctx, cj, metav1.CreateOptions{}); ignoreExists(err) != nil {
+		return err
+	}
+	return nil
+}
+
+// Run drives the workload until ctx ends: lab-made Jobs (LabJobs) and
+// database moves.
+func (w *Workload) Run(ctx context.Context) {
+	var wg sync.WaitGroup
+	if w.o.LabJobs {
+		for _, ns := range w.Namespaces() {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				w.jobLoop(ctx, ns)
+			}()
+		}
+	}
+	if w.o.MoveInterval > 0 && len(w.o.Nodes) > 1 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			w.moveLoop(ctx)
+		}()
+	}
+	wg.Wait()
+}
+
+// jobLoop creates a backup Job whenever the namespace has none running and
+// JobInterval has passed, keeping the last two finished ones, like a
+// CronJob with concurrencyPolicy Forbid on a faster clock.
+func (w *Workload) jobLoop(ctx context.Context, ns string) {
+	logger := klog.FromContext(ctx).WithValues("namespace", ns)
+	n := 0
+	w.mu.Lock()
+	offset := time.Duration(w.rnd.Int64N(int64(w.o.JobInterval) + 1))
+	w.mu.Unlock()
+	select {
+	case <-ctx.Done():
+		return
+	case <-time.After(offset):
+	}
+	t := time.NewTicker(w.o.JobInterval)
+	defer t.Stop()
+	for {
+		jobs, err := w.kube.BatchV1().Jobs(ns).List(ctx, metav1.ListOptions{LabelSelector: "hcsi-lab-job=backup"})
+		if err == nil {
+			active := false
+			var done []batchv1.Job
+			for _, j := range jobs.Items {
+				if finished(&j) {
+					done = append(done, j)
+				} else {
+					active = true
+				}
+			}
+			sort.Slice(done, func(i, j int) bool { return done[i].CreationTimestamp.Before(&done[j].CreationTimestamp) })
+			for i := 0; i < len(done)-2; i++ {
+				_ = w.kube.BatchV1().Jobs(ns).Delete(ctx, done[i].Name, metav1.DeleteOptions{PropagationPolicy: ptr.To(metav1.DeletePropagationBackground)})
+			}
+			if !active {
+				n++
+				job := &batchv1.Job{
+					ObjectMeta: metav1.ObjectMeta{GenerateName: "backup-", Labels: map[string]string{"hcsi-lab-job": "backup"}},
+					Spec:       batchv1.JobSpec{BackoffLimit: ptr.To[int32](2), Template: w.backupPod()},
+				}
+				if _, err := w.kube.BatchV1().Jobs(ns).Create(ctx, job, metav1.CreateOptions{}); err != nil {
+					logger.V(2).Info("creating a backup Job failed", "err", err)
+				} else {
+					w.mu.Lock()
+					w.jobs++
+					w.mu.Unlock()
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+func finished(j *batchv1.Job) bool {
+	for _, c := range j.Status.Conditions {
+		if (c.Type == batchv1.JobComplete || c.Type == batchv1.JobFailed) && c.Status == corev1.ConditionTrue {
+			return true
+		}
+	}
+	return false
+}
+
+// moveLoop moves one running database to another node every MoveInterval:
+// it pins the StatefulSet's pod template to the other node, and the
+// StatefulSet controller replaces the pod (delete, wait, create) so the
+// volume detaches from one node and attaches to the other.
+func (w *Workload) moveLoop(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	t := time.NewTicker(w.o.MoveInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		nss := w.Namespaces()
+		w.mu.Lock()
+		ns := nss[w.rnd.IntN(len(nss))]
+		w.mu.Unlock()
+		pod, err := w.kube.CoreV1().Pods(ns).Get(ctx, "db-0", metav1.GetOptions{})
+		if err != nil || pod.Status.Phase != corev1.PodRunning || pod.DeletionTimestamp != nil {
+			continue
+		}
+		var others []string
+		for _, n := range w.o.Nodes {
+			if n != pod.Spec.NodeName {
+				others = append(others, n)
+			}
+		}
+		w.mu.Lock()
+		to := others[w.rnd.IntN(len(others))]
+		w.mu.Unlock()
+		patch, _ := json.Marshal(map[string]any{"spec": map[string]any{"template": map[string]any{"spec": map[string]any{
+			"nodeSelector": map[string]string{"kubernetes.io/hostname": to}}}}})
+		if _, err := w.kube.AppsV1().StatefulSets(ns).Patch(ctx, "db", types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
+			logger.V(2).Info("moving a database failed", "namespace", ns, "err", err)
+			continue
+		}
+		w.mu.Lock()
+		w.moves++
+		w.mu.Unlock()
+		logger.V(2).Info("moving database", "namespace", ns, "from", pod.Spec.NodeName, "to", to)
+	}
+}
+
+// Moves counts database moves started.
+func (w *Workload) Moves() int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.moves
+}
+
+// Suspend stops new backup runs: CronJobs suspended (LabJobs stop with
+// Run's context).
+func (w *Workload) Suspend(ctx context.Context) error {
+	if w.o.LabJobs {
+		return nil
+	}
+	patch := []byte(`{"spec":{"suspend":true}}`)
+	for _, ns := range w.Namespaces() {
+		if _, err := w.kube.BatchV1().CronJobs(ns).Patch(ctx, "backup", types.MergePatchType, patch, metav1.PatchOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			return err
+		}
+	}
+	return nil
+}
+
+// WaitJobsDone waits until no backup Job is running.
+func (w *Workload) WaitJobsDone(ctx context.Context) error {
+	return wait.PollUntilContextCancel(ctx, time.Second, true, func(ctx context.Context) (bool, error) {
+		for _, ns := range w.Namespaces() {
+			jobs, err := w.kube.BatchV1().Jobs(ns).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return false, nil
+			}
+			for _, j := range jobs.Items {
+				if !finished(&j) {
+					return false, nil
+				}
+			}
+		}
+		return true, nil
+	})
+}
+
+// Delete deletes the workload's namespaces (and so their StatefulSets, Jobs,
+// pods and claims) and waits until the namespaces are gone.
+func (w *Workload) Delete(ctx context.Context) error {
+	for _, ns := range w.Namespaces() {
+		if err := w.kube.CoreV1().Namespaces().Delete(ctx, ns, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+			return err
+		}
+	}
+	return wait.PollUntilContextCancel(ctx, time.Second, true, func(ctx context.Context) (bool, error) {
+		for _, ns := range w.Namespaces() {
+			if _, err := w.kube.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+}

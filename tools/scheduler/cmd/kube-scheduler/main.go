@@ -1,0 +1,13 @@
+// Command kube-scheduler is the upstream scheduler, unmodified, for the lab's guest cluster.
+package main
+
+import (
+	"os"
+
+	"k8s.io/component-base/cli"
+	"k8s.io/kubernetes/cmd/kube-scheduler/app"
+)
+
+func main() {
+	os.Exit(cli.Run(app.NewSchedulerCommand()))
+}
