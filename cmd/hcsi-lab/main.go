@@ -65,7 +65,7 @@ func parse(args []string) (*flags, error) {
 	fs.DurationVar(&c.StuckBound, "stuck-bound", 0, "a pod or VolumeAttachment in progress longer than this is stuck (default 5m at time scale 1)")
 	fs.DurationVar(&c.JobInterval, "job-interval", 0, "with lab-made Jobs (--quick), how often each namespace runs one")
 	fs.DurationVar(&c.MoveInterval, "move-interval", 0, "how often a database is moved to another node (default 20s at time scale 1)")
-	fs.Float64Var(&c.SkipUnstage, "skip-unstage", 0, "fault: probability that a kubelet's NodeUnstageVolume never reaches the driver (seed 000)")
+	fs.Float64Var(&c.SkipUnstage, "skip-unstage", 0, "fault: probability that a kubelet's NodeUnstageVolume never reaches the driver, as in kubelet's unstage race")
 	fs.DurationVar(&c.ControllerKillEvery, "kill-controller-every", 0, "fault: SIGKILL the driver's controller process this often (it restarts)")
 	fs.DurationVar(&f.pauseFor, "pause-api-for", 0, "fault: pause (SIGSTOP) the host API server for this long ...")
 	fs.DurationVar(&f.pauseEvery, "pause-api-every", 0, "... this often")

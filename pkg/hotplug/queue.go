@@ -164,22 +164,10 @@ func New(cfg Config, backend Backend, reader Reader, vmInformer, vmiInformer cac
 	if cfg.Namespace == "" {
 		return nil, errors.New("hotplug: the host namespace is required")
 	}
-	if err := vmInformer.AddIndexers(cache.Indexers{indexClaim: func(obj any) ([]string, error) {
-		vm, ok := obj.(*kubevirtv1.VirtualMachine)
-		if !ok {
-			return nil, nil
-		}
-		return vmClaims(vm), nil
-	}}); err != nil {
+	if err := vmInformer.AddIndexers(cache.Indexers{indexClaim: claimIndex(vmClaims)}); err != nil {
 		return nil, fmt.Errorf("add VM claim index: %w", err)
 	}
-	if err := vmiInformer.AddIndexers(cache.Indexers{indexClaim: func(obj any) ([]string, error) {
-		vmi, ok := obj.(*kubevirtv1.VirtualMachineInstance)
-		if !ok {
-			return nil, nil
-		}
-		return vmiClaims(vmi), nil
-	}}); err != nil {
+	if err := vmiInformer.AddIndexers(cache.Indexers{indexClaim: claimIndex(vmiClaims)}); err != nil {
 		return nil, fmt.Errorf("add VMI claim index: %w", err)
 	}
 	limiter := workqueue.NewTypedMaxOfRateLimiter(
@@ -218,6 +206,16 @@ func New(cfg Config, backend Backend, reader Reader, vmInformer, vmiInformer cac
 		return nil, err
 	}
 	return q, nil
+}
+
+// claimIndex indexes objects of type T by the claims claims lists.
+func claimIndex[T any](claims func(*T) []string) cache.IndexFunc {
+	return func(obj any) ([]string, error) {
+		if o, ok := obj.(*T); ok {
+			return claims(o), nil
+		}
+		return nil, nil
+	}
 }
 
 // wake re-examines a VM when the informers show it changed, but only if the
