@@ -349,6 +349,8 @@ func (g *Guest) AddNode(ctx context.Context, name string) (*Node, error) {
 		"kubeconfig":      g.hostKubeconfig,
 		"by-id-dir":       o.Host.ByIDDir(name),
 		"metrics-address": metrics,
+		// The stale staging sweeper only touches this kubelet's mounts.
+		"kubelet-root-dir": n.Root,
 	}, "--nodeid="+name, "--v=4")
 	if err != nil {
 		return nil, err
