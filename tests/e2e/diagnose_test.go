@@ -34,7 +34,9 @@ import (
 func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_6_3, Scale: 0.05, BindClasslessPVCs: true})
 	h.CreateVMs(t, "dg-a", "dg-b")
-	vols := h.CreateVolumes(t, "dg", 6) // dg-00 healthy, 01 ghost, 02 lost, 03 two VMs, 04 refused, 05 detach error
+	// dg-00 healthy, 01 ghost, 02 lost, 03 two VMs, 04 refused, 05 detach
+	// error, 06 stuck in its attachment pod (not Ready, and a slow intent).
+	vols := h.CreateVolumes(t, "dg", 7)
 	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 50 * time.Millisecond, MaxHold: 1500 * time.Millisecond}})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -114,6 +116,18 @@ func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 		t.Fatal(err)
 	}
 	attachVA(vols[5], false, "rpc error: code = Unavailable desc = host unreachable")
+	// An attachment pod that never starts: the publish gives up, the intent
+	// stays and waits.
+	h.Sim.Faults().SetAttachmentPodsStuck(h.Namespace, "dg-b", true)
+	defer h.Sim.Faults().SetAttachmentPodsStuck(h.Namespace, "dg-b", false)
+	cctx, c := context.WithTimeout(ctx, 3*time.Second)
+	_, err = ctrl.Client.ControllerPublishVolume(cctx, &csi.ControllerPublishVolumeRequest{VolumeId: vols[6], NodeId: "dg-b",
+		VolumeCapability: &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}})
+	c()
+	if err == nil {
+		t.Fatal("a publish whose attachment pod never starts answered OK")
+	}
 
 	state := httptest.NewServer(diagnose.StateHandler(ctrl.Queue.State))
 	defer state.Close()
@@ -127,6 +141,8 @@ func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 		diagnose.TwoHolders + "/" + vols[3] + "/",
 		diagnose.StuckRequests + "//dg-b",
 		diagnose.StuckVolumeAttachment + "/" + vols[5] + "/dg-a",
+		diagnose.NotReady + "/" + vols[6] + "/dg-b",
+		diagnose.SlowIntent + "/" + vols[6] + "/dg-b",
 	}
 	var got []string
 	waitFor(t, ctx, "diagnose to name every fabricated disagreement", func() (bool, string) {
@@ -134,7 +150,7 @@ func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 		if err != nil {
 			return false, err.Error()
 		}
-		in.SlowAfter = time.Minute
+		in.SlowAfter = time.Second
 		got = nil
 		for _, f := range diagnose.Check(in) {
 			got = append(got, f.Kind+"/"+f.Volume+"/"+f.VM)
