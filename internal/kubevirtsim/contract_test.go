@@ -161,7 +161,7 @@ func requestsDone(t *testing.T, s *Sim, ns string, cond func(*kubevirtv1.Virtual
 }
 
 func specLacks(name string) func(*kubevirtv1.VirtualMachine) bool {
-	return func(vm *kubevirtv1.VirtualMachine) bool { return !hasVolume(vm.Spec.Template.Spec.Volumes, name) }
+	return func(vm *kubevirtv1.VirtualMachine) bool { return !HasVolume(vm.Spec.Template.Spec.Volumes, name) }
 }
 
 // Behaviour 1: re-adding a volume whose entry is still Detaching sticks in
@@ -204,7 +204,7 @@ func TestReaddWhileDetaching(t *testing.T) {
 		requestsDone(t, s, ns, specLacks("pvc-a"))
 		mustAdd(t, s, ns, "pvc-a") // the naive order
 		waitEntry(t, s, ns, "pvc-a", "volume back in the VMI spec", func(vmi *kubevirtv1.VirtualMachineInstance, _ kubevirtv1.VolumeStatus, _ bool) bool {
-			return hasVolume(vmi.Spec.Volumes, "pvc-a")
+			return HasVolume(vmi.Spec.Volumes, "pvc-a")
 		})
 		s.vmis.afterWrite.Store(nil)
 		s.vmis.pause(key, false)
@@ -265,7 +265,7 @@ func TestReaddWhileUnmounted(t *testing.T) {
 		requestsDone(t, s, ns, specLacks("pvc-a"))
 		mustAdd(t, s, ns, "pvc-a")
 		waitEntry(t, s, ns, "pvc-a", "volume back in the VMI spec", func(vmi *kubevirtv1.VirtualMachineInstance, _ kubevirtv1.VolumeStatus, _ bool) bool {
-			return hasVolume(vmi.Spec.Volumes, "pvc-a")
+			return HasVolume(vmi.Spec.Volumes, "pvc-a")
 		})
 		s.vmis.pause(key, false)
 		waitEntry(t, s, ns, "pvc-a", "volume mounted again", func(vmi *kubevirtv1.VirtualMachineInstance, _ kubevirtv1.VolumeStatus, _ bool) bool {
@@ -683,7 +683,7 @@ func TestDeclarativeController(t *testing.T) {
 			applyVolumeRequest(spec, &kubevirtv1.VirtualMachineVolumeRequest{AddVolumeOptions: addOpts("pvc-sata", "pvc-sata", "sata")})
 		})
 		condition(`Error encountered while handling declarative hotplug volumes: admission webhook "virtualmachineinstances-update-validator.kubevirt.io" denied the request: Hotplug configuration for disk [pvc-sata] requires bus to be 'scsi' or 'virtio'. [sata] is not permitted.`)
-		if _, vmi := s.VM(ns, "vm1"); hasVolume(vmi.Spec.Volumes, "pvc-ok") {
+		if _, vmi := s.VM(ns, "vm1"); HasVolume(vmi.Spec.Volumes, "pvc-ok") {
 			t.Error("the good volume of a rejected patch reached the VMI")
 		}
 		edit(func(spec *kubevirtv1.VirtualMachineInstanceSpec) { applyVolumeRequest(spec, rmReq("pvc-sata")) })
@@ -742,7 +742,7 @@ func TestDeclarativeController(t *testing.T) {
 		ready(t, s, ns, "vm1", "pvc-x", 30*time.Second)
 		condition("")
 		waitEntry(t, s, ns, "pvc-other", "the VMI-only volume removed", func(vmi *kubevirtv1.VirtualMachineInstance, _ kubevirtv1.VolumeStatus, ok bool) bool {
-			return !ok && !hasVolume(vmi.Spec.Volumes, "pvc-other")
+			return !ok && !HasVolume(vmi.Spec.Volumes, "pvc-other")
 		})
 	})
 }

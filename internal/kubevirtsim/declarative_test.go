@@ -147,7 +147,7 @@ func TestDeclarativeReaddWaitsForUnplug(t *testing.T) {
 	if err := patchVMVolumes(ctx, t, s, c, ns, "vm1", nil, []string{"pvc-a"}); err != nil {
 		t.Fatal(err)
 	}
-	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return !hasVolume(vmi.Spec.Volumes, "pvc-a") })
+	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return !HasVolume(vmi.Spec.Volumes, "pvc-a") })
 	if err := patchVMVolumes(ctx, t, s, c, ns, "vm1", []string{"pvc-a"}, nil); err != nil {
 		t.Fatal(err)
 	}

@@ -189,7 +189,7 @@ func (n *node) mountAndUnmount(ctx context.Context) {
 	d := h.domainOf(n.vmi.UID)
 	var unplug []string
 	for _, e := range n.entries {
-		if e.HotplugVolume == nil || !hasVolume(n.vmi.Spec.Volumes, e.Name) {
+		if e.HotplugVolume == nil || !HasVolume(n.vmi.Spec.Volumes, e.Name) {
 			continue
 		}
 		delete(d.detachAt, e.Name) // back in the spec before it was unmounted
@@ -208,7 +208,7 @@ func (n *node) mountAndUnmount(ctx context.Context) {
 		d.mounted[e.Name] = true
 	}
 	for _, name := range domainVolumes(d) {
-		if hasVolume(n.vmi.Spec.Volumes, name) {
+		if HasVolume(n.vmi.Spec.Volumes, name) {
 			continue
 		}
 		if _, ok := d.targets[name]; ok {
@@ -231,7 +231,7 @@ func (n *node) mountAndUnmount(ctx context.Context) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	for _, name := range domainVolumes(d) {
-		if hasVolume(n.vmi.Spec.Volumes, name) || !d.mounted[name] {
+		if HasVolume(n.vmi.Spec.Volumes, name) || !d.mounted[name] {
 			continue
 		}
 		if _, attached := d.targets[name]; attached {
@@ -274,7 +274,7 @@ func (n *node) setPhases() {
 			continue
 		}
 		e.Target = d.targets[e.Name]
-		handlerPhase(e, hasVolume(n.vmi.Spec.Volumes, e.Name), d.mounted[e.Name])
+		handlerPhase(e, HasVolume(n.vmi.Spec.Volumes, e.Name), d.mounted[e.Name])
 	}
 }
 
@@ -299,7 +299,7 @@ func (n *node) attachToDomain(ctx context.Context) {
 	var due []string
 	for _, e := range n.entries {
 		name := e.Name
-		if e.HotplugVolume == nil || !hasVolume(n.vmi.Spec.Volumes, name) || !d.mounted[name] {
+		if e.HotplugVolume == nil || !HasVolume(n.vmi.Spec.Volumes, name) || !d.mounted[name] {
 			delete(d.attachAt, name)
 			continue
 		}

@@ -74,7 +74,7 @@ func TestLegacyAttachDetachV17(t *testing.T) {
 	if len(vm.Status.VolumeRequests) != 0 {
 		t.Errorf("volumeRequests not trimmed: %+v", vm.Status.VolumeRequests)
 	}
-	if !hasVolume(vmi.Spec.Volumes, "pvc-a") {
+	if !HasVolume(vmi.Spec.Volumes, "pvc-a") {
 		t.Errorf("VMI spec lacks the volume")
 	}
 	e, _ := FindVolumeStatus(vmi, "pvc-a")
@@ -211,7 +211,7 @@ func TestLegacyStoppedVMAndDirectEdit(t *testing.T) {
 	}
 	expect202(t, addVolume(t, s, ns, "off", "pvc-a"))
 	err := s.Wait(ctx, ns, "off", func(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool {
-		return vmi == nil && hasVolume(vm.Spec.Template.Spec.Volumes, "pvc-a") && len(vm.Status.VolumeRequests) == 0
+		return vmi == nil && HasVolume(vm.Spec.Template.Spec.Volumes, "pvc-a") && len(vm.Status.VolumeRequests) == 0
 	})
 	if err != nil {
 		t.Fatalf("stopped VM: %v", err)
@@ -225,7 +225,7 @@ func TestLegacyStoppedVMAndDirectEdit(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(time.Second)
-	if _, vmi := s.VM(ns, "on"); hasVolume(vmi.Spec.Volumes, "pvc-a") {
+	if _, vmi := s.VM(ns, "on"); HasVolume(vmi.Spec.Volumes, "pvc-a") {
 		t.Error("a direct spec edit hotplugged a volume in legacy mode")
 	}
 	// Starting the stopped VM brings its template hotplug volume up.
@@ -254,7 +254,7 @@ func TestLegacySpecUpdateDenied(t *testing.T) {
 	expect202(t, addVolume(t, s, ns, "vm1", "pvc-bad"))
 	wantMsg := `Error encountered when trying to update vm according to add volume and/or memory dump requests: admission webhook "validator.harvesterhci.io" denied the request: the volume pvc-bad is already used by VM`
 	err := s.Wait(ctx, ns, "vm1", func(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool {
-		return failure(vm, ReasonFailedUpdateError, wantMsg) && hasVolume(vmi.Spec.Volumes, "pvc-bad") && !hasVolume(vm.Spec.Template.Spec.Volumes, "pvc-bad")
+		return failure(vm, ReasonFailedUpdateError, wantMsg) && HasVolume(vmi.Spec.Volumes, "pvc-bad") && !HasVolume(vm.Spec.Template.Spec.Volumes, "pvc-bad")
 	})
 	if err != nil {
 		vm, _ := s.VM(ns, "vm1")

@@ -107,7 +107,7 @@ func TestSubresourceChecksLegacy(t *testing.T) {
 		vm, _ := s.VM(ns, "vm1")
 		t.Fatalf("no HotPlugVolumeError condition: %v %+v", err, vm.Status.Conditions)
 	}
-	if vm, _ := s.VM(ns, "vm1"); len(vm.Status.VolumeRequests) != 2 || hasVolume(vm.Spec.Template.Spec.Volumes, "pvc-b") {
+	if vm, _ := s.VM(ns, "vm1"); len(vm.Status.VolumeRequests) != 2 || HasVolume(vm.Spec.Template.Spec.Volumes, "pvc-b") {
 		t.Errorf("requests should wait untouched: %+v", vm.Status.VolumeRequests)
 	}
 	if err := s.Faults().SetVMINotRunning(ctx, ns, "vm1", false); err != nil {
@@ -149,8 +149,8 @@ func TestSubresourceChecksLegacy(t *testing.T) {
 
 	// The VMI path on a VM-owned VMI with the legacy gate on is allowed.
 	expect202(t, call(t, s, ns, resVMIs, "vm1", "removevolume", &kubevirtv1.RemoveVolumeOptions{Name: "pvc-a"}))
-	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return !hasVolume(vmi.Spec.Volumes, "pvc-a") })
-	if vm, _ := s.VM(ns, "vm1"); !hasVolume(vm.Spec.Template.Spec.Volumes, "pvc-a") {
+	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return !HasVolume(vmi.Spec.Volumes, "pvc-a") })
+	if vm, _ := s.VM(ns, "vm1"); !HasVolume(vm.Spec.Template.Spec.Volumes, "pvc-a") {
 		t.Error("the VMI path changed the VM spec")
 	}
 
@@ -262,7 +262,7 @@ func TestStatusWebhook(t *testing.T) {
 	}
 	// An ephemeral VMI-only volume (the VMI path with the legacy gate).
 	expect202(t, call(t, s, ns, resVMIs, "vm1", "addvolume", addOpts("eph", "claim-1", "scsi")))
-	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return hasVolume(vmi.Spec.Volumes, "eph") })
+	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return HasVolume(vmi.Spec.Volumes, "eph") })
 	c := proxyKV(t, s)
 	write := func(reqs ...*kubevirtv1.VirtualMachineVolumeRequest) error {
 		vm := &kubevirtv1.VirtualMachine{}

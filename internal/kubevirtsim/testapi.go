@@ -188,7 +188,7 @@ func FindVolumeStatus(vmi *kubevirtv1.VirtualMachineInstance, volume string) (ku
 func (s *Sim) WaitVolumeReady(ctx context.Context, namespace, vm, volume string) (string, error) {
 	var target string
 	err := s.Wait(ctx, namespace, vm, func(v *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool {
-		if v == nil || v.Spec.Template == nil || !hasVolume(v.Spec.Template.Spec.Volumes, volume) {
+		if v == nil || v.Spec.Template == nil || !HasVolume(v.Spec.Template.Spec.Volumes, volume) {
 			return false
 		}
 		e, ok := FindVolumeStatus(vmi, volume)
@@ -205,18 +205,19 @@ func (s *Sim) WaitVolumeReady(ctx context.Context, namespace, vm, volume string)
 // spec and the VMI volumeStatus (a missing VM or VMI counts as detached).
 func (s *Sim) WaitVolumeDetached(ctx context.Context, namespace, vm, volume string) error {
 	return s.Wait(ctx, namespace, vm, func(v *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool {
-		if v != nil && v.Spec.Template != nil && hasVolume(v.Spec.Template.Spec.Volumes, volume) {
+		if v != nil && v.Spec.Template != nil && HasVolume(v.Spec.Template.Spec.Volumes, volume) {
 			return false
 		}
 		if vmi == nil {
 			return true
 		}
 		_, inStatus := FindVolumeStatus(vmi, volume)
-		return !hasVolume(vmi.Spec.Volumes, volume) && !inStatus
+		return !HasVolume(vmi.Spec.Volumes, volume) && !inStatus
 	})
 }
 
-func hasVolume(vols []kubevirtv1.Volume, name string) bool {
+// HasVolume reports whether a VM template or VMI spec lists the volume.
+func HasVolume(vols []kubevirtv1.Volume, name string) bool {
 	return slices.ContainsFunc(vols, func(v kubevirtv1.Volume) bool { return v.Name == name })
 }
 

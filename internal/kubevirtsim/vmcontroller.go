@@ -331,7 +331,7 @@ func keptVMIVolumes(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachin
 func newVMVolumes(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) []kubevirtv1.Volume {
 	var out []kubevirtv1.Volume
 	for _, v := range vm.Spec.Template.Spec.Volumes {
-		if !isHotpluggable(v) || hasVolume(vmi.Spec.Volumes, v.Name) {
+		if !isHotpluggable(v) || HasVolume(vmi.Spec.Volumes, v.Name) {
 			continue
 		}
 		if _, inStatus := FindVolumeStatus(vmi, v.Name); inStatus {
@@ -348,9 +348,9 @@ func newVMVolumes(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineI
 func keptVMIDisks(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, vols []kubevirtv1.Volume) []kubevirtv1.Disk {
 	var out []kubevirtv1.Disk
 	for _, d := range vmi.Spec.Domain.Devices.Disks {
-		if !hasVolume(vols, d.Name) {
+		if !HasVolume(vols, d.Name) {
 			vmDisk, diskOK := diskNamed(vm.Spec.Template.Spec.Domain.Devices.Disks, d.Name)
-			volOK := hasVolume(vm.Spec.Template.Spec.Volumes, d.Name)
+			volOK := HasVolume(vm.Spec.Template.Spec.Volumes, d.Name)
 			if !diskOK || (volOK && (vmDisk.CDRom == nil || d.CDRom == nil)) {
 				continue
 			}

@@ -302,7 +302,7 @@ func podHolding(volume string, pods []*corev1.Pod) *corev1.Pod {
 func oldPodsToDelete(f features, vmi *kubevirtv1.VirtualMachineInstance, current *corev1.Pod, old []*corev1.Pod, numReady int) []*corev1.Pod {
 	removed := map[string]kubevirtv1.VolumeStatus{}
 	for _, e := range vmi.Status.VolumeStatus {
-		if e.HotplugVolume != nil && !hasVolume(vmi.Spec.Volumes, e.Name) {
+		if e.HotplugVolume != nil && !HasVolume(vmi.Spec.Volumes, e.Name) {
 			removed[e.Name] = e
 		}
 	}

@@ -304,48 +304,43 @@ func TestPublishErrorsAndCodes(t *testing.T) {
 	}
 }
 
-func TestPublishLeavesAMarginBeforeTheDeadline(t *testing.T) {
-	s, vols, hp := newTestController(ControllerOptions{PublishMargin: 300 * time.Millisecond})
-	vols.pvcs["bound"] = &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "bound"}, Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound}}
-	var left time.Duration
-	hp.attach = func(ctx context.Context, _, _ string) error {
-		d, _ := ctx.Deadline()
-		left = time.Until(d)
-		<-ctx.Done()
-		return ctx.Err()
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	defer cancel()
-	_, err := s.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: "bound", NodeId: "vm1", VolumeCapability: rwo})
-	if status.Code(err) != codes.DeadlineExceeded {
-		t.Fatalf("got %v, want DeadlineExceeded", err)
-	}
-	if ctx.Err() != nil {
-		t.Error("the answer came after the caller's own deadline")
-	}
-	if left > 750*time.Millisecond {
-		t.Errorf("queue got %v of a 1s deadline, want the margin kept", left)
-	}
-}
-
-func TestPublishWaitAnswersInProgressBeforeTheDeadline(t *testing.T) {
-	s, vols, hp := newTestController(ControllerOptions{PublishMargin: 300 * time.Millisecond, PublishWait: 200 * time.Millisecond})
-	vols.pvcs["bound"] = &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "bound"}, Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound}}
-	var left time.Duration
-	hp.attach = func(ctx context.Context, _, _ string) error {
-		d, _ := ctx.Deadline()
-		left = time.Until(d)
-		<-ctx.Done()
-		return ctx.Err()
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	_, err := s.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: "bound", NodeId: "vm1", VolumeCapability: rwo})
-	if status.Code(err) != codes.DeadlineExceeded {
-		t.Fatalf("got %v, want DeadlineExceeded (in progress, retry)", err)
-	}
-	if left > 200*time.Millisecond {
-		t.Errorf("queue got %v of a one-minute call, want at most the publish wait", left)
+// TestPublishBoundsTheQueuesWait: the queue gets the caller's deadline less
+// the margin (so the answer beats the caller's own timeout), or at most the
+// publish wait when that is shorter (an "in progress" answer the caller
+// retries, freeing its worker).
+func TestPublishBoundsTheQueuesWait(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		opts     ControllerOptions
+		call     time.Duration
+		maxQueue time.Duration
+	}{
+		{"margin before the deadline", ControllerOptions{PublishMargin: 300 * time.Millisecond}, time.Second, 750 * time.Millisecond},
+		{"publish wait shorter than the call", ControllerOptions{PublishMargin: 300 * time.Millisecond, PublishWait: 200 * time.Millisecond}, time.Minute, 200 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, vols, hp := newTestController(tc.opts)
+			vols.pvcs["bound"] = &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "bound"}, Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound}}
+			var left time.Duration
+			hp.attach = func(ctx context.Context, _, _ string) error {
+				d, _ := ctx.Deadline()
+				left = time.Until(d)
+				<-ctx.Done()
+				return ctx.Err()
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), tc.call)
+			defer cancel()
+			_, err := s.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: "bound", NodeId: "vm1", VolumeCapability: rwo})
+			if status.Code(err) != codes.DeadlineExceeded {
+				t.Fatalf("got %v, want DeadlineExceeded (in progress, retry)", err)
+			}
+			if ctx.Err() != nil {
+				t.Error("the answer came after the caller's own deadline")
+			}
+			if left > tc.maxQueue {
+				t.Errorf("queue got %v of a %v call, want at most %v", left, tc.call, tc.maxQueue)
+			}
+		})
 	}
 }
 

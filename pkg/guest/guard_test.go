@@ -16,6 +16,8 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2/ktesting"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 const testDriver = "driver.harvesterhci.io"
@@ -148,7 +150,7 @@ func TestGuardLetsThrough(t *testing.T) {
 	if err := client.CoreV1().Nodes().Delete(ctx, "worker-gone", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, func() bool { _, ok := nodes.Node("worker-gone"); return !ok })
+	testwait.For(t, "the deleted node gone from the cache", 10*time.Second, func() bool { _, ok := nodes.Node("worker-gone"); return !ok })
 	g := NewGuard(nodes, nil, time.Hour)
 	for what, vm := range map[string]string{
 		"a volume the guest does not list": "vm-1",
@@ -196,14 +198,5 @@ func TestEventsWritesANodeEvent(t *testing.T) {
 	if e.InvolvedObject.Kind != "Node" || e.InvolvedObject.Name != "worker-1" || e.InvolvedObject.UID != "uid-worker-1" ||
 		e.Reason != "VolumeDetachForced" || e.Type != corev1.EventTypeWarning || e.ReportingController != testDriver || e.ReportingInstance != "replica-1" {
 		t.Errorf("event %+v", e)
-	}
-}
-
-func waitFor(t *testing.T, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(10 * time.Second); !cond(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not met within 10s")
-		}
 	}
 }

@@ -18,6 +18,8 @@ import (
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 // lagged delivers a watch's events d late (in order), as an informer behind
@@ -223,18 +225,23 @@ func TestDeadlineAnswerNamesTheLastFailure(t *testing.T) {
 		return Outcome{Result: Failed, Err: fmt.Errorf("dial tcp 10.0.0.1:6443: connect: connection refused")}, true
 	}
 	q, _ := startQueue(t, f, fastConfig())
-	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	// The caller gives up once an attempt has failed, not after a fixed time:
+	// on a busy machine the first attempt can come late.
+	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	err := q.Attach(ctx, "vm1", "pvc-a", true)
+	answer := make(chan error, 1)
+	go func() { answer <- q.Attach(ctx, "vm1", "pvc-a", true) }()
+	testwait.For(t, "a failed attempt", 30*time.Second, func() bool {
+		return testutil.ToFloat64(q.metrics.hostFailures.WithLabelValues(causeUnavailable)) >= 1
+	})
+	cancel()
+	err := <-answer
 	var stalled *StalledError
-	if !errors.As(err, &stalled) || !errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		t.Fatalf("attach answered %v, want a StalledError at the deadline", err)
+	if !errors.As(err, &stalled) {
+		t.Fatalf("attach answered %v, want a StalledError when the caller gives up", err)
 	}
 	if want := "connection refused"; !strings.Contains(err.Error(), want) {
 		t.Fatalf("answer %q does not name the cause %q", err, want)
-	}
-	if n := testutil.ToFloat64(q.metrics.hostFailures.WithLabelValues(causeUnavailable)); n < 1 {
-		t.Fatalf("host failures{cause=unavailable} = %v, want the failed attempts counted", n)
 	}
 }
 

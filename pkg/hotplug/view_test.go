@@ -8,18 +8,9 @@ import (
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
-)
 
-// waitView polls the queue's view until cond holds: the informers follow the
-// fake clientset asynchronously.
-func waitView(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); !cond(); time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: not seen within 5s", what)
-		}
-	}
-}
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
+)
 
 func TestViewFollowsTheInformers(t *testing.T) {
 	f := newFakeKubeVirt(t, "vm1")
@@ -42,7 +33,7 @@ func TestViewFollowsTheInformers(t *testing.T) {
 	if err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Delete(ctx, "vm1", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitView(t, "VMI gone", func() bool { return !q.View("vm1").Running })
+	testwait.For(t, "VMI gone", 5*time.Second, func() bool { return !q.View("vm1").Running })
 	if got := q.View("vm1").Volumes; !reflect.DeepEqual(got, []string{"pvc-a", "pvc-b"}) {
 		t.Errorf("volumes of the stopped VM: %v", got)
 	}
@@ -79,13 +70,13 @@ func TestLostListsOnlyADroppedHotplug(t *testing.T) {
 		next := vmiWith(map[string]kubevirtv1.VolumePhase{"pvc-b": kubevirtv1.VolumeReady})
 		vmi.Spec.Volumes, vmi.Status.VolumeStatus = next.Spec.Volumes, next.Status.VolumeStatus
 	})
-	waitView(t, "pvc-a lost", func() bool { return reflect.DeepEqual(q.Lost("pvc-a"), []string{"vm1"}) })
+	testwait.For(t, "pvc-a lost", 5*time.Second, func() bool { return reflect.DeepEqual(q.Lost("pvc-a"), []string{"vm1"}) })
 	if got := q.Lost("pvc-b"); len(got) != 0 {
 		t.Errorf("pvc-b is still on the VMI but lost on %v", got)
 	}
 	// A VMI that does not run has lost nothing: the VM is stopped or starting.
 	setVMI(func(vmi *kubevirtv1.VirtualMachineInstance) { vmi.Status.Phase = kubevirtv1.Scheduled })
-	waitView(t, "VMI not running", func() bool { return !q.View("vm1").Running })
+	testwait.For(t, "VMI not running", 5*time.Second, func() bool { return !q.View("vm1").Running })
 	if got := q.Lost("pvc-a"); len(got) != 0 {
 		t.Errorf("lost on a VMI that does not run: %v", got)
 	}

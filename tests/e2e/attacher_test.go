@@ -18,6 +18,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -91,7 +92,7 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 			return err
 		})
 	}
-	waitFor(t, ctx, "every VolumeAttachment attached", func() (bool, string) {
+	testwait.Until(ctx, t, "every VolumeAttachment attached", func() (bool, string) {
 		list, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return false, err.Error()
@@ -126,7 +127,7 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 	if err := viaAPI.KubevirtV1().VirtualMachines(h.Namespace).RemoveVolume(ctx, vm, &kubevirtv1.RemoveVolumeOptions{Name: lost}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, ctx, "the lost volume gone from the VMI", func() (bool, string) {
+	testwait.Until(ctx, t, "the lost volume gone from the VMI", func() (bool, string) {
 		vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()
@@ -134,7 +135,7 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 		e, ok := kubevirtsim.FindVolumeStatus(vmi, lost)
 		return !ok, fmt.Sprintf("%+v", e)
 	})
-	waitFor(t, ctx, "the lost volume attached again", func() (bool, string) {
+	testwait.Until(ctx, t, "the lost volume attached again", func() (bool, string) {
 		vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()
@@ -160,7 +161,7 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, ctx, "every VolumeAttachment detached and deleted", func() (bool, string) {
+	testwait.Until(ctx, t, "every VolumeAttachment detached and deleted", func() (bool, string) {
 		list, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return false, err.Error()
@@ -195,22 +196,5 @@ func mustCreate(t *testing.T, create func() error) {
 	t.Helper()
 	if err := create(); err != nil && !apierrors.IsAlreadyExists(err) {
 		t.Fatal(err)
-	}
-}
-
-func waitFor(t *testing.T, ctx context.Context, what string, cond func() (bool, string)) {
-	t.Helper()
-	var last string
-	for {
-		ok, state := cond()
-		if ok {
-			return
-		}
-		last = state
-		select {
-		case <-ctx.Done():
-			t.Fatalf("timed out waiting for %s: %s", what, last)
-		case <-time.After(100 * time.Millisecond):
-		}
 	}
 }

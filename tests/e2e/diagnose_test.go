@@ -18,6 +18,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/diagnose"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
@@ -145,7 +146,7 @@ func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 		diagnose.SlowIntent + "/" + vols[6] + "/dg-b",
 	}
 	var got []string
-	waitFor(t, ctx, "diagnose to name every fabricated disagreement", func() (bool, string) {
+	testwait.Until(ctx, t, "diagnose to name every fabricated disagreement", func() (bool, string) {
 		in, err := diagnose.Gather(ctx, diagnose.Sources{Host: hc, Guest: guest, Controller: state.URL, Driver: driver.Name})
 		if err != nil {
 			return false, err.Error()

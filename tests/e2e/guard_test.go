@@ -12,6 +12,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	guestpkg "github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
@@ -60,7 +61,7 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 			return err
 		})
 	}
-	waitFor(t, ctx, "both VolumeAttachments attached", func() (bool, string) {
+	testwait.Until(ctx, t, "both VolumeAttachments attached", func() (bool, string) {
 		n := 0
 		for _, vol := range vols {
 			if va, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, vaName(vol), metav1.GetOptions{}); err == nil && va.Status.Attached {
@@ -73,7 +74,7 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 	// Kubelet still has the first volume mounted.
 	inUse, free := vols[0], vols[1]
 	g.SetVolumesInUse(t, nodeName, inUse)
-	waitFor(t, ctx, "the controller's guest cache to show the volume in use", func() (bool, string) {
+	testwait.Until(ctx, t, "the controller's guest cache to show the volume in use", func() (bool, string) {
 		n, ok := ctrl.Driver.GuestNodes().Node(nodeName)
 		return ok && len(n.Status.VolumesInUse) == 1 && n.Status.VolumesInUse[0] == guestpkg.UniqueVolumeName(driver.Name, inUse), fmt.Sprint(n)
 	})
@@ -82,14 +83,14 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, ctx, "the free volume's VolumeAttachment gone", func() (bool, string) {
+	testwait.Until(ctx, t, "the free volume's VolumeAttachment gone", func() (bool, string) {
 		_, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, vaName(free), metav1.GetOptions{})
 		return err != nil, fmt.Sprint(err)
 	})
 	if err := h.Sim.WaitVolumeDetached(ctx, h.Namespace, vm, free); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, ctx, "the guard's refusal on the in-use VolumeAttachment", func() (bool, string) {
+	testwait.Until(ctx, t, "the guard's refusal on the in-use VolumeAttachment", func() (bool, string) {
 		va, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, vaName(inUse), metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()
@@ -102,7 +103,7 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 	})
 	// The same reason is on the VolumeAttachment as an Event, where
 	// `kubectl describe volumeattachment` shows it.
-	waitFor(t, ctx, "an Event on the in-use VolumeAttachment saying the guest still uses it", func() (bool, string) {
+	testwait.Until(ctx, t, "an Event on the in-use VolumeAttachment saying the guest still uses it", func() (bool, string) {
 		list, err := guestKube.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return false, err.Error()
@@ -125,7 +126,7 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 
 	// Kubelet unmounts it: the attacher's next retry detaches it.
 	g.SetVolumesInUse(t, nodeName)
-	waitFor(t, ctx, "the in-use volume's VolumeAttachment gone", func() (bool, string) {
+	testwait.Until(ctx, t, "the in-use volume's VolumeAttachment gone", func() (bool, string) {
 		_, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, vaName(inUse), metav1.GetOptions{})
 		return err != nil, fmt.Sprint(err)
 	})

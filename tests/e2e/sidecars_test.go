@@ -20,6 +20,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -101,7 +102,7 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := resource.MustParse("3Gi")
-	waitFor(t, ctx, "the host PVC grown", func() (bool, string) {
+	testwait.Until(ctx, t, "the host PVC grown", func() (bool, string) {
 		if err := guestEnv.Exited(); err != nil {
 			t.Fatal(err)
 		}
@@ -112,7 +113,7 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 		got := p.Status.Capacity[corev1.ResourceStorage]
 		return got.Cmp(want) >= 0, "host capacity " + got.String()
 	})
-	waitFor(t, ctx, "the guest PV grown and the PVC waiting for the node", func() (bool, string) {
+	testwait.Until(ctx, t, "the guest PV grown and the PVC waiting for the node", func() (bool, string) {
 		pv, err := guest.CoreV1().PersistentVolumes().Get(ctx, vol, metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()
@@ -155,7 +156,7 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 	if _, err := contents.Create(ctx, content, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, ctx, "the snapshot cut by the real csi-snapshotter", func() (bool, string) {
+	testwait.Until(ctx, t, "the snapshot cut by the real csi-snapshotter", func() (bool, string) {
 		c, err := contents.Get(ctx, "snapcontent-e2e", metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()

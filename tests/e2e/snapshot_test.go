@@ -10,6 +10,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 )
 
@@ -39,7 +40,7 @@ func TestSnapshotRestoreKeepsData(t *testing.T) {
 
 	// The snapshotter calls CreateSnapshot until the answer says ready.
 	var snap *csi.Snapshot
-	waitFor(t, ctx, "the snapshot ready", func() (bool, string) {
+	testwait.Until(ctx, t, "the snapshot ready", func() (bool, string) {
 		resp, err := ctrl.Client.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snapshot-e2e", SourceVolumeId: srcID})
 		if err != nil {
 			return false, err.Error()

@@ -97,8 +97,15 @@ func (g *Guest) SetVolumesInUse(tb testing.TB, name string, volumes ...string) {
 // NodeEvents lists the Events written on a guest Node.
 func (g *Guest) NodeEvents(tb testing.TB, node string) []corev1.Event {
 	tb.Helper()
+	return g.ObjectEvents(tb, "Node", node)
+}
+
+// ObjectEvents lists the Events written on a guest object of this kind and
+// name (cluster-scoped objects' Events live in the default namespace).
+func (g *Guest) ObjectEvents(tb testing.TB, kind, name string) []corev1.Event {
+	tb.Helper()
 	list, err := g.Kube.CoreV1().Events(metav1.NamespaceDefault).List(context.Background(), metav1.ListOptions{
-		FieldSelector: fields.Set{"involvedObject.kind": "Node", "involvedObject.name": node}.String(),
+		FieldSelector: fields.Set{"involvedObject.kind": kind, "involvedObject.name": name}.String(),
 	})
 	if err != nil {
 		tb.Fatal(err)

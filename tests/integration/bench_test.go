@@ -93,7 +93,7 @@ func baselineAttach(ctx context.Context, kv kubevirt.Interface, ns, backend, vm,
 			if cur, err = vms.Get(ctx, vm, metav1.GetOptions{}); err != nil {
 				return err
 			}
-			if hasVolume(cur.Spec.Template.Spec.Volumes, vol) {
+			if kubevirtsim.HasVolume(cur.Spec.Template.Spec.Volumes, vol) {
 				break
 			}
 			patch, _ := json.Marshal([]map[string]any{

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -174,7 +175,7 @@ func (s *suite) liveHolders(ctx context.Context, vols []string) map[string][]str
 	for _, vol := range vols {
 		out[vol] = nil
 		for _, vm := range vmList.Items {
-			if vm.Spec.Template != nil && hasVolume(vm.Spec.Template.Spec.Volumes, vol) {
+			if vm.Spec.Template != nil && kubevirtsim.HasVolume(vm.Spec.Template.Spec.Volumes, vol) {
 				hold(vol, vm.Name)
 			}
 			for _, r := range vm.Status.VolumeRequests {
@@ -184,7 +185,7 @@ func (s *suite) liveHolders(ctx context.Context, vols []string) map[string][]str
 			}
 		}
 		for _, vmi := range vmiList.Items {
-			if hasVolume(vmi.Spec.Volumes, vol) {
+			if kubevirtsim.HasVolume(vmi.Spec.Volumes, vol) {
 				hold(vol, vmi.Name)
 			}
 			for _, st := range vmi.Status.VolumeStatus {

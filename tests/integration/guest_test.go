@@ -16,6 +16,7 @@ import (
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
@@ -52,18 +53,13 @@ func TestGuestAware(t *testing.T) {
 func (s *guestSuite) waitGuestCache(t *testing.T, name string, cond func(*corev1.Node) bool) {
 	t.Helper()
 	nodes := s.ctrl.Driver.GuestNodes()
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+	testwait.For(t, "the controller's guest cache to show the expected state of node "+name, 30*time.Second, func() bool {
 		n, ok := nodes.Node(name)
 		if !ok {
 			n = nil
 		}
-		if cond(n) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the controller's guest cache does not show the expected state of node %s: %+v", name, n)
-		}
-	}
+		return cond(n)
+	})
 }
 
 func listsInUse(vols ...string) func(*corev1.Node) bool {
@@ -264,7 +260,7 @@ func (s *guestSuite) getVolume(t *testing.T) {
 	}
 	if err := s.host.Sim.Wait(ctx, s.host.Namespace, vm, func(v *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool {
 		_, inVMI := kubevirtsim.FindVolumeStatus(vmi, lost)
-		return !inVMI && vmi != nil && !hasVolume(vmi.Spec.Volumes, lost) && v != nil && hasVolume(v.Spec.Template.Spec.Volumes, lost)
+		return !inVMI && vmi != nil && !kubevirtsim.HasVolume(vmi.Spec.Volumes, lost) && v != nil && kubevirtsim.HasVolume(v.Spec.Template.Spec.Volumes, lost)
 	}); err != nil {
 		t.Fatalf("VMI did not drop %s: %v", lost, err)
 	}

@@ -213,13 +213,13 @@ func (s *suite) attachedTo(vol string, vms ...string) []string {
 	var out []string
 	for _, vm := range vms {
 		v, err := s.kv.KubevirtV1().VirtualMachines(s.host.Namespace).Get(ctx, vm, metav1.GetOptions{})
-		if err == nil && v.Spec.Template != nil && hasVolume(v.Spec.Template.Spec.Volumes, vol) {
+		if err == nil && v.Spec.Template != nil && kubevirtsim.HasVolume(v.Spec.Template.Spec.Volumes, vol) {
 			out = append(out, vm)
 			continue
 		}
 		vmi, err := s.kv.KubevirtV1().VirtualMachineInstances(s.host.Namespace).Get(ctx, vm, metav1.GetOptions{})
 		if err == nil {
-			if _, ok := kubevirtsim.FindVolumeStatus(vmi, vol); ok || hasVolume(vmi.Spec.Volumes, vol) {
+			if _, ok := kubevirtsim.FindVolumeStatus(vmi, vol); ok || kubevirtsim.HasVolume(vmi.Spec.Volumes, vol) {
 				out = append(out, vm+"(vmi)")
 			}
 		}
@@ -237,15 +237,6 @@ func (s *suite) requireReady(vm, vol string) {
 	if !ok || e.Phase != kubevirtv1.VolumeReady || e.Target == "" {
 		s.t.Errorf("publish of %s to %s answered OK but the VMI shows %+v", vol, vm, e)
 	}
-}
-
-func hasVolume(vols []kubevirtv1.Volume, name string) bool {
-	for _, v := range vols {
-		if v.Name == name {
-			return true
-		}
-	}
-	return false
 }
 
 // dumpOnFailure logs the VMs' and VMIs' hotplug state when t fails.
@@ -291,7 +282,7 @@ func (s *suite) anyWritten(vm string, vols []string) bool {
 		return false
 	}
 	for _, vol := range vols {
-		if hasVolume(v.Spec.Template.Spec.Volumes, vol) {
+		if kubevirtsim.HasVolume(v.Spec.Template.Spec.Volumes, vol) {
 			return true
 		}
 		for _, r := range v.Status.VolumeRequests {

@@ -13,6 +13,7 @@ import (
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -123,8 +124,8 @@ func hasOutOfServiceTaint(n *corev1.Node) bool { return guest.OutOfService(n) }
 // waitLeader waits until exactly one replica leads and the Lease names it.
 func waitLeader(ctx context.Context, t *testing.T, g *framework.Guest, replicas map[string]*framework.Controller) string {
 	t.Helper()
-	var last string
-	for {
+	var holder string
+	testwait.Until(ctx, t, "a single leader", func() (bool, string) {
 		var leading []string
 		for id, r := range replicas {
 			if r.Driver.Monitor().Leading() {
@@ -132,55 +133,34 @@ func waitLeader(ctx context.Context, t *testing.T, g *framework.Guest, replicas 
 			}
 		}
 		lease, err := g.Kube.CoordinationV1().Leases(guest.DefaultLeaseNamespace).Get(ctx, guest.DefaultLeaseName, metav1.GetOptions{})
-		holder := ""
+		holder = ""
 		if err == nil && lease.Spec.HolderIdentity != nil {
 			holder = *lease.Spec.HolderIdentity
 		}
-		if len(leading) == 1 && holder == leading[0] {
-			return holder
-		}
-		last = fmt.Sprintf("leading %v, lease holder %q (%v)", leading, holder, err)
-		select {
-		case <-ctx.Done():
-			t.Fatalf("no single leader: %s", last)
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+		return len(leading) == 1 && holder == leading[0], fmt.Sprintf("leading %v, lease holder %q (%v)", leading, holder, err)
+	})
+	return holder
 }
 
 func waitNode(ctx context.Context, t *testing.T, g *framework.Guest, name, what string, cond func(*corev1.Node) bool) {
 	t.Helper()
-	for {
+	testwait.Until(ctx, t, "node "+name+" "+what, func() (bool, string) {
 		n, err := g.Kube.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
-		if err == nil && cond(n) {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("node %s never %s: %+v %v", name, what, n, err)
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+		return err == nil && cond(n), fmt.Sprintf("%+v %v", n, err)
+	})
 }
 
 // waitEvents waits for Events of these reasons on the guest Node: the
 // monitor writes them after the change they report.
 func waitEvents(ctx context.Context, t *testing.T, g *framework.Guest, node string, reasons ...string) {
 	t.Helper()
-	for {
+	testwait.Until(ctx, t, fmt.Sprintf("events %v on %s", reasons, node), func() (bool, string) {
 		var got []string
 		for _, e := range g.NodeEvents(t, node) {
 			got = append(got, e.Reason)
 		}
-		if !slices.ContainsFunc(reasons, func(r string) bool { return !slices.Contains(got, r) }) {
-			return
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("events on %s: %v, want %v", node, got, reasons)
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+		return !slices.ContainsFunc(reasons, func(r string) bool { return !slices.Contains(got, r) }), fmt.Sprint(got)
+	})
 }
 
 // detachesDone counts the detach intents a replica's queue completed, from

@@ -6,18 +6,9 @@ import (
 	"strings"
 	"testing"
 	"time"
-)
 
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
+)
 
 func TestRestartKillStop(t *testing.T) {
 	g, err := NewGroup(context.Background(), t.TempDir())
@@ -33,14 +24,14 @@ func TestRestartKillStop(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the one-shot process to be reported dead", func() bool { return g.Dead() != nil })
+	testwait.For(t, "the one-shot process to be reported dead", 30*time.Second, func() bool { return g.Dead() != nil })
 	if exited, err := once.Exited(); !exited || err == nil || !strings.Contains(g.Dead().Error(), "once") {
 		t.Fatalf("once: exited %v err %v, group says %v", exited, err, g.Dead())
 	}
 	if err := sleeper.Kill(); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, "the killed process to be restarted", func() bool {
+	testwait.For(t, "the killed process to be restarted", 30*time.Second, func() bool {
 		exited, _ := sleeper.Exited()
 		return sleeper.Starts() == 2 && !exited
 	})
