@@ -29,6 +29,12 @@
 //   - provisioner (provisioner.go) and snapshotter (snapshot.go): the host
 //     "Longhorn" class, the PV/PVC protection controllers, resizes,
 //     VolumeSnapshots and restores (SnapshotHook).
+//   - backupper (backup.go): Harvester's VolumeRemoteBackup and
+//     VolumeRemoteRestore controllers (a backup is a snapshot of the backup
+//     class plus Timings.Backup of upload; a restore is a pre-provisioned
+//     snapshot of the backup's handle plus Timings.Restore of download, and
+//     a PVC restored from it, reading the backup snapshot's data), and the
+//     garbage collection of what they own.
 //   - virtAPI (subresource.go) behind the front proxy (proxy.go): PUT
 //     .../virtualmachines|virtualmachineinstances/{name}/addvolume|removevolume
 //     with virt-api's checks in its order, codes and messages, after a
