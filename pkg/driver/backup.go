@@ -45,6 +45,8 @@ type HostBackups interface {
 	AdoptVolume(ctx context.Context, name string) (*corev1.PersistentVolumeClaim, error)
 }
 
+var _ HostBackups = (*host.Client)(nil)
+
 // backups is the host's backup side, or an Unimplemented answer when the
 // host client has none (test fakes of HostVolumes).
 func (s *controllerService) backups() (HostBackups, error) {
