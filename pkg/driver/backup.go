@@ -86,9 +86,12 @@ func (s *controllerService) createBackup(ctx context.Context, req *csi.CreateSna
 	name, vol := hostPVCName(req.GetName()), req.GetSourceVolumeId()
 	b, err := hb.CreateBackup(ctx, name, vol)
 	var mismatch *host.BackupMismatchError
+	var notServed *host.NotServedError
 	switch {
 	case errors.As(err, &mismatch):
 		return nil, status.Error(codes.AlreadyExists, err.Error())
+	case errors.As(err, &notServed):
+		return nil, status.Errorf(codes.FailedPrecondition, "back up volume %s as %s: %v", vol, name, err)
 	case apierrors.IsNotFound(err):
 		return nil, status.Errorf(codes.NotFound, "volume %s does not exist: %v", vol, err)
 	case err != nil:
@@ -206,9 +209,12 @@ func (s *controllerService) createFromBackup(ctx context.Context, req *csi.Creat
 
 	r, err := hb.CreateRestore(ctx, spec.Name, b)
 	var mismatch *host.BackupMismatchError
+	var notServed *host.NotServedError
 	switch {
 	case errors.As(err, &mismatch):
 		return nil, status.Error(codes.AlreadyExists, err.Error())
+	case errors.As(err, &notServed):
+		return nil, status.Errorf(codes.FailedPrecondition, "restore volume %s from backup %s: %v", spec.Name, b.Ref(), err)
 	case err != nil:
 		return nil, apiStatus(err, "restore volume %s from backup %s", spec.Name, b.Ref())
 	}

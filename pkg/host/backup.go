@@ -89,6 +89,19 @@ func (e *BackupMismatchError) Error() string {
 	return fmt.Sprintf("%s %s already exists: %s", e.Kind, e.Name, e.Why)
 }
 
+// NotServedError says the host API has no such kind: a Harvester without
+// remote backups.
+type NotServedError struct {
+	Kind string
+	Err  error
+}
+
+func (e *NotServedError) Error() string {
+	return fmt.Sprintf("the host does not serve %s (a Harvester without remote backups): %v", e.Kind, e.Err)
+}
+
+func (e *NotServedError) Unwrap() error { return e.Err }
+
 // CreateBackup creates the VolumeRemoteBackup name of the host PVC volume, or
 // returns the existing one when it backs up the same volume: the snapshotter
 // calls again until the backup is complete. The name must not be taken by a
@@ -131,6 +144,10 @@ func (c *Client) CreateBackup(ctx context.Context, name, volume string) (*Backup
 	created, err := backups.Create(ctx, obj, metav1.CreateOptions{})
 	if apierrors.IsAlreadyExists(err) {
 		return c.CreateBackup(ctx, name, volume) // a retry of ourselves won
+	}
+	if apierrors.IsNotFound(err) {
+		// The namespace exists (the PVC is in it): the kind does not.
+		return nil, &NotServedError{Kind: "volumeremotebackups." + BackupResource.Group, Err: err}
 	}
 	if err != nil {
 		return nil, err
@@ -210,6 +227,9 @@ func (c *Client) CreateRestore(ctx context.Context, name string, backup *Backup)
 	created, err := restores.Create(ctx, obj, metav1.CreateOptions{})
 	if apierrors.IsAlreadyExists(err) {
 		return c.CreateRestore(ctx, name, backup)
+	}
+	if apierrors.IsNotFound(err) {
+		return nil, &NotServedError{Kind: "volumeremoterestores." + RestoreResource.Group, Err: err}
 	}
 	if err != nil {
 		return nil, err
