@@ -91,6 +91,8 @@ ns      subresources.kubevirt.io  virtualmachines/removevolume         update   
 ns      subresources.kubevirt.io  virtualmachineinstances/removevolume update                 -
 ns      ""                        persistentvolumeclaims               get,list,watch,create,update,delete -
 ns      snapshot.storage.k8s.io   volumesnapshots                      get,list,create,delete -
+ns      harvesterhci.io           volumeremotebackups                  get,list,create,delete -
+ns      harvesterhci.io           volumeremoterestores                 get,create,delete      -
 cluster storage.k8s.io            storageclasses                       get                    -
 cluster harvesterhci.io           settings                             get                    server-version,csi-driver-config
 EOF

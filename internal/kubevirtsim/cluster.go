@@ -41,6 +41,7 @@ type cluster struct {
 	vmInf, vmiInf, kvInf cache.SharedIndexInformer
 	podInf, pvcInf       cache.SharedIndexInformer
 	snapInf              cache.SharedIndexInformer // VolumeSnapshots (unstructured)
+	vrbInf, vrrInf       cache.SharedIndexInformer // Harvester's VolumeRemoteBackups and -Restores (unstructured)
 	podLister            corelisters.PodLister
 	pvcLister            corelisters.PersistentVolumeClaimLister
 
@@ -96,6 +97,10 @@ func (c *cluster) setupInformers() {
 	c.pvcLister = factory.Core().V1().PersistentVolumeClaims().Lister()
 	c.snapInf = dynamicinformer.NewFilteredDynamicInformer(c.dyn, volumeSnapshotGVR, ns, 0,
 		cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}, nil).Informer()
+	c.vrbInf = dynamicinformer.NewFilteredDynamicInformer(c.dyn, volumeRemoteBackupGVR, ns, 0,
+		cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}, nil).Informer()
+	c.vrrInf = dynamicinformer.NewFilteredDynamicInformer(c.dyn, volumeRemoteRestoreGVR, ns, 0,
+		cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}, nil).Informer()
 	// Waiters re-check on every change they may wait for.
 	for _, inf := range []cache.SharedIndexInformer{c.vmInf, c.vmiInf, c.kvInf, c.pvcInf, c.snapInf} {
 		_, _ = inf.AddEventHandler(onEvent(func(any) { c.changed.notify() }))
@@ -103,7 +108,7 @@ func (c *cluster) setupInformers() {
 }
 
 func (c *cluster) informers() []cache.SharedIndexInformer {
-	return []cache.SharedIndexInformer{c.vmInf, c.vmiInf, c.kvInf, c.podInf, c.pvcInf, c.snapInf}
+	return []cache.SharedIndexInformer{c.vmInf, c.vmiInf, c.kvInf, c.podInf, c.pvcInf, c.snapInf, c.vrbInf, c.vrrInf}
 }
 
 func (c *cluster) hasSynced() []cache.InformerSynced {

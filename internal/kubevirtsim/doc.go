@@ -29,6 +29,12 @@
 //   - provisioner (provisioner.go) and snapshotter (snapshot.go): the host
 //     "Longhorn" class, the PV/PVC protection controllers, resizes,
 //     VolumeSnapshots and restores (SnapshotHook).
+//   - backupper (backup.go): Harvester's VolumeRemoteBackup and
+//     VolumeRemoteRestore controllers (a backup is a snapshot of the backup
+//     class plus Timings.Backup of upload; a restore is a pre-provisioned
+//     snapshot of the backup's handle plus Timings.Restore of download, and
+//     a PVC restored from it, reading the backup snapshot's data), and the
+//     garbage collection of what they own.
 //   - virtAPI (subresource.go) behind the front proxy (proxy.go): PUT
 //     .../virtualmachines|virtualmachineinstances/{name}/addvolume|removevolume
 //     with virt-api's checks in its order, codes and messages, after a
@@ -178,12 +184,16 @@
 // the domain attach about 1 s each, an unplug a few seconds; virt-handler
 // looks again every second while a hotplug entry has no target (v1.7.0
 // vm.go:652). Steps fire when their deadline has come, however often a
-// component looks.
+// component looks. Backup and Restore (2 s each) stand for a small volume's
+// upload to and download from the backup target; they only need to be long
+// enough that a caller sees the backup or restore in progress first.
 //
 // # Not simulated
 //
-// Pre-provisioned snapshots, default snapshot classes, the snapshot
-// source-protection finalizers, backups, DataVolumes (a DataVolume source
+// Pre-provisioned snapshots (other than a restore's from a backup), default
+// snapshot classes, the snapshot source-protection finalizers, Harvester's
+// webhooks for backups (a restore of a missing backup is refused there; here
+// its controller reports the error), DataVolumes (a DataVolume source
 // is a claim of the same name), the VMI update validator's service-account
 // rule and CPU/memory checks, live migration itself, virt-launcher pods and
 // memory dumps.

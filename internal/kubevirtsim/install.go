@@ -68,7 +68,7 @@ func crds() []*apiextv1.CustomResourceDefinition {
 			"status":     preserve(),
 		},
 	}
-	return []*apiextv1.CustomResourceDefinition{
+	return append([]*apiextv1.CustomResourceDefinition{
 		crdDef("kubevirt.io", "v1", "virtualmachines", "virtualmachine", "VirtualMachine", true, []string{"vm", "vms"}, nil),
 		crdDef("kubevirt.io", "v1", "virtualmachineinstances", "virtualmachineinstance", "VirtualMachineInstance", true, []string{"vmi", "vmis"}, nil),
 		crdDef("kubevirt.io", "v1", "kubevirts", "kubevirt", "KubeVirt", true, []string{"kv", "kvs"}, nil),
@@ -78,7 +78,7 @@ func crds() []*apiextv1.CustomResourceDefinition {
 		approved(crdDef(snapshotGroup, "v1", "volumesnapshots", "volumesnapshot", "VolumeSnapshot", true, []string{"vs"}, nil)),
 		approved(crdDef(snapshotGroup, "v1", "volumesnapshotcontents", "volumesnapshotcontent", "VolumeSnapshotContent", false, []string{"vsc", "vscs"}, nil)),
 		approved(withoutStatus(crdDef(snapshotGroup, "v1", "volumesnapshotclasses", "volumesnapshotclass", "VolumeSnapshotClass", false, []string{"vsclass", "vsclasses"}, nil))),
-	}
+	}, remoteBackupCRDs()...)
 }
 
 // approved adds the annotation the API server requires of CRDs in the

@@ -100,6 +100,12 @@ type Timings struct {
 	// VolumeSnapshot whose source claim is bound to its being readyToUse
 	// (1s).
 	Snapshot time.Duration
+	// Backup is the upload of a VolumeRemoteBackup's snapshot to the backup
+	// target, from the snapshot being ready to the backup's success (2s).
+	Backup time.Duration
+	// Restore is the download of a VolumeRemoteRestore, from its creation
+	// to its snapshot being ready for the restored PVC (2s).
+	Restore time.Duration
 	// BackoffBase and BackoffMax bound the VM controller's per-VM exponential
 	// backoff (5ms, 1000s).
 	BackoffBase time.Duration
@@ -121,6 +127,8 @@ func DefaultTimings() Timings {
 		HandlerPoll:  time.Second,
 		Bind:         100 * time.Millisecond,
 		Snapshot:     time.Second,
+		Backup:       2 * time.Second,
+		Restore:      2 * time.Second,
 		BackoffBase:  5 * time.Millisecond,
 		BackoffMax:   1000 * time.Second,
 	}
@@ -235,6 +243,8 @@ func (o *Options) setDefaults() error {
 	fill(&t.HandlerPoll, d.HandlerPoll)
 	fill(&t.Bind, d.Bind)
 	fill(&t.Snapshot, d.Snapshot)
+	fill(&t.Backup, d.Backup)
+	fill(&t.Restore, d.Restore)
 	fill(&t.BackoffBase, d.BackoffBase)
 	fill(&t.BackoffMax, d.BackoffMax)
 	if t.HandlerPoll <= 0 {

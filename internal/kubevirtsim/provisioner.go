@@ -147,7 +147,7 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 				return 0, nil
 			}
 			if h := p.c.snapshotHook(); h != nil {
-				if err := h.Restore(ctx, src.namespace+"/"+src.name, pvc.Name); err != nil {
+				if err := h.Restore(ctx, p.snapshots.dataKey(ctx, src), pvc.Name); err != nil {
 					p.setRestoreWait(pvc.UID, "restore failed: "+err.Error())
 					return 0, fmt.Errorf("restore hook: %w", err)
 				}

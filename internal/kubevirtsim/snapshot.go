@@ -38,9 +38,8 @@ const SnapshotClass = "longhorn-snapshot"
 // which VolumeSnapshotClass to use for each host provisioner.
 const CSIDriverConfigSetting = "csi-driver-config"
 
-// csiDriverConfig is Harvester's default value of CSIDriverConfigSetting. The
-// backup class it names ("longhorn", type bak) is not created: backups are not
-// simulated.
+// csiDriverConfig is Harvester's default value of CSIDriverConfigSetting; the
+// backup class it names is BackupSnapshotClass.
 const csiDriverConfig = `{"driver.longhorn.io":{"volumeSnapshotClassName":"longhorn-snapshot","backupVolumeSnapshotClassName":"longhorn"}}`
 
 // snapshotBoundProtection is the snapshot controller's finalizer. The
@@ -100,6 +99,14 @@ func (c *cluster) ensureSnapshotConfig(ctx context.Context) error {
 		"deletionPolicy": "Delete",
 		"parameters":     map[string]any{"type": "snap"},
 	}}
+	backupClass := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion":     snapshotGroup + "/v1",
+		"kind":           "VolumeSnapshotClass",
+		"metadata":       map[string]any{"name": BackupSnapshotClass},
+		"driver":         LonghornProvisioner,
+		"deletionPolicy": "Delete",
+		"parameters":     map[string]any{"type": "bak"},
+	}}
 	setting := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "harvesterhci.io/v1beta1",
 		"kind":       "Setting",
@@ -110,7 +117,7 @@ func (c *cluster) ensureSnapshotConfig(ctx context.Context) error {
 	for _, w := range []struct {
 		res dynamic.ResourceInterface
 		obj *unstructured.Unstructured
-	}{{c.dyn.Resource(volumeSnapshotClassGVR), class}, {c.dyn.Resource(settingsGVR), setting}} {
+	}{{c.dyn.Resource(volumeSnapshotClassGVR), class}, {c.dyn.Resource(volumeSnapshotClassGVR), backupClass}, {c.dyn.Resource(settingsGVR), setting}} {
 		err := retryNotServed(ctx, func() error {
 			_, err := w.res.Get(ctx, w.obj.GetName(), metav1.GetOptions{})
 			if !apierrors.IsNotFound(err) {

@@ -157,6 +157,9 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 		spec.StorageClass = s.opts.HostStorageClass
 	}
 	if src := req.GetVolumeContentSource(); src != nil {
+		if isBackupID(src.GetSnapshot().GetSnapshotId()) {
+			return s.createFromBackup(ctx, req, spec)
+		}
 		snap, err := s.restoreSource(ctx, src)
 		if err != nil {
 			return nil, err
@@ -219,6 +222,9 @@ func (s *controllerService) DeleteVolume(ctx context.Context, req *csi.DeleteVol
 	}
 	if holders := s.hotplug.Holders(req.GetVolumeId()); len(holders) > 0 {
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still attached to VM %s", req.GetVolumeId(), holders[0])
+	}
+	if err := s.deleteRestore(ctx, req.GetVolumeId()); err != nil {
+		return nil, err
 	}
 	if err := s.volumes.DeleteVolume(ctx, req.GetVolumeId()); err != nil {
 		return nil, apiStatus(err, "delete host PVC %s", req.GetVolumeId())

@@ -32,13 +32,18 @@ func (s *controllerService) CreateSnapshot(ctx context.Context, req *csi.CreateS
 	if !validObjectName(req.GetSourceVolumeId()) {
 		return nil, notAVolume(req.GetSourceVolumeId())
 	}
-	if t := req.GetParameters()[paramSnapshotType]; t != "" && t != "snapshot" {
-		return nil, status.Errorf(codes.InvalidArgument, "snapshot type %q is not supported yet (only Longhorn snapshots)", t)
+	switch t := req.GetParameters()[paramSnapshotType]; t {
+	case "", "snapshot":
+	case snapshotTypeBackup:
+		return s.createBackup(ctx, req)
+	default:
+		return nil, status.Errorf(codes.InvalidArgument, "snapshot class parameter type %q is not supported: use %q for a Harvester backup, or leave it unset for a host snapshot", t, snapshotTypeBackup)
 	}
 	snap, err := s.volumes.CreateSnapshot(ctx, hostPVCName(req.GetName()), req.GetSourceVolumeId())
 	var mismatch *host.SnapshotMismatchError
+	var taken *host.BackupMismatchError
 	switch {
-	case errors.As(err, &mismatch):
+	case errors.As(err, &mismatch), errors.As(err, &taken):
 		return nil, status.Error(codes.AlreadyExists, err.Error())
 	case err != nil:
 		return nil, apiStatus(err, "snapshot volume %s", req.GetSourceVolumeId())
@@ -55,6 +60,9 @@ func (s *controllerService) DeleteSnapshot(ctx context.Context, req *csi.DeleteS
 	if req.GetSnapshotId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "snapshot ID is required")
 	}
+	if isBackupID(req.GetSnapshotId()) {
+		return s.deleteBackup(ctx, req.GetSnapshotId())
+	}
 	if !validObjectName(req.GetSnapshotId()) {
 		return &csi.DeleteSnapshotResponse{}, nil // no host snapshot can have that name
 	}
@@ -64,34 +72,43 @@ func (s *controllerService) DeleteSnapshot(ctx context.Context, req *csi.DeleteS
 	return &csi.DeleteSnapshotResponse{}, nil
 }
 
-// ListSnapshots lists this driver's host snapshots, optionally one by ID or
-// those of one volume, in pages like ListVolumes.
+// ListSnapshots lists this driver's host snapshots and backups, optionally
+// one by ID or those of one volume, in pages like ListVolumes.
 func (s *controllerService) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
 	after, err := pageStart(req.GetMaxEntries(), req.GetStartingToken())
 	if err != nil {
 		return nil, err
 	}
-	all, err := s.volumes.ListSnapshots(ctx)
-	if err != nil {
-		return nil, apiStatus(err, "list host snapshots")
-	}
-	var snaps []*host.Snapshot
-	for i := range all {
-		sn := &all[i]
-		if (req.GetSnapshotId() == "" || sn.Name == req.GetSnapshotId()) &&
-			(req.GetSourceVolumeId() == "" || sn.SourceVolume == req.GetSourceVolumeId()) {
-			snaps = append(snaps, sn)
+	id := req.GetSnapshotId()
+	var snaps []*csi.Snapshot
+	if id == "" || !isBackupID(id) {
+		all, err := s.volumes.ListSnapshots(ctx)
+		if err != nil {
+			return nil, apiStatus(err, "list host snapshots")
+		}
+		for i := range all {
+			snaps = append(snaps, csiSnapshot(&all[i]))
 		}
 	}
-	slices.SortFunc(snaps, func(a, b *host.Snapshot) int { return strings.Compare(a.Name, b.Name) })
+	if id == "" || isBackupID(id) {
+		backups, err := s.listBackups(ctx, id)
+		if err != nil {
+			return nil, err
+		}
+		snaps = append(snaps, backups...)
+	}
+	snaps = slices.DeleteFunc(snaps, func(sn *csi.Snapshot) bool {
+		return (id != "" && sn.GetSnapshotId() != id) || (req.GetSourceVolumeId() != "" && sn.GetSourceVolumeId() != req.GetSourceVolumeId())
+	})
+	slices.SortFunc(snaps, func(a, b *csi.Snapshot) int { return strings.Compare(a.GetSnapshotId(), b.GetSnapshotId()) })
 	ids := make([]string, len(snaps))
 	for i, sn := range snaps {
-		ids[i] = sn.Name
+		ids[i] = sn.GetSnapshotId()
 	}
 	start, end, next := page(ids, after, req.GetMaxEntries())
 	resp := &csi.ListSnapshotsResponse{NextToken: next}
 	for _, sn := range snaps[start:end] {
-		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(sn)})
+		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: sn})
 	}
 	return resp, nil
 }

@@ -122,8 +122,8 @@ func TestSnapshotBadInput(t *testing.T) {
 			_, err := s.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: "pvc-b"})
 			return err
 		}, codes.AlreadyExists},
-		{"backup snapshots", func() error {
-			_, err := s.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "y", SourceVolumeId: "pvc-a", Parameters: map[string]string{"type": "backup"}})
+		{"unknown snapshot type", func() error {
+			_, err := s.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "y", SourceVolumeId: "pvc-a", Parameters: map[string]string{"type": "bak"}})
 			return err
 		}, codes.InvalidArgument},
 		{"delete without ID", func() error {

@@ -56,6 +56,10 @@ func (e *SnapshotMismatchError) Error() string {
 func (c *Client) CreateSnapshot(ctx context.Context, name, volume string) (*Snapshot, error) {
 	snaps := c.Dynamic.Resource(snapshotResource).Namespace(c.Namespace)
 	if existing, err := snaps.Get(ctx, name, metav1.GetOptions{}); err == nil {
+		if ownedBy(existing, BackupKind, name) {
+			// Harvester's snapshot for the backup of that name.
+			return nil, &BackupMismatchError{Kind: "host snapshot", Name: name, Why: "it belongs to the backup " + c.Namespace + "/" + name}
+		}
 		s := snapshotFrom(existing)
 		if s.SourceVolume != volume {
 			return nil, &SnapshotMismatchError{Name: name, Source: s.SourceVolume, Requested: volume}

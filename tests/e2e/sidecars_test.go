@@ -22,6 +22,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -173,6 +174,46 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 	}
 	if src, _, _ := unstructured.NestedString(hostSnap.Object, "spec", "source", "persistentVolumeClaimName"); src != vol {
 		t.Errorf("host snapshot %s is of %q, want %s", handle, src, vol)
+	}
+
+	// A backup class (type: backup): the sidecar passes the parameter, keeps
+	// asking until Harvester completes the backup and records its ID.
+	backupClass := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+		"metadata": map[string]any{"name": "harvester-backup"}, "driver": driver.Name, "deletionPolicy": "Delete",
+		"parameters": map[string]any{"type": "backup"},
+	}}
+	if _, err := guestDyn.Resource(snapshotAPI("volumesnapshotclasses")).Create(ctx, backupClass, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	backupContent := content.DeepCopy()
+	backupContent.SetName("snapcontent-backup-e2e")
+	_ = unstructured.SetNestedField(backupContent.Object, "harvester-backup", "spec", "volumeSnapshotClassName")
+	_ = unstructured.SetNestedField(backupContent.Object, "0e3b6c1c-0000-4000-8000-000000000002", "spec", "volumeSnapshotRef", "uid")
+	_ = unstructured.SetNestedField(backupContent.Object, "nightly", "spec", "volumeSnapshotRef", "name")
+	if _, err := contents.Create(ctx, backupContent, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var backupHandle string
+	waitFor(t, ctx, "the backup cut by the real csi-snapshotter", func() (bool, string) {
+		c, err := contents.Get(ctx, "snapcontent-backup-e2e", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		backupHandle, _, _ = unstructured.NestedString(c.Object, "status", "snapshotHandle")
+		ready, _, _ := unstructured.NestedBool(c.Object, "status", "readyToUse")
+		return backupHandle != "" && ready, fmt.Sprintf("status %v", c.Object["status"])
+	})
+	backupName, ok := strings.CutPrefix(backupHandle, "backup:"+h.Namespace+"/")
+	if !ok {
+		t.Fatalf("backup content handle %q, want backup:%s/<name>", backupHandle, h.Namespace)
+	}
+	vrb, err := dynamic.NewForConfigOrDie(h.Env.Config).Resource(host.BackupResource).Namespace(h.Namespace).Get(ctx, backupName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatalf("host backup %s behind the content: %v", backupName, err)
+	}
+	if src, _, _ := unstructured.NestedString(vrb.Object, "spec", "source"); src != vol {
+		t.Errorf("host backup %s is of %q, want %s", backupName, src, vol)
 	}
 
 	// The sidecars still run after a while: no capability check made one exit.

@@ -292,6 +292,7 @@ func controllerFlows(ctx context.Context, t *testing.T, h *framework.Host, ctrl 
 		t.Errorf("ListSnapshots: %v entries, %v", len(r.GetEntries()), err)
 	}
 	restored := createVolume(ctx, t, c, prefix+"-restored", snapID)
+	backupFlow(ctx, t, c, vol, prefix)
 	lv, err := c.ListVolumes(ctx, &csi.ListVolumesRequest{})
 	if err != nil {
 		t.Errorf("ListVolumes: %v", err)
@@ -322,6 +323,34 @@ func controllerFlows(ctx context.Context, t *testing.T, h *framework.Host, ctrl 
 	}
 	if list, err := src.ListVMIs(ctx); err != nil || len(list) == 0 {
 		t.Errorf("node ID discovery: list VMIs: %d, %v", len(list), err)
+	}
+}
+
+// backupFlow takes a backup snapshot of vol, lists it, restores a volume from
+// it and deletes both, as the snapshotter and provisioner would.
+func backupFlow(ctx context.Context, t *testing.T, c csi.ControllerClient, vol, prefix string) {
+	t.Helper()
+	var id string
+	if err := callUntilFinal(ctx, func(ctx context.Context) error {
+		r, err := c.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{SourceVolumeId: vol, Name: prefix + "-backup", Parameters: map[string]string{"type": "backup"}})
+		if err == nil && !r.GetSnapshot().GetReadyToUse() {
+			return status.Error(codes.Unavailable, "not ready yet")
+		}
+		id = r.GetSnapshot().GetSnapshotId()
+		return err
+	}); err != nil {
+		t.Fatalf("backup %s: %v", vol, err)
+	}
+	r, err := c.ListSnapshots(ctx, &csi.ListSnapshotsRequest{})
+	if err != nil || !slices.ContainsFunc(r.GetEntries(), func(e *csi.ListSnapshotsResponse_Entry) bool { return e.GetSnapshot().GetSnapshotId() == id }) {
+		t.Errorf("ListSnapshots does not list the backup %s: %v", id, err)
+	}
+	restored := createVolume(ctx, t, c, prefix+"-from-backup", id)
+	if _, err := c.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: restored}); err != nil {
+		t.Errorf("DeleteVolume %s: %v", restored, err)
+	}
+	if _, err := c.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: id}); err != nil {
+		t.Errorf("DeleteSnapshot %s: %v", id, err)
 	}
 }
 
@@ -575,6 +604,10 @@ func checkConfined(ctx context.Context, t *testing.T, h *framework.Host, hc *hos
 		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "get", Resource: "secrets"}, false},
 		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "list", Resource: "pods"}, false},
 		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "patch", Resource: "persistentvolumeclaims"}, false},
+		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "create", Group: "harvesterhci.io", Resource: "volumeremotebackups"}, true},
+		{authzv1.ResourceAttributes{Namespace: other, Verb: "get", Group: "harvesterhci.io", Resource: "volumeremotebackups"}, false},
+		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "update", Group: "harvesterhci.io", Resource: "volumeremotebackups"}, false},
+		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "list", Group: "harvesterhci.io", Resource: "volumeremoterestores"}, false},
 		{authzv1.ResourceAttributes{Verb: "get", Group: "harvesterhci.io", Resource: "settings", Name: "server-version"}, true},
 		{authzv1.ResourceAttributes{Verb: "get", Group: "harvesterhci.io", Resource: "settings", Name: "backup-target"}, false},
 		{authzv1.ResourceAttributes{Verb: "list", Group: "harvesterhci.io", Resource: "settings"}, false},
