@@ -37,5 +37,10 @@ func For(tb testing.TB, what string, within time.Duration, cond func() bool) {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), within)
 	defer cancel()
-	Until(ctx, tb, what, func() (bool, string) { return cond(), "condition false" })
+	Until(ctx, tb, what, Bool(cond))
+}
+
+// Bool adapts a condition without a state to report to Until.
+func Bool(cond func() bool) func() (bool, string) {
+	return func() (bool, string) { return cond(), "condition false" }
 }

@@ -11,6 +11,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 )
 
@@ -41,7 +42,7 @@ func TestBackupRestoreKeepsData(t *testing.T) {
 
 	// The snapshotter calls CreateSnapshot until the answer says ready.
 	var snap *csi.Snapshot
-	waitFor(t, ctx, "the backup complete", func() (bool, string) {
+	testwait.Until(ctx, t, "the backup complete", func() (bool, string) {
 		resp, err := ctrl.Client.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snapshot-backup-e2e", SourceVolumeId: srcID,
 			Parameters: map[string]string{"type": "backup"}})
 		if err != nil {
@@ -64,7 +65,7 @@ func TestBackupRestoreKeepsData(t *testing.T) {
 
 	// The provisioner calls CreateVolume until the restore is complete.
 	var restored *csi.Volume
-	waitFor(t, ctx, "the volume restored from the backup", func() (bool, string) {
+	testwait.Until(ctx, t, "the volume restored from the backup", func() (bool, string) {
 		resp, err := ctrl.Client.CreateVolume(ctx, &csi.CreateVolumeRequest{
 			Name: "pvc-backup-restored", VolumeCapabilities: []*csi.VolumeCapability{capability},
 			CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},

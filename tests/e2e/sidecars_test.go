@@ -195,7 +195,7 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 		t.Fatal(err)
 	}
 	var backupHandle string
-	waitFor(t, ctx, "the backup cut by the real csi-snapshotter", func() (bool, string) {
+	testwait.Until(ctx, t, "the backup cut by the real csi-snapshotter", func() (bool, string) {
 		c, err := contents.Get(ctx, "snapcontent-backup-e2e", metav1.GetOptions{})
 		if err != nil {
 			return false, err.Error()

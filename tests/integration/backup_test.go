@@ -19,6 +19,7 @@ import (
 	"k8s.io/utils/ptr"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -365,14 +366,14 @@ func (s *backupSuite) notReady(t *testing.T) {
 	}
 	var codesSeen []codes.Code
 	var last error
-	waitFor(ctx, t, "backup of an unbound PVC says why it waits", func() bool {
+	testwait.Until(ctx, t, "backup of an unbound PVC says why it waits", testwait.Bool(func() bool {
 		snap, err := backup(ctx)
 		codesSeen, last = append(codesSeen, status.Code(err)), err
 		if err == nil && snap.GetReadyToUse() {
 			t.Fatalf("backup of an unbound PVC is ready: %+v", snap)
 		}
 		return status.Code(err) == codes.Unavailable
-	})
+	}))
 	if msg := status.Convert(last).Message(); !strings.Contains(msg, "not yet bound") || !strings.Contains(msg, "snapshot-unbound") {
 		t.Errorf("backup of an unbound PVC: %v", last)
 	}
@@ -385,11 +386,11 @@ func (s *backupSuite) notReady(t *testing.T) {
 
 	// The host binds it: the backup completes.
 	s.bind(ctx, t, "pvc-unbound")
-	waitFor(ctx, t, "backup ready once the PVC is bound", func() bool {
+	testwait.Until(ctx, t, "backup ready once the PVC is bound", testwait.Bool(func() bool {
 		snap, err := backup(ctx)
 		codesSeen = append(codesSeen, status.Code(err))
 		return err == nil && snap.GetReadyToUse()
-	})
+	}))
 
 	// The restored PVC has the source's class, which nothing provisions: the
 	// restore stays in progress until the test binds it.
@@ -400,10 +401,10 @@ func (s *backupSuite) notReady(t *testing.T) {
 		t.Errorf("restore whose PVC is not bound: %v, want Unavailable in progress", err)
 	}
 	codesSeen = append(codesSeen, status.Code(err))
-	waitFor(ctx, t, "restored PVC created", func() bool {
+	testwait.Until(ctx, t, "restored PVC created", testwait.Bool(func() bool {
 		_, err := s.h.Kube.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "pvc-from-unbound", metav1.GetOptions{})
 		return err == nil
-	})
+	}))
 	s.bind(ctx, t, "pvc-from-unbound")
 	if _, err := untilFinal(ctx, t, func(ctx context.Context) error {
 		_, err := s.createVolume(ctx, t, "pvc-from-unbound", 32<<20, id)
@@ -414,18 +415,6 @@ func (s *backupSuite) notReady(t *testing.T) {
 	}
 	if slices.Contains(codesSeen, codes.Internal) {
 		t.Errorf("answers %v include Internal", codesSeen)
-	}
-}
-
-// waitFor polls cond (each call a round of API calls) until it holds.
-func waitFor(ctx context.Context, t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	for !cond() {
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%s: %v", what, ctx.Err())
-		case <-time.After(50 * time.Millisecond):
-		}
 	}
 }
 
