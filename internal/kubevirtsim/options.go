@@ -100,6 +100,9 @@ type Timings struct {
 	// VolumeSnapshot whose source claim is bound to its being readyToUse
 	// (1s).
 	Snapshot time.Duration
+	// NetworkFS is the time networkfs-manager takes to enable or disable an
+	// NFS export (Enabling → Enabled, Disabling → Disabled) (2s).
+	NetworkFS time.Duration
 	// BackoffBase and BackoffMax bound the VM controller's per-VM exponential
 	// backoff (5ms, 1000s).
 	BackoffBase time.Duration
@@ -121,6 +124,7 @@ func DefaultTimings() Timings {
 		HandlerPoll:  time.Second,
 		Bind:         100 * time.Millisecond,
 		Snapshot:     time.Second,
+		NetworkFS:    2 * time.Second,
 		BackoffBase:  5 * time.Millisecond,
 		BackoffMax:   1000 * time.Second,
 	}
@@ -158,6 +162,11 @@ type Options struct {
 	BindClasslessPVCs bool
 	// NodeName is the node VMIs run on (default "harvester-node-0").
 	NodeName string
+	// NFSEndpoint is the address an enabled NetworkFilesystem reports
+	// (default DefaultNFSEndpoint); NFSMountOptions its recommended mount
+	// options (default none).
+	NFSEndpoint     string
+	NFSMountOptions string
 
 	// DiskHook is called around guest plug and unplug; nil is a no-op. If it
 	// also implements SnapshotHook, it is called around volume snapshots.
@@ -235,6 +244,7 @@ func (o *Options) setDefaults() error {
 	fill(&t.HandlerPoll, d.HandlerPoll)
 	fill(&t.Bind, d.Bind)
 	fill(&t.Snapshot, d.Snapshot)
+	fill(&t.NetworkFS, d.NetworkFS)
 	fill(&t.BackoffBase, d.BackoffBase)
 	fill(&t.BackoffMax, d.BackoffMax)
 	if t.HandlerPoll <= 0 {

@@ -24,6 +24,7 @@ type Sim struct {
 	kubelet   *kubelet
 	prov      *provisioner
 	snaps     *snapshotter
+	netfs     *networkFSManager
 	api       *virtAPI
 	hooks     *webhooks
 	proxy     *proxy
@@ -56,6 +57,7 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 	s.kubelet = newKubelet(c, s.faults)
 	s.prov = newProvisioner(c)
 	s.snaps = newSnapshotter(c)
+	s.netfs = newNetworkFSManager(c)
 	s.handler = newVirtHandler(c, s.faults)
 	s.vmis = newVMIController(c, s.faults)
 	s.api = newVirtAPI(c)
@@ -64,7 +66,7 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 	s.prov.snapshots = s.snaps
 	s.snaps.prov = s.prov
 	s.faults.wire(s.vms, s.vmis, s.handler, s.kubelet)
-	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.kubelet, s.prov, s.snaps}
+	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.kubelet, s.prov, s.snaps, s.netfs}
 	return s, nil
 }
 
