@@ -278,6 +278,15 @@ func (c *Controller) Lost(volume string) []string {
 	return nil
 }
 
+// ClaimUsers names the guest pods the controller's cache sees using the
+// claim of a volume (what an RWX unpublish consults first).
+func (c *Controller) ClaimUsers(ctx context.Context, volume string) ([]string, error) {
+	if c.claims == nil {
+		return nil, errors.New("no guest client")
+	}
+	return c.claims.Users(ctx, volume, false)
+}
+
 // RWXEnabled reports whether ReadWriteMany volumes are served: the host
 // listed NetworkFilesystems when Run started.
 func (c *Controller) RWXEnabled() bool { return c.rwx.Load() }
