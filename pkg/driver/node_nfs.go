@@ -23,6 +23,17 @@ import (
 // stageNFS mounts the export at the staging path, or finds it mounted.
 func (s *NodeService) stageNFS(ctx context.Context, id, staging string, capability *csi.VolumeCapability, pc map[string]string) error {
 	logger := klog.FromContext(ctx)
+	if pc[nfsEndpointKey] == "" && s.opts.Exports != nil {
+		// Attached by upstream's driver, whose publish said nothing: ask
+		// the host, as upstream's node does.
+		lookupCtx, cancel := context.WithTimeout(ctx, hostCallTimeout)
+		endpoint, export, opts, err := s.opts.Exports.NFSExport(lookupCtx, id)
+		cancel()
+		if err != nil {
+			return status.Errorf(codes.Unavailable, "volume %s: no NFS export in the publish context, and the host does not tell one: %v", id, err)
+		}
+		pc = map[string]string{nfsEndpointKey: endpoint, nfsExportKey: export, nfsOptionsKey: opts}
+	}
 	source, err := mounter.NFSSource(pc[nfsEndpointKey], pc[nfsExportKey])
 	if err != nil {
 		return status.Errorf(codes.InvalidArgument, "volume %s: the publish context names no usable NFS export (ControllerPublishVolume sets it): %v", id, err)

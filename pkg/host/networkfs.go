@@ -245,6 +245,26 @@ func watchNetworkFS(ctx context.Context, events <-chan watch.Event, last *Networ
 	}
 }
 
+// NFSExport returns where a volume's NFS export is served now: the
+// NetworkFilesystem of its host PVC's Longhorn volume, which must be serving.
+func (c *Client) NFSExport(ctx context.Context, volume string) (endpoint, export, mountOpts string, err error) {
+	pvc, err := c.GetVolume(ctx, volume)
+	if err != nil {
+		return "", "", "", err
+	}
+	if pvc.Spec.VolumeName == "" {
+		return "", "", "", fmt.Errorf("host PVC %s has no Longhorn volume", volume)
+	}
+	n, err := c.GetNetworkFS(ctx, pvc.Spec.VolumeName)
+	if err != nil {
+		return "", "", "", err
+	}
+	if !n.Serving() {
+		return "", "", "", fmt.Errorf("%s is not serving", n.Describe())
+	}
+	return n.Status.Endpoint, "/" + n.Name, n.Status.MountOpts, nil
+}
+
 // StorageClassProvisioner returns the provisioner of a host class. known is
 // false when the class is not named (the host's default: its PVC will say)
 // or the guest may not read classes; upstream then assumes Longhorn.

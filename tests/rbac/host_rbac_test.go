@@ -45,13 +45,13 @@ import (
 // grant is one verb on one resource: the unit hack/host-rbac.sh grants and
 // docs/host-rbac.md explains.
 type grant struct {
-	Cluster  bool   // cluster-wide; else in the VM namespace
+	Cluster bool // cluster-wide; else in the VM namespace
 	// Harvester: in harvester-system (networkfs-manager's NetworkFilesystems).
 	Harvester bool
-	Group    string // "" is the core group
-	Resource string // resource[/subresource]
-	Verb     string
-	Names    string // resource names, comma-separated; "" for any
+	Group     string // "" is the core group
+	Resource  string // resource[/subresource]
+	Verb      string
+	Names     string // resource names, comma-separated; "" for any
 }
 
 func (g grant) String() string {
