@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Harvester-side identity of the CSI driver of one guest cluster, with exactly the access the driver's code
-# uses, in the namespace of the guest cluster's VMs only. See docs/host-rbac.md for every rule and the call that
+# uses, in the namespace of the guest cluster's VMs (and, for RWX volumes, Harvester's NetworkFilesystems in
+# harvester-system). See docs/host-rbac.md for every rule and the call that
 # needs it.
 #
 # Modes:
@@ -77,8 +78,11 @@ $restart && [ -z "$guest_kubeconfig" ] && { echo "--restart needs --guest-kubeco
 
 log() { echo "host-rbac: $*" >&2; }
 managed=harvester-csi-driver-host-rbac
+# Harvester's own namespace: networkfs-manager reads NetworkFilesystems only there.
+hsns=harvester-system
 
-# What the driver calls on the host, one rule a line: scope (ns: the VM namespace, cluster: cluster-wide),
+# What the driver calls on the host, one rule a line: scope (ns: the VM namespace, hs: harvester-system, where
+# networkfs-manager's NetworkFilesystems live, cluster: cluster-wide),
 # API group ("" is core), resource[/subresource], verbs, resource names ("-": any). docs/host-rbac.md lists the
 # call behind each line and tests/rbac runs the driver with exactly these grants.
 permissions() {
@@ -93,6 +97,7 @@ ns      ""                        persistentvolumeclaims               get,list,
 ns      snapshot.storage.k8s.io   volumesnapshots                      get,list,create,delete -
 ns      harvesterhci.io           volumeremotebackups                  get,list,create,delete -
 ns      harvesterhci.io           volumeremoterestores                 get,create,delete      -
+hs      harvesterhci.io           networkfilesystems                   get,list,watch,create,update,delete -
 cluster storage.k8s.io            storageclasses                       get                    -
 cluster harvesterhci.io           settings                             get                    server-version,csi-driver-config
 EOF
@@ -175,7 +180,19 @@ $(labels)
 rules:
 $(kubevirt_read=false rules cluster)
 EOF
+	cat <<EOF
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: harvester-csi-driver:networkfilesystems
+  namespace: ${hsns}
+$(labels)
+rules:
+$(rules hs)
+EOF
 	binding RoleBinding "${sa}" "$namespace" Role harvester-csi-driver
+	binding RoleBinding "${namespace}-${sa}-networkfilesystems" "$hsns" Role harvester-csi-driver:networkfilesystems
 	binding ClusterRoleBinding "${namespace}-${sa}-host-reads" "" ClusterRole harvester-csi-driver:host-reads
 	if $kubevirt_read; then
 		cat <<EOF
@@ -236,12 +253,17 @@ if [ -n "$existing" ]; then
 	# Grants made by an earlier run stay: they are why the review now says "allowed".
 	earlier=$({ "${host[@]}" -n "$namespace" get role "$role" -o "jsonpath={.metadata.annotations.${annotation}}" 2>/dev/null || true
 		echo
+		"${host[@]}" -n "$hsns" get role "${namespace}-${role}" -o "jsonpath={.metadata.annotations.${annotation}}" 2>/dev/null || true
+		echo
 		"${host[@]}" get clusterrole "$clusterrole" -o "jsonpath={.metadata.annotations.${annotation}}" 2>/dev/null || true; } | tr ' ' '\n')
 	missing=""
 	while read -r scope group resource verbs names; do
 		[ "$group" = '""' ] && group=""
-		ns=$namespace
-		[ "$scope" = ns ] || ns=""
+		case $scope in
+		ns) ns=$namespace ;;
+		hs) ns=$hsns ;;
+		*) ns="" ;;
+		esac
 		for verb in ${verbs//,/ }; do
 			key="$group|$resource|$verb"
 			if grep -qxF "$key" <<<"$earlier"; then
@@ -260,9 +282,10 @@ if [ -n "$existing" ]; then
 		done
 	done < <(permissions)
 	nsrules=$(rules ns "$missing")
+	hsrules=$(rules hs "$missing")
 	clrules=$(rules cluster "$missing")
 	grants=$(grep -v '^$' <<<"$missing" | tr '\n' ' ' | sed 's/ $//' || true)
-	if [ -z "$nsrules" ] && [ -z "$clrules" ]; then
+	if [ -z "$nsrules" ] && [ -z "$hsrules" ] && [ -z "$clrules" ]; then
 		log "$namespace/$sa already has every grant the driver needs"
 		exit 0
 	fi
@@ -281,6 +304,22 @@ rules:
 ${nsrules}
 EOF
 			binding RoleBinding "$role" "$namespace" Role "$role"
+		fi
+		if [ -n "$hsrules" ]; then
+			cat <<EOF
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: ${namespace}-${role}
+  namespace: ${hsns}
+$(labels "${namespace}.${sa}")
+  annotations:
+    ${annotation}: "${grants}"
+rules:
+${hsrules}
+EOF
+			binding RoleBinding "${namespace}-${role}" "$hsns" Role "${namespace}-${role}"
 		fi
 		if [ -n "$clrules" ]; then
 			cat <<EOF

@@ -43,6 +43,7 @@ func (n *nodeFlags) service(ctx context.Context, o *options, hostClient *host.Cl
 	}
 	if hostClient != nil {
 		opts.VMIs = nodeid.KubeVirtSource(hostClient.KubeVirt.KubevirtV1().VirtualMachineInstances(hostClient.Namespace))
+		opts.Exports = hostClient
 	}
 	return driver.NewNodeService(opts)
 }

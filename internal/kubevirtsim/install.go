@@ -78,6 +78,7 @@ func crds() []*apiextv1.CustomResourceDefinition {
 		approved(crdDef(snapshotGroup, "v1", "volumesnapshots", "volumesnapshot", "VolumeSnapshot", true, []string{"vs"}, nil)),
 		approved(crdDef(snapshotGroup, "v1", "volumesnapshotcontents", "volumesnapshotcontent", "VolumeSnapshotContent", false, []string{"vsc", "vscs"}, nil)),
 		approved(withoutStatus(crdDef(snapshotGroup, "v1", "volumesnapshotclasses", "volumesnapshotclass", "VolumeSnapshotClass", false, []string{"vsclass", "vsclasses"}, nil))),
+		networkFSCRD(),
 	}, remoteBackupCRDs()...)
 }
 
@@ -160,6 +161,9 @@ func (c *cluster) install(ctx context.Context) error {
 		return err
 	}
 	if err := c.ensureNamespace(ctx, c.opts.KubeVirtNamespace); err != nil {
+		return err
+	}
+	if err := c.ensureNamespace(ctx, NetworkFSNamespace); err != nil {
 		return err
 	}
 	if err := c.setFeatureGates(ctx, c.opts.gates()); err != nil {

@@ -106,6 +106,9 @@ type Timings struct {
 	// Restore is the download of a VolumeRemoteRestore, from its creation
 	// to its snapshot being ready for the restored PVC (2s).
 	Restore time.Duration
+	// NetworkFS is the time networkfs-manager takes to enable or disable an
+	// NFS export (Enabling → Enabled, Disabling → Disabled) (2s).
+	NetworkFS time.Duration
 	// BackoffBase and BackoffMax bound the VM controller's per-VM exponential
 	// backoff (5ms, 1000s).
 	BackoffBase time.Duration
@@ -129,6 +132,7 @@ func DefaultTimings() Timings {
 		Snapshot:     time.Second,
 		Backup:       2 * time.Second,
 		Restore:      2 * time.Second,
+		NetworkFS:    2 * time.Second,
 		BackoffBase:  5 * time.Millisecond,
 		BackoffMax:   1000 * time.Second,
 	}
@@ -166,6 +170,11 @@ type Options struct {
 	BindClasslessPVCs bool
 	// NodeName is the node VMIs run on (default "harvester-node-0").
 	NodeName string
+	// NFSEndpoint is the address an enabled NetworkFilesystem reports
+	// (default DefaultNFSEndpoint); NFSMountOptions its recommended mount
+	// options (default none).
+	NFSEndpoint     string
+	NFSMountOptions string
 
 	// DiskHook is called around guest plug and unplug; nil is a no-op. If it
 	// also implements SnapshotHook, it is called around volume snapshots.
@@ -245,6 +254,7 @@ func (o *Options) setDefaults() error {
 	fill(&t.Snapshot, d.Snapshot)
 	fill(&t.Backup, d.Backup)
 	fill(&t.Restore, d.Restore)
+	fill(&t.NetworkFS, d.NetworkFS)
 	fill(&t.BackoffBase, d.BackoffBase)
 	fill(&t.BackoffMax, d.BackoffMax)
 	if t.HandlerPoll <= 0 {

@@ -25,6 +25,7 @@ type Sim struct {
 	prov      *provisioner
 	snaps     *snapshotter
 	backups   *backupper
+	netfs     *networkFSManager
 	api       *virtAPI
 	hooks     *webhooks
 	proxy     *proxy
@@ -58,6 +59,7 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 	s.prov = newProvisioner(c)
 	s.snaps = newSnapshotter(c)
 	s.backups = newBackupper(c)
+	s.netfs = newNetworkFSManager(c)
 	s.handler = newVirtHandler(c, s.faults)
 	s.vmis = newVMIController(c, s.faults)
 	s.api = newVirtAPI(c)
@@ -66,7 +68,7 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 	s.prov.snapshots = s.snaps
 	s.snaps.prov = s.prov
 	s.faults.wire(s.vms, s.vmis, s.handler, s.kubelet)
-	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.kubelet, s.prov, s.snaps, s.backups}
+	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.kubelet, s.prov, s.snaps, s.backups, s.netfs}
 	return s, nil
 }
 

@@ -91,6 +91,13 @@ type ControllerOptions struct {
 	// Events, when set, is told why a publish or unpublish is not done yet,
 	// for the guest's VolumeAttachment.
 	Events AttachmentEvents
+	// NetworkFS reaches Harvester's NetworkFilesystems, and RWX says whether
+	// the host listed them at start-up: ReadWriteMany volumes need both.
+	NetworkFS NetworkFilesystems
+	RWX       func() bool
+	// ClaimUsers, when set, tells whether guest pods still use a volume; an
+	// RWX unpublish disables the export only when none does (nil: never).
+	ClaimUsers ClaimUsers
 }
 
 // AttachmentEvents records an Event on the guest VolumeAttachment of a
@@ -104,6 +111,7 @@ type controllerService struct {
 	opts    ControllerOptions
 	hotplug Hotplug
 	volumes HostVolumes
+	rwx     rwxLocks
 }
 
 // NewControllerService returns the CSI controller service.
@@ -140,6 +148,9 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 	}
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return nil, err
+	}
+	if anyMultiNode(req.GetVolumeCapabilities()) {
+		return s.createRWX(ctx, req)
 	}
 	bytes, err := volumeSize(req.GetCapacityRange())
 	if err != nil {
@@ -226,6 +237,9 @@ func (s *controllerService) DeleteVolume(ctx context.Context, req *csi.DeleteVol
 	if err := s.deleteRestore(ctx, req.GetVolumeId()); err != nil {
 		return nil, err
 	}
+	if err := s.deleteRWX(ctx, req.GetVolumeId()); err != nil {
+		return nil, err
+	}
 	if err := s.volumes.DeleteVolume(ctx, req.GetVolumeId()); err != nil {
 		return nil, apiStatus(err, "delete host PVC %s", req.GetVolumeId())
 	}
@@ -242,8 +256,17 @@ func (s *controllerService) ValidateVolumeCapabilities(ctx context.Context, req 
 	if err := checkCapabilities(req.GetVolumeCapabilities()); err != nil {
 		return nil, err
 	}
-	if _, err := s.getVolume(ctx, req.GetVolumeId()); err != nil {
+	if anyMultiNode(req.GetVolumeCapabilities()) {
+		if err := s.rwxAvailable(); err != nil {
+			return nil, err
+		}
+	}
+	pvc, err := s.getVolume(ctx, req.GetVolumeId())
+	if err != nil {
 		return nil, err
+	}
+	if anyMultiNode(req.GetVolumeCapabilities()) && pvc.Spec.VolumeMode != nil && *pvc.Spec.VolumeMode == corev1.PersistentVolumeBlock {
+		return &csi.ValidateVolumeCapabilitiesResponse{Message: fmt.Sprintf("volume %s is a block host volume (ReadWriteOnce): it cannot be shared ReadWriteMany", req.GetVolumeId())}, nil
 	}
 	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
 		VolumeContext:      req.GetVolumeContext(),
@@ -285,6 +308,9 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 	if pvc.Status.Phase != corev1.ClaimBound {
 		return nil, status.Errorf(codes.Aborted, "host PVC %s is %s, not Bound yet", vol, pvc.Status.Phase)
 	}
+	if multiNode(req.GetVolumeCapability()) {
+		return s.publishRWX(ctx, vol, vm, pvc)
+	}
 	ctx, cancel := s.withMargin(ctx)
 	defer cancel()
 	if err := s.hotplug.Attach(ctx, vm, vol, true); err != nil {
@@ -305,6 +331,12 @@ func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *
 	}
 	if !validObjectName(vol) || (req.GetNodeId() != "" && !validObjectName(req.GetNodeId())) {
 		// No host object can have that name, so nothing of it is attached.
+		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	}
+	if handled, err := s.unpublishRWX(ctx, vol, req.GetNodeId()); handled {
+		if err != nil {
+			return nil, err
+		}
 		return &csi.ControllerUnpublishVolumeResponse{}, nil
 	}
 	vms := []string{req.GetNodeId()}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sync/errgroup"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
@@ -58,6 +59,10 @@ type Controller struct {
 	attachmentEvents *guest.AttachmentEvents
 	guard            *guest.Guard
 	monitor          *guest.Monitor
+	// claims watches guest pods for RWX unpublishes (with a guest client).
+	claims *GuestClaims
+	// rwx is set by Run when the host lists NetworkFilesystems.
+	rwx atomic.Bool
 	// buildErr is a failure of NewController, returned by Run.
 	buildErr error
 
@@ -78,6 +83,13 @@ func NewController(cfg ControllerConfig) *Controller {
 	if c.attachmentEvents != nil {
 		opts.Events = c.attachmentEvents
 	}
+	if cfg.Host != nil {
+		opts.NetworkFS = cfg.Host
+		opts.RWX = c.rwx.Load
+	}
+	if c.claims != nil {
+		opts.ClaimUsers = c.claims
+	}
 	c.service = NewControllerService(opts, c, cfg.Host)
 	return c
 }
@@ -93,6 +105,9 @@ func (c *Controller) buildGuest() error {
 		return err
 	}
 	c.guestNodes = nodes
+	if c.claims, err = NewGuestClaims(c.cfg.Guest, Name); err != nil {
+		return err
+	}
 	c.attachmentEvents = guest.NewAttachmentEvents(c.cfg.Guest, nodes, Name)
 	events := guest.Events{Client: c.cfg.Guest, Component: Name}
 	if c.cfg.DetachGuardTimeout > 0 {
@@ -154,6 +169,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	c.detectRWX(ctx)
 	vmInf, vmiInf := c.cfg.Host.VMInformer(0), c.cfg.Host.VMIInformer(0)
 	qcfg := c.cfg.Queue
 	qcfg.Namespace = c.cfg.Host.Namespace
@@ -184,6 +200,9 @@ func (c *Controller) Run(ctx context.Context) error {
 	g.Go(func() error { return q.Run(ctx) })
 	if c.guestNodes != nil {
 		c.guestNodes.Start(ctx.Done())
+	}
+	if c.claims != nil && c.rwx.Load() {
+		c.claims.Start(ctx.Done())
 	}
 	if c.monitor != nil {
 		g.Go(func() error { return c.monitor.Run(ctx) })
@@ -257,4 +276,52 @@ func (c *Controller) Lost(volume string) []string {
 		return q.Lost(volume)
 	}
 	return nil
+}
+
+// ClaimUsers names the guest pods the controller's cache sees using the
+// claim of a volume (what an RWX unpublish consults first).
+func (c *Controller) ClaimUsers(ctx context.Context, volume string) ([]string, error) {
+	if c.claims == nil {
+		return nil, errors.New("no guest client")
+	}
+	return c.claims.Users(ctx, volume, false)
+}
+
+// RWXEnabled reports whether ReadWriteMany volumes are served: the host
+// listed NetworkFilesystems when Run started.
+func (c *Controller) RWXEnabled() bool { return c.rwx.Load() }
+
+// rwxProbes bounds how often start-up asks again when listing
+// NetworkFilesystems fails for a reason other than "not there" or "not
+// allowed" (the host answered the backend detection just before).
+const rwxProbes = 3
+
+// detectRWX lists NetworkFilesystems once, as upstream does at start-up:
+// MULTI_NODE_MULTI_WRITER is offered only when that works.
+func (c *Controller) detectRWX(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	var err error
+	for i := range rwxProbes {
+		probeCtx, cancel := context.WithTimeout(ctx, hostCallTimeout)
+		err = c.cfg.Host.NetworkFSAvailable(probeCtx)
+		cancel()
+		if err == nil || apierrors.IsNotFound(err) || apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) || ctx.Err() != nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Duration(i+1) * time.Second):
+		}
+	}
+	if err != nil {
+		logger.Info("ReadWriteMany volumes are OFF: the host does not list NetworkFilesystems (Harvester networkfs-manager missing, or no permission)",
+			"namespace", host.NetworkFSNamespace, "err", err.Error())
+		return
+	}
+	c.rwx.Store(true)
+	if c.claims == nil {
+		logger.Info("ReadWriteMany volumes are ON, but without a guest client an unpublish never disables an export (it cannot tell whether pods still use it)")
+		return
+	}
+	logger.Info("ReadWriteMany volumes are ON (Harvester NetworkFilesystems)", "namespace", host.NetworkFSNamespace)
 }

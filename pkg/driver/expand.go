@@ -37,6 +37,9 @@ func (s *controllerService) ControllerExpandVolume(ctx context.Context, req *csi
 		if err := checkCapabilities([]*csi.VolumeCapability{c}); err != nil {
 			return nil, err
 		}
+		if multiNode(c) {
+			return nil, status.Errorf(codes.InvalidArgument, "volume %s: expanding a ReadWriteMany (NFS) volume is not supported, as upstream", id)
+		}
 	}
 	bytes, err := volumeSize(req.GetCapacityRange())
 	if err != nil {

@@ -64,6 +64,15 @@ type NodeOptions struct {
 	Events sweeper.EventRecorder
 	// MaxVolumesPerNode is reported by NodeGetInfo (0: no limit).
 	MaxVolumesPerNode int64
+	// Exports, when set, tells where an RWX volume's NFS export is served
+	// when the publish context does not (a VolumeAttachment that upstream
+	// attached carries none).
+	Exports NFSExports
+}
+
+// NFSExports finds a volume's NFS export on the host (pkg/host.Client).
+type NFSExports interface {
+	NFSExport(ctx context.Context, volume string) (endpoint, export, mountOpts string, err error)
 }
 
 // NodeService is the CSI Node service. Run keeps the stale staging sweeper

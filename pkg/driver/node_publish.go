@@ -23,6 +23,12 @@ func (s *NodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 	defer release()
 
 	readOnly := req.GetReadonly() || readOnlyMode(capability)
+	if multiNode(capability) {
+		if err := s.publishNFS(ctx, id, staging, target, capability, readOnly); err != nil {
+			return nil, err
+		}
+		return &csi.NodePublishVolumeResponse{}, nil
+	}
 	if capability.GetBlock() != nil {
 		dev, err := s.waitDisk(ctx, id)
 		if err != nil {

@@ -10,6 +10,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/device"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/mounter"
 )
 
 func (s *NodeService) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
@@ -21,6 +22,12 @@ func (s *NodeService) NodeStageVolume(ctx context.Context, req *csi.NodeStageVol
 	}
 	defer release()
 
+	if multiNode(capability) {
+		if err := s.stageNFS(ctx, id, staging, capability, req.GetPublishContext()); err != nil {
+			return nil, err
+		}
+		return &csi.NodeStageVolumeResponse{}, nil
+	}
 	dev, err := s.waitDisk(ctx, id)
 	if err != nil {
 		return nil, toStatus(err)
@@ -101,6 +108,12 @@ func (s *NodeService) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstag
 		}
 		s.sweeper.Forget(staging)
 		logger.V(2).Info("nothing staged", "path", staging)
+		return &csi.NodeUnstageVolumeResponse{}, nil
+	}
+	if mounter.IsNFS(mnt.FSType) {
+		if err := s.unstageNFS(ctx, staging, mnt.Source); err != nil {
+			return nil, err
+		}
 		return &csi.NodeUnstageVolumeResponse{}, nil
 	}
 

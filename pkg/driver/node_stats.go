@@ -24,6 +24,9 @@ func (s *NodeService) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVo
 		return nil, status.Error(codes.InvalidArgument, "volume path missing")
 	}
 	ctx, _ = s.withVolume(ctx, id)
+	if resp, handled, err := s.nfsVolumeStats(ctx, id, path); handled {
+		return resp, err
+	}
 	v, err := s.volumeAt(id, path, true)
 	if err != nil {
 		return nil, err

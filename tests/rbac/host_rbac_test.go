@@ -45,17 +45,22 @@ import (
 // grant is one verb on one resource: the unit hack/host-rbac.sh grants and
 // docs/host-rbac.md explains.
 type grant struct {
-	Cluster  bool   // cluster-wide; else in the VM namespace
-	Group    string // "" is the core group
-	Resource string // resource[/subresource]
-	Verb     string
-	Names    string // resource names, comma-separated; "" for any
+	Cluster bool // cluster-wide; else in the VM namespace
+	// Harvester: in harvester-system (networkfs-manager's NetworkFilesystems).
+	Harvester bool
+	Group     string // "" is the core group
+	Resource  string // resource[/subresource]
+	Verb      string
+	Names     string // resource names, comma-separated; "" for any
 }
 
 func (g grant) String() string {
 	where := "VM namespace"
 	if g.Cluster {
 		where = "cluster"
+	}
+	if g.Harvester {
+		where = "harvester-system"
 	}
 	s := fmt.Sprintf("%s %s %s/%s", where, g.Verb, orCore(g.Group), g.Resource)
 	if g.Names != "" {
@@ -106,6 +111,7 @@ func scriptGrants(t *testing.T, args ...string) (grants []grant, objects []map[s
 		if kind != "Role" && kind != "ClusterRole" {
 			continue
 		}
+		harvester := obj["metadata"].(map[string]interface{})["namespace"] == "harvester-system"
 		b, _ := json.Marshal(obj)
 		var role rbacv1.ClusterRole
 		if err := json.Unmarshal(b, &role); err != nil {
@@ -115,7 +121,7 @@ func scriptGrants(t *testing.T, args ...string) (grants []grant, objects []map[s
 			for _, g := range r.APIGroups {
 				for _, res := range r.Resources {
 					for _, v := range r.Verbs {
-						grants = append(grants, grant{Cluster: kind == "ClusterRole", Group: g, Resource: res, Verb: v, Names: strings.Join(r.ResourceNames, ",")})
+						grants = append(grants, grant{Cluster: kind == "ClusterRole", Harvester: harvester, Group: g, Resource: res, Verb: v, Names: strings.Join(r.ResourceNames, ",")})
 					}
 				}
 			}
@@ -146,7 +152,7 @@ func documentedGrants(t *testing.T) []grant {
 		if len(cells) != 5 || strings.HasPrefix(strings.TrimSpace(cells[0]), "---") || strings.TrimSpace(cells[0]) == "where" {
 			continue
 		}
-		g := grant{Cluster: strings.HasPrefix(strings.TrimSpace(cells[0]), "cluster")}
+		g := grant{Cluster: strings.HasPrefix(strings.TrimSpace(cells[0]), "cluster"), Harvester: strings.Contains(cells[0], "harvester-system")}
 		grp, res, verb := code.FindStringSubmatch(cells[1]), code.FindAllStringSubmatch(cells[2], -1), code.FindStringSubmatch(cells[3])
 		if grp == nil || res == nil || verb == nil || strings.TrimSpace(cells[4]) == "" {
 			t.Fatalf("docs/host-rbac.md: row %q needs `group`, `resource` (and `name`s), `verb` and the calls", line)
@@ -191,7 +197,12 @@ func TestHostRBACScriptGrantsWhatTheDocsExplain(t *testing.T) {
 	for _, o := range objects {
 		meta := o["metadata"].(map[string]interface{})
 		if o["kind"] == "Role" || o["kind"] == "RoleBinding" || o["kind"] == "ServiceAccount" {
-			if meta["namespace"] != "guests" {
+			// Only NetworkFilesystems are granted in Harvester's namespace.
+			nfs := strings.Contains(fmt.Sprint(meta["name"]), "networkfilesystems") && o["kind"] != "ServiceAccount"
+			if nfs && meta["namespace"] != "harvester-system" {
+				t.Errorf("%s %s is not in harvester-system", o["kind"], meta["name"])
+			}
+			if !nfs && meta["namespace"] != "guests" {
 				t.Errorf("%s %s is not in the VM namespace", o["kind"], meta["name"])
 			}
 		}
@@ -315,6 +326,8 @@ func controllerFlows(ctx context.Context, t *testing.T, h *framework.Host, ctrl 
 			t.Errorf("DeleteVolume %s: %v", v, err)
 		}
 	}
+
+	rwxFlow(ctx, t, c, vm, prefix)
 
 	// The node plugin finds its VM with the same identity.
 	src := nodeid.KubeVirtSource(hc.KubeVirt.KubevirtV1().VirtualMachineInstances(hc.Namespace))
@@ -563,7 +576,7 @@ func TestHostIdentityRunsTheDriver(t *testing.T) {
 		return
 	}
 	for _, g := range granted {
-		g.Cluster, g.Names = false, ""
+		g.Cluster, g.Harvester, g.Names = false, false, ""
 		if !used[g] {
 			t.Errorf("granted but never needed by the driver's flows: %s", g)
 		}
@@ -613,6 +626,12 @@ func checkConfined(ctx context.Context, t *testing.T, h *framework.Host, hc *hos
 		{authzv1.ResourceAttributes{Verb: "list", Group: "harvesterhci.io", Resource: "settings"}, false},
 		{authzv1.ResourceAttributes{Verb: "list", Group: "storage.k8s.io", Resource: "storageclasses"}, false},
 		{authzv1.ResourceAttributes{Verb: "list", Group: "kubevirt.io", Resource: "kubevirts"}, false},
+		{authzv1.ResourceAttributes{Namespace: "harvester-system", Verb: "update", Group: "harvesterhci.io", Resource: "networkfilesystems"}, true},
+		{authzv1.ResourceAttributes{Namespace: "harvester-system", Verb: "update", Group: "harvesterhci.io", Resource: "networkfilesystems", Subresource: "status"}, false},
+		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "create", Group: "harvesterhci.io", Resource: "networkfilesystems"}, false},
+		{authzv1.ResourceAttributes{Verb: "list", Group: "harvesterhci.io", Resource: "networkfilesystems"}, false},
+		{authzv1.ResourceAttributes{Namespace: "harvester-system", Verb: "get", Resource: "secrets"}, false},
+		{authzv1.ResourceAttributes{Namespace: "harvester-system", Verb: "get", Group: "harvesterhci.io", Resource: "settings", Name: "backup-target"}, false},
 	} {
 		if got := accessReview(ctx, t, as, c.attrs); got != c.want {
 			t.Errorf("host identity: %s %s/%s/%s %q in %q: allowed=%v, want %v", c.attrs.Verb, orCore(c.attrs.Group), c.attrs.Resource, c.attrs.Subresource, c.attrs.Name, c.attrs.Namespace, got, c.want)
@@ -790,5 +809,37 @@ func createLegacyObjects(ctx context.Context, t *testing.T, kube kubernetes.Inte
 			}
 			return err
 		}},
+	}
+}
+
+var rwxMount = &csi.VolumeCapability{
+	AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
+	AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER},
+}
+
+// rwxFlow: a ReadWriteMany volume's NetworkFilesystem is created, enabled,
+// waited for and deleted in harvester-system.
+func rwxFlow(ctx context.Context, t *testing.T, c csi.ControllerClient, vm, prefix string) {
+	t.Helper()
+	var vol string
+	if err := callUntilFinal(ctx, func(ctx context.Context) error {
+		r, err := c.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: prefix + "-rwx", VolumeCapabilities: []*csi.VolumeCapability{rwxMount},
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20}})
+		vol = r.GetVolume().GetVolumeId()
+		return err
+	}); err != nil {
+		t.Fatalf("create RWX volume: %v", err)
+	}
+	if err := callUntilFinal(ctx, func(ctx context.Context) error {
+		_, err := c.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol, NodeId: vm, VolumeCapability: rwxMount})
+		return err
+	}); err != nil {
+		t.Errorf("publish RWX volume %s: %v", vol, err)
+	}
+	if err := unpublish(ctx, c, vm, vol); err != nil {
+		t.Errorf("unpublish RWX volume %s: %v", vol, err)
+	}
+	if _, err := c.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vol}); err != nil {
+		t.Errorf("DeleteVolume %s: %v", vol, err)
 	}
 }

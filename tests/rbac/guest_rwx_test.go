@@ -1,0 +1,72 @@
+package rbac
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+)
+
+// TestControllerRWXCallsFitTheListedPermissions: an RWX unpublish asks the
+// guest whether pods still use the volume's claim (the volume's PV, read by
+// name and, for a volume whose ID is not its PV's name, found among all PVs;
+// the pod cache; a fresh list of the claim's namespace) with only the
+// controller's listed permissions.
+func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	env, err := testenv.Start(ctx, testenv.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer env.Stop()
+	admin := kubernetes.NewForConfigOrDie(env.Config)
+	for _, pv := range []struct{ name, handle, claim string }{{"pvc-rwx", "pvc-rwx", "shared"}, {"renamed-pv", "vol-other", "other"}} {
+		if _, err := admin.CoreV1().PersistentVolumes().Create(ctx, &corev1.PersistentVolume{
+			ObjectMeta: metav1.ObjectMeta{Name: pv.name},
+			Spec: corev1.PersistentVolumeSpec{
+				Capacity:               corev1.ResourceList{corev1.ResourceStorage: *resourceQuantity("1Gi")},
+				AccessModes:            []corev1.PersistentVolumeAccessMode{corev1.ReadWriteMany},
+				ClaimRef:               &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: "default", Name: pv.claim},
+				PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: driver.Name, VolumeHandle: pv.handle}},
+			},
+		}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, p := range []struct{ name, claim string }{{"app-1", "shared"}, {"app-2", "other"}} {
+		if _, err := admin.CoreV1().Pods("default").Create(ctx, &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: p.name},
+			Spec: corev1.PodSpec{NodeName: "rke2-worker-1", Containers: []corev1.Container{{Name: "c", Image: "app"}},
+				Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: p.claim}}}}},
+		}, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	client := asUser(t, ctx, env.Config, "system:serviceaccount:kube-system:harvester-csi-driver", rulesFor(t, "controller"))
+	claims, err := driver.NewGuestClaims(client, driver.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	claims.Start(ctx.Done())
+	for deadline := time.Now().Add(time.Minute); !claims.Synced(); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the guest pod cache did not sync with the listed permissions (list/watch of pods refused)")
+		}
+	}
+	for _, c := range []struct{ volume, want string }{{"pvc-rwx", "default/app-1 on rke2-worker-1"}, {"vol-other", "default/app-2 on rke2-worker-1"}} {
+		for _, fresh := range []bool{false, true} {
+			users, err := claims.Users(ctx, c.volume, fresh)
+			if err != nil || len(users) != 1 || users[0] != c.want {
+				t.Errorf("users of %s (fresh %t) with the listed permissions: %v, %v; want [%s]", c.volume, fresh, users, err, c.want)
+			}
+		}
+	}
+}
