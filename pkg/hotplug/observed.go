@@ -126,11 +126,26 @@ func (o observed) detached(volume string) bool {
 // the set while it settles makes KubeVirt replace its single attachment pod
 // again, and changes faster than a pod start livelock it (kubevirt 16937).
 func (o observed) settling() bool {
-	if o.vm != nil && len(o.vm.Status.VolumeRequests) > 0 && !failing(o.vm) {
-		return true
+	return len(o.unsettled()) > 0
+}
+
+// unsettled names the volumes KubeVirt is still carrying a change for on the
+// VM: queued legacy requests (unless the VM's updates are failing, when they
+// do not move) and hotplug entries of a running VMI on their way in or out.
+func (o observed) unsettled() []string {
+	var vols []string
+	if o.vm != nil && !failing(o.vm) {
+		for _, r := range o.vm.Status.VolumeRequests {
+			switch {
+			case r.AddVolumeOptions != nil:
+				vols = append(vols, r.AddVolumeOptions.Name)
+			case r.RemoveVolumeOptions != nil:
+				vols = append(vols, r.RemoveVolumeOptions.Name)
+			}
+		}
 	}
 	if o.vmi == nil || o.vmi.Status.Phase != kubevirtv1.Running {
-		return false
+		return vols
 	}
 	for _, s := range o.vmi.Status.VolumeStatus {
 		if s.HotplugVolume == nil {
@@ -139,16 +154,16 @@ func (o observed) settling() bool {
 		switch s.Phase {
 		case kubevirtv1.VolumeReady:
 			if s.Target == "" {
-				return true
+				vols = append(vols, s.Name)
 			}
 		case kubevirtv1.VolumePending:
 			// A claim that is missing or not bound does not move by itself;
 			// holding every other volume for it would starve the VM.
 		default:
-			return true
+			vols = append(vols, s.Name)
 		}
 	}
-	return false
+	return vols
 }
 
 // progressMark fingerprints KubeVirt's hotplug work on the VM: the phase of

@@ -2,6 +2,7 @@ package hotplug
 
 import (
 	"cmp"
+	"fmt"
 	"slices"
 	"time"
 )
@@ -154,7 +155,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 		if now.Sub(p.settlingSince) < cfg.MaxHold {
 			p.hold = "previous change still settling"
 			p.wake(p.settlingSince.Add(cfg.MaxHold))
-			p.waitAll("queued behind the VM's previous change, which KubeVirt is still carrying out")
+			p.waitAll(queuedBehind(o, pending))
 			return p
 		}
 	} else {
@@ -162,6 +163,22 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	}
 	p.hold = ""
 	return p
+}
+
+// queuedBehind says how many volumes' changes a batch waits for: those
+// KubeVirt is carrying out and this process's writes it has not shown yet.
+func queuedBehind(o observed, pending map[string]bool) string {
+	vols := map[string]bool{}
+	for _, v := range o.unsettled() {
+		vols[v] = true
+	}
+	for v := range pending {
+		vols[v] = true
+	}
+	if len(vols) == 1 {
+		return "queued behind 1 change KubeVirt is still carrying out on the VM"
+	}
+	return fmt.Sprintf("queued behind %d changes KubeVirt is still carrying out on the VM", len(vols))
 }
 
 // waitAll marks every change of the plan as waiting for why.

@@ -102,6 +102,12 @@ func TestDecide(t *testing.T) {
 		in:       in{intents: map[string]Op{"b": Attach}, since: t0.Add(-5 * time.Second), obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeAttachedToNode})}},
 		wantHold: "previous change still settling", wantChanges: []Change{{"b", Attach}},
 	}, {
+		name: "a held batch says how many changes it waits behind",
+		in: in{intents: map[string]Op{"d": Attach}, since: t0.Add(-5 * time.Second), obs: observed{vm: vmWith([]string{"a", "b", "c"}, addReq("c")),
+			vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeAttachedToNode, "b": kubevirtv1.HotplugVolumeMounted, "c": kubevirtv1.VolumeBound})}},
+		wantHold: "previous change still settling", wantChanges: []Change{{"d", Attach}},
+		wantWait: map[string]string{"d": "queued behind 3 changes KubeVirt is still carrying out"},
+	}, {
 		name:        "settling VM is written anyway after max hold",
 		in:          in{intents: map[string]Op{"b": Attach}, since: t0.Add(-31 * time.Second), obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeDetaching})}},
 		wantChanges: []Change{{"b", Attach}},
