@@ -199,15 +199,18 @@ func RunChurn(ctx context.Context, h Host, cfg ChurnConfig, vms, vols []string) 
 }
 
 // Write stores res as dir/<res.Name>.json.
-func (res ChurnResult) Write(dir string) (string, error) {
+func (res ChurnResult) Write(dir string) (string, error) { return writeJSON(dir, res.Name, res) }
+
+// writeJSON stores v as dir/<name>.json.
+func writeJSON(dir, name string, v any) (string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return "", err
 	}
-	b, err := json.MarshalIndent(res, "", "  ")
+	b, err := json.MarshalIndent(v, "", "  ")
 	if err != nil {
 		return "", err
 	}
-	path := filepath.Join(dir, res.Name+".json")
+	path := filepath.Join(dir, name+".json")
 	return path, os.WriteFile(path, append(b, '\n'), 0o644)
 }
 

@@ -117,22 +117,36 @@ func BenchmarkChurn(b *testing.B) {
 
 func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 	b.Helper()
-	h := framework.StartHost(b, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: cfg.Scale, BindClasslessPVCs: true, Seed: cfg.Seed})
+	h := framework.StartHost(b, kubevirtsimOptions(f, cfg.Scale, cfg.Seed))
 	vms := make([]string, cfg.VMs)
 	for i := range vms {
 		vms[i] = fmt.Sprintf("node-%d", i)
 	}
 	h.CreateVMs(b, vms...)
 	vols := h.CreateVolumes(b, "churn", cfg.Volumes)
-	sc := func(d time.Duration) time.Duration { return time.Duration(float64(d) * cfg.Scale) }
-	d := hotplug.DefaultConfig()
 	ctrl := h.StartController(b, framework.ControllerOptions{Backend: host.BackendAuto,
-		Queue: hotplug.Config{BatchWindow: sc(d.BatchWindow), MaxHold: sc(d.MaxHold), BackoffBase: sc(d.BackoffBase), BackoffMax: sc(d.BackoffMax),
-			QPS: d.QPS / cfg.Scale, Burst: d.Burst, Workers: d.Workers},
-		Driver: driver.ControllerOptions{PublishMargin: sc(2 * time.Second), PublishWait: sc(cfg.PublishWait)}})
+		Queue: scaledQueue(cfg.Scale), Driver: scaledDriver(cfg.Scale, cfg.PublishWait)})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
 	defer cancel()
 	res := RunChurn(ctx, simHost{h: h, ctrl: ctrl}, cfg, vms, vols)
 	res.ControllerDescription = "this driver, backend " + ctrl.Queue.BackendName()
 	return res
+}
+
+func kubevirtsimOptions(f flavor, scale float64, seed uint64) kubevirtsim.Options {
+	return kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true, Seed: seed}
+}
+
+// scaledQueue is the queue's default configuration with its timings (and
+// retry rate) scaled like the simulator's latencies.
+func scaledQueue(scale float64) hotplug.Config {
+	sc := func(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
+	d := hotplug.DefaultConfig()
+	return hotplug.Config{BatchWindow: sc(d.BatchWindow), MaxHold: sc(d.MaxHold), BackoffBase: sc(d.BackoffBase), BackoffMax: sc(d.BackoffMax),
+		QPS: d.QPS / scale, Burst: d.Burst, Workers: d.Workers}
+}
+
+func scaledDriver(scale float64, publishWait time.Duration) driver.ControllerOptions {
+	sc := func(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
+	return driver.ControllerOptions{PublishMargin: sc(2 * time.Second), PublishWait: sc(publishWait)}
 }
