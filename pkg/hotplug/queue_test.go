@@ -39,6 +39,7 @@ type fakeKubeVirt struct {
 	lag time.Duration
 
 	mu          sync.Mutex
+	claimReads  int
 	applies     int
 	writes      int
 	inflight    map[string]int
@@ -79,6 +80,7 @@ func (f *fakeKubeVirt) VMExists(ctx context.Context, vm string) (bool, error) {
 func (f *fakeKubeVirt) ClaimPhase(_ context.Context, claim string) (corev1.PersistentVolumeClaimPhase, bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.claimReads++
 	if phase, ok := f.claims[claim]; ok {
 		return phase, phase != "", nil
 	}
@@ -154,8 +156,9 @@ func (f *fakeKubeVirt) Apply(ctx context.Context, vm string, changes []Change) [
 		}
 		f.mu.Lock()
 		f.writes++
+		delay := f.readyDelay
 		f.mu.Unlock()
-		time.AfterFunc(f.readyDelay, func() { f.followSpec(vm) })
+		time.AfterFunc(delay, func() { f.followSpec(vm) })
 	}
 	return outs
 }
