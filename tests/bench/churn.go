@@ -82,6 +82,13 @@ type ChurnResult struct {
 	WallSeconds           float64        `json:"wall_seconds"`
 	HostRequestsByKind    map[string]int `json:"host_requests_by_kind,omitempty"`
 	ControllerDescription string         `json:"controller"`
+	// DriverBatches counts the queue's writes (one batch of changes to one
+	// VM each); AttachmentPods the attachment pods KubeVirt created
+	// meanwhile. About one pod per batch means KubeVirt carried out each
+	// batch in one pass (for the legacy calls: folded the batch's
+	// back-to-back addvolume/removevolume requests into one spec update).
+	DriverBatches  int `json:"driver_batches,omitempty"`
+	AttachmentPods int `json:"attachment_pods,omitempty"`
 }
 
 // Host is what the churn needs from a simulated host and its controller.

@@ -5,10 +5,15 @@ import (
 	"flag"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
@@ -41,22 +46,34 @@ type flavor struct {
 	version kubevirtsim.Version
 }
 
+// flavors are every KubeVirt version the simulator names, in each hotplug
+// mode it has (declarative from v1.6 on).
 var flavors = []flavor{
 	{"legacy-v1.5.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3},
 	{"legacy-v1.6.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3},
 	{"legacy-v1.7.0", kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0},
+	{"legacy-v1.8.2", kubevirtsim.ModeLegacy, kubevirtsim.V1_8_2},
+	{"legacy-main", kubevirtsim.ModeLegacy, kubevirtsim.VMain},
+	{"declarative-v1.6.3", kubevirtsim.ModeDeclarative, kubevirtsim.V1_6_3},
 	{"declarative-v1.7.0", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0},
 	{"declarative-v1.8.2", kubevirtsim.ModeDeclarative, kubevirtsim.V1_8_2},
+	{"declarative-main", kubevirtsim.ModeDeclarative, kubevirtsim.VMain},
 }
 
 // simHost adapts a framework host and controller to Host.
 type simHost struct {
 	h    *framework.Host
 	ctrl *framework.Controller
+	pods *podCounter // nil: not counted
 }
 
 func (s simHost) Controller() csi.ControllerClient { return s.ctrl.Client }
-func (s simHost) Reset()                           { s.h.Sim.ResetStats() }
+func (s simHost) Reset() {
+	s.h.Sim.ResetStats()
+	if s.pods != nil {
+		s.pods.reset()
+	}
+}
 func (s simHost) Counts() (int, int, map[string]int) {
 	st := s.h.Sim.Stats()
 	reqs := map[string]int{}
@@ -102,9 +119,9 @@ func BenchmarkChurn(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					b.Logf("%s: %d/%d unfinished, publish p50 %.1fs p99 %.1fs, unpublish p99 %.1fs, %.2f VM writes/op, %.2f host requests/op, %d conflicts -> %s",
+					b.Logf("%s: %d/%d unfinished, publish p50 %.1fs p99 %.1fs, unpublish p99 %.1fs, %.2f VM writes/op, %.2f host requests/op, %d conflicts, %d batches, %d attachment pods -> %s",
 						res.Name, res.Unfinished, res.Operations, res.PublishToReady.P50, res.PublishToReady.P99, res.Unpublish.P99,
-						res.VMWritesPerOperation, res.HostRequestsPerOp, res.Conflicts, path)
+						res.VMWritesPerOperation, res.HostRequestsPerOp, res.Conflicts, res.DriverBatches, res.AttachmentPods, path)
 					b.ReportMetric(float64(res.Unfinished), "unfinished")
 					b.ReportMetric(res.PublishToReady.P99, "p99-publish-s")
 					b.ReportMetric(res.VMWritesPerOperation, "vm-writes/op")
@@ -128,9 +145,62 @@ func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 		Queue: scaledQueue(cfg.Scale), Driver: scaledDriver(cfg.Scale, cfg.PublishWait)})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
 	defer cancel()
-	res := RunChurn(ctx, simHost{h: h, ctrl: ctrl}, cfg, vms, vols)
+	pods := countAttachmentPods(ctx, b, h)
+	batchesBefore := gatherCounter(b, ctrl.Metrics, "harvester_csi_hotplug_vm_writes_total")
+	res := RunChurn(ctx, simHost{h: h, ctrl: ctrl, pods: pods}, cfg, vms, vols)
 	res.ControllerDescription = "this driver, backend " + ctrl.Queue.BackendName()
+	res.DriverBatches = int(gatherCounter(b, ctrl.Metrics, "harvester_csi_hotplug_vm_writes_total") - batchesBefore)
+	res.AttachmentPods = pods.count()
 	return res
+}
+
+// podCounter counts the attachment pods KubeVirt creates on the host.
+type podCounter struct {
+	mu sync.Mutex
+	n  int
+}
+
+func (p *podCounter) reset() { p.mu.Lock(); p.n = 0; p.mu.Unlock() }
+func (p *podCounter) count() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.n
+}
+
+func countAttachmentPods(ctx context.Context, b *testing.B, h *framework.Host) *podCounter {
+	b.Helper()
+	pc := &podCounter{}
+	f := informers.NewSharedInformerFactoryWithOptions(h.Kube, 0, informers.WithNamespace(h.Namespace),
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = "kubevirt.io=hotplug-disk" }))
+	inf := f.Core().V1().Pods().Informer()
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: func(any) {
+		pc.mu.Lock()
+		pc.n++
+		pc.mu.Unlock()
+	}}); err != nil {
+		b.Fatal(err)
+	}
+	f.Start(ctx.Done())
+	f.WaitForCacheSync(ctx.Done())
+	return pc
+}
+
+// gatherCounter sums a counter's series in reg.
+func gatherCounter(b *testing.B, reg *prometheus.Registry, name string) float64 {
+	b.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		b.Fatal(err)
+	}
+	sum := 0.0
+	for _, f := range families {
+		if f.GetName() == name {
+			for _, m := range f.GetMetric() {
+				sum += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return sum
 }
 
 func kubevirtsimOptions(f flavor, scale float64, seed uint64) kubevirtsim.Options {
