@@ -281,9 +281,7 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 	}
 	ctx, cancel := s.withMargin(ctx)
 	defer cancel()
-	// The queue's own check that the claim is Bound, right before it writes
-	// the VM, can take this read instead of making another.
-	if err := s.hotplug.Attach(hotplug.ClaimSeenBound(ctx), vm, vol, true); err != nil {
+	if err := s.hotplug.Attach(ctx, vm, vol, true); err != nil {
 		s.tellAttachment(ctx, vol, vm, err)
 		return nil, hotplugStatus(err)
 	}

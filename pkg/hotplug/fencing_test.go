@@ -305,57 +305,6 @@ func TestClaimsThatAreNotBoundAreNeverHotplugged(t *testing.T) {
 	}
 }
 
-// A publish that has just read its claim as Bound spares the queue a second
-// read when the VM is written at once; one written later is read again.
-func TestClaimReadOfTheCallerIsReusedOnlyWhileFresh(t *testing.T) {
-	f := newFakeKubeVirt(t, "vm1")
-	q, _ := startQueue(t, f, fastConfig())
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	claimReads := func() int {
-		f.mu.Lock()
-		defer f.mu.Unlock()
-		return f.claimReads
-	}
-
-	if err := q.Attach(ClaimSeenBound(ctx), "vm1", "pvc-a", true); err != nil {
-		t.Fatal(err)
-	}
-	if n := claimReads(); n != 0 {
-		t.Errorf("an attach written at once read its claim %d times after the caller had read it", n)
-	}
-	if err := q.Attach(ctx, "vm1", "pvc-b", true); err != nil {
-		t.Fatal(err)
-	}
-	if n := claimReads(); n != 1 {
-		t.Errorf("an attach whose caller did not read its claim read it %d times, want 1", n)
-	}
-
-	// Re-attached while the VMI still holds its previous attachment: the
-	// write waits for the VMI, long past the caller's read, and the claim
-	// deleted meanwhile must be seen.
-	f.mu.Lock()
-	f.readyDelay = 500 * time.Millisecond
-	f.mu.Unlock()
-	_, before, _ := f.stats()
-	detached := make(chan error, 1)
-	go func() { detached <- q.Detach(ctx, "vm1", "pvc-a") }()
-	for _, writes, _ := f.stats(); writes == before; _, writes, _ = f.stats() {
-		time.Sleep(time.Millisecond)
-	}
-	f.mu.Lock()
-	f.claims = map[string]corev1.PersistentVolumeClaimPhase{"pvc-a": ""}
-	f.mu.Unlock()
-	var cnr *ClaimNotReadyError
-	if err := q.Attach(ClaimSeenBound(ctx), "vm1", "pvc-a", true); !errors.As(err, &cnr) {
-		t.Fatalf("re-attach of a claim deleted while it waited: %v, want ClaimNotReadyError", err)
-	}
-	var sup *SupersededError
-	if err := <-detached; !errors.As(err, &sup) {
-		t.Errorf("the detach the re-attach replaced answered %v, want SupersededError", err)
-	}
-}
-
 // State shows an operator what each VM's intents wait for and why they fail.
 func TestStateSaysWhatEachIntentWaitsFor(t *testing.T) {
 	f := newFakeKubeVirt(t, "vm1")

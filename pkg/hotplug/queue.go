@@ -151,13 +151,9 @@ type intent struct {
 	op         Op
 	// exclusive attaches are refused while another VM holds the volume.
 	exclusive bool
-	// claimBoundAt is when a caller last said it had just read the volume's
-	// host PVC as Bound (ClaimSeenBound); a write soon after needs no read
-	// of its own.
-	claimBoundAt time.Time
-	created      time.Time
-	done         chan struct{} // closed when err is final
-	err          error
+	created   time.Time
+	done      chan struct{} // closed when err is final
+	err       error
 }
 
 const indexClaim = "claim"
@@ -345,30 +341,9 @@ func (q *Queue) Attach(ctx context.Context, vm, volume string, exclusive bool) e
 	}
 	it = q.setIntentLocked(ctx, w, key, volume, Attach)
 	it.exclusive = it.exclusive || exclusive
-	if claimSeenBound(ctx) {
-		it.claimBoundAt = q.now()
-	}
 	failed := w.failed
 	q.mu.Unlock()
 	return q.await(ctx, key, it, failed)
-}
-
-type claimSeenBoundKey struct{}
-
-// ClaimSeenBound marks an Attach whose caller has just read the volume's
-// host PVC from the API server and found it Bound. If the VM is written
-// within two batch windows of that call (an idle VM's first batch), the
-// queue takes that read as its own check that the claim is Bound instead of
-// reading the claim again: one request less per publish. A write that comes
-// later (the VM was settling, the volume still on its way out) reads the
-// claim anew.
-func ClaimSeenBound(ctx context.Context) context.Context {
-	return context.WithValue(ctx, claimSeenBoundKey{}, true)
-}
-
-func claimSeenBound(ctx context.Context) bool {
-	v, _ := ctx.Value(claimSeenBoundKey{}).(bool)
-	return v
 }
 
 // Detach blocks until the volume is observed gone from the VM and its VMI, the

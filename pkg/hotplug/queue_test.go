@@ -39,7 +39,6 @@ type fakeKubeVirt struct {
 	lag time.Duration
 
 	mu          sync.Mutex
-	claimReads  int
 	applies     int
 	writes      int
 	inflight    map[string]int
@@ -80,7 +79,6 @@ func (f *fakeKubeVirt) VMExists(ctx context.Context, vm string) (bool, error) {
 func (f *fakeKubeVirt) ClaimPhase(_ context.Context, claim string) (corev1.PersistentVolumeClaimPhase, bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.claimReads++
 	if phase, ok := f.claims[claim]; ok {
 		return phase, phase != "", nil
 	}
@@ -156,9 +154,8 @@ func (f *fakeKubeVirt) Apply(ctx context.Context, vm string, changes []Change) [
 		}
 		f.mu.Lock()
 		f.writes++
-		delay := f.readyDelay
 		f.mu.Unlock()
-		time.AfterFunc(delay, func() { f.followSpec(vm) })
+		time.AfterFunc(f.readyDelay, func() { f.followSpec(vm) })
 	}
 	return outs
 }

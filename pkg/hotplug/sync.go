@@ -150,7 +150,7 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 		}
 		live = h
 	}
-	claims, err := q.claimPhases(ctx, key, changes)
+	claims, err := q.claimPhases(ctx, changes)
 	if err != nil {
 		return q.noteFailure(ctx, key, err)
 	}
@@ -219,25 +219,13 @@ type claimState struct {
 }
 
 // claimPhases reads, from the API server, the claim of every volume changes
-// add, except those a caller read as Bound within the last two batch
-// windows (ClaimSeenBound).
-func (q *Queue) claimPhases(ctx context.Context, key cache.ObjectName, changes []Change) (map[string]claimState, error) {
+// add.
+func (q *Queue) claimPhases(ctx context.Context, changes []Change) (map[string]claimState, error) {
 	ctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
 	defer cancel()
 	out := map[string]claimState{}
-	q.mu.Lock()
-	if w := q.work[key]; w != nil {
-		now := q.now()
-		for _, c := range changes {
-			if it := w.intents[c.Volume]; c.Op == Attach && it != nil && it.op == Attach &&
-				!it.claimBoundAt.IsZero() && now.Sub(it.claimBoundAt) <= 2*q.cfg.BatchWindow {
-				out[c.Volume] = claimState{phase: corev1.ClaimBound, exists: true}
-			}
-		}
-	}
-	q.mu.Unlock()
 	for _, c := range changes {
-		if _, known := out[c.Volume]; c.Op != Attach || known {
+		if c.Op != Attach {
 			continue
 		}
 		phase, exists, err := q.reader.ClaimPhase(ctx, c.Volume)
