@@ -272,13 +272,11 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 		}
 		return nil, status.Errorf(codes.InvalidArgument, "volume %s: read-only controller publish is not supported (the capability PUBLISH_READONLY is not offered); publish read-write and mount read-only on the node", vol)
 	}
-	pvc, err := s.getVolume(ctx, vol)
-	if err != nil {
-		return nil, err
-	}
-	if pvc.Status.Phase != corev1.ClaimBound {
-		return nil, status.Errorf(codes.Aborted, "host PVC %s is %s, not Bound yet", vol, pvc.Status.Phase)
-	}
+	// The host PVC is not read here: the queue reads it from the API server
+	// right before it writes the VM (a claim deleted while queued must never
+	// reach KubeVirt) and answers a missing claim with NotFound and an
+	// unbound one with Aborted; a read here too would cost a request per
+	// publish and per retry for nothing.
 	ctx, cancel := s.withMargin(ctx)
 	defer cancel()
 	if err := s.hotplug.Attach(ctx, vm, vol, true); err != nil {
