@@ -89,6 +89,11 @@ type ChurnResult struct {
 	// back-to-back addvolume/removevolume requests into one spec update).
 	DriverBatches  int `json:"driver_batches,omitempty"`
 	AttachmentPods int `json:"attachment_pods,omitempty"`
+	// VMSpecUpdates counts the changes of the VMs' specs (their
+	// generation), by the driver or by KubeVirt's VM controller: in legacy
+	// mode about one per batch means KubeVirt folded the batch's requests
+	// into one spec update.
+	VMSpecUpdates int `json:"vm_spec_updates,omitempty"`
 }
 
 // Host is what the churn needs from a simulated host and its controller.

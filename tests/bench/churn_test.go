@@ -12,6 +12,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/prometheus/client_golang/prometheus"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/tools/cache"
 
@@ -65,6 +67,7 @@ type simHost struct {
 	h    *framework.Host
 	ctrl *framework.Controller
 	pods *podCounter // nil: not counted
+	gens *generations
 }
 
 func (s simHost) Controller() csi.ControllerClient { return s.ctrl.Client }
@@ -72,6 +75,9 @@ func (s simHost) Reset() {
 	s.h.Sim.ResetStats()
 	if s.pods != nil {
 		s.pods.reset()
+	}
+	if s.gens != nil {
+		s.gens.start = s.gens.read()
 	}
 }
 func (s simHost) Counts() (int, int, map[string]int) {
@@ -119,9 +125,9 @@ func BenchmarkChurn(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					b.Logf("%s: %d/%d unfinished, publish p50 %.1fs p99 %.1fs, unpublish p99 %.1fs, %.2f VM writes/op, %.2f host requests/op, %d conflicts, %d batches, %d attachment pods -> %s",
+					b.Logf("%s: %d/%d unfinished, publish p50 %.1fs p99 %.1fs, unpublish p99 %.1fs, %.2f VM writes/op, %.2f host requests/op, %d conflicts, %d batches, %d VM spec updates, %d attachment pods -> %s",
 						res.Name, res.Unfinished, res.Operations, res.PublishToReady.P50, res.PublishToReady.P99, res.Unpublish.P99,
-						res.VMWritesPerOperation, res.HostRequestsPerOp, res.Conflicts, res.DriverBatches, res.AttachmentPods, path)
+						res.VMWritesPerOperation, res.HostRequestsPerOp, res.Conflicts, res.DriverBatches, res.VMSpecUpdates, res.AttachmentPods, path)
 					b.ReportMetric(float64(res.Unfinished), "unfinished")
 					b.ReportMetric(res.PublishToReady.P99, "p99-publish-s")
 					b.ReportMetric(res.VMWritesPerOperation, "vm-writes/op")
@@ -146,12 +152,45 @@ func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
 	defer cancel()
 	pods := countAttachmentPods(ctx, b, h)
+	gens := &generations{b: b, h: h}
 	batchesBefore := gatherCounter(b, ctrl.Metrics, "harvester_csi_hotplug_vm_writes_total")
-	res := RunChurn(ctx, simHost{h: h, ctrl: ctrl, pods: pods}, cfg, vms, vols)
+	res := RunChurn(ctx, simHost{h: h, ctrl: ctrl, pods: pods, gens: gens}, cfg, vms, vols)
 	res.ControllerDescription = "this driver, backend " + ctrl.Queue.BackendName()
 	res.DriverBatches = int(gatherCounter(b, ctrl.Metrics, "harvester_csi_hotplug_vm_writes_total") - batchesBefore)
 	res.AttachmentPods = pods.count()
+	for vm, g := range gens.read() {
+		res.VMSpecUpdates += int(g - gens.start[vm])
+	}
 	return res
+}
+
+// generations reads every VM's metadata.generation, which the API server
+// raises on each change of the VM's spec, whoever makes it (the driver's
+// patch in declarative mode, KubeVirt's VM controller applying queued
+// requests in legacy mode).
+type generations struct {
+	b     *testing.B
+	h     *framework.Host
+	start map[string]int64
+}
+
+func (g *generations) read() map[string]int64 {
+	dyn, err := dynamic.NewForConfig(g.h.Env.Config)
+	if err != nil {
+		g.b.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	l, err := dyn.Resource(schema.GroupVersionResource{Group: "kubevirt.io", Version: "v1", Resource: "virtualmachines"}).
+		Namespace(g.h.Namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		g.b.Fatal(err)
+	}
+	out := map[string]int64{}
+	for _, vm := range l.Items {
+		out[vm.GetName()] = vm.GetGeneration()
+	}
+	return out
 }
 
 // podCounter counts the attachment pods KubeVirt creates on the host.

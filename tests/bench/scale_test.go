@@ -32,7 +32,7 @@ var (
 	scaleWarmup    = flag.Duration("scale.warmup", defScale.Warmup, "churn before the steady state is measured (simulated)")
 	scaleDuration  = flag.Duration("scale.duration", defScale.Duration, "steady state measured (simulated)")
 	scaleWorkers   = flag.Int("scale.workers", defScale.Workers, "attacher worker threads")
-	scaleTime      = flag.Float64("scale.scale", defScale.Scale, "time scale (0.25: an hour takes 15 minutes)")
+	scaleTime      = flag.Float64("scale.scale", defScale.Scale, "time scale (0.5: an hour takes 30 minutes)")
 	scaleSeed      = flag.Uint64("scale.seed", defScale.Seed, "seed of the plan")
 	scaleFlavor    = flag.String("scale.flavor", "declarative-v1.7.0", "KubeVirt to run against (a churn flavor name)")
 	scalePubWait   = flag.Duration("scale.publish-wait", 0, "the driver's --publish-wait (simulated)")
