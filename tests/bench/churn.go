@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -200,8 +201,10 @@ func RunChurn(ctx context.Context, h Host, cfg ChurnConfig, vms, vols []string) 
 	res.PublishToReady, res.Unpublish = percentiles(pubs), percentiles(unpubs)
 	writes, conflicts, reqs := h.Counts()
 	total := 0
-	for _, n := range reqs {
-		total += n
+	for k, n := range reqs {
+		if !strings.HasPrefix(k, "conflict ") { // answers, not requests
+			total += n
+		}
 	}
 	res.VMWritesPerOperation = float64(writes) / float64(res.Operations)
 	res.Conflicts = conflicts

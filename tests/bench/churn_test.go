@@ -93,6 +93,11 @@ func (s simHost) Counts() (int, int, map[string]int) {
 		}
 		reqs[name] += n
 	}
+	for k, codes := range st.Answers {
+		if n := codes[409] + codes[422]; n > 0 {
+			reqs["conflict "+k.Verb+" "+k.Resource+"/"+k.Subresource] += n
+		}
+	}
 	return st.VMSpecWrites + st.VMStatusWrites + st.VMIWrites + st.AddVolume + st.RemoveVolume, st.Conflicts + st.Unprocessable, reqs
 }
 

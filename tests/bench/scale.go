@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"time"
 
@@ -306,8 +307,10 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 	}
 	res.PublishToReady, res.Unpublish = percentiles(pubs), percentiles(unpubs)
 	total := 0
-	for _, n := range reqs {
-		total += n
+	for k, n := range reqs {
+		if !strings.HasPrefix(k, "conflict ") { // answers, not requests
+			total += n
+		}
 	}
 	if res.Operations > 0 {
 		res.VMWritesPerOperation = float64(writes) / float64(res.Operations)
