@@ -281,8 +281,8 @@ func TestPublishErrorsAndCodes(t *testing.T) {
 		want    codes.Code
 	}{
 		{"ok", "bound", "vm1", nil, codes.OK},
-		{"missing PVC", "nope", "vm1", nil, codes.NotFound},
-		{"pending PVC", "pending", "vm1", nil, codes.Aborted},
+		{"missing PVC", "nope", "vm1", &hotplug.ClaimNotReadyError{Volume: "nope", VM: "vm1"}, codes.NotFound},
+		{"pending PVC", "pending", "vm1", &hotplug.ClaimNotReadyError{Volume: "pending", VM: "vm1", Phase: corev1.ClaimPending}, codes.Aborted},
 		{"unknown VM", "bound", "vm1", hotplug.ErrVMNotFound, codes.NotFound},
 		{"held elsewhere", "bound", "vm1", &hotplug.HeldError{Volume: "bound", VM: "vm0", State: "attached"}, codes.FailedPrecondition},
 		{"superseded", "bound", "vm1", &hotplug.SupersededError{Volume: "bound", VM: "vm1", By: hotplug.Detach}, codes.Aborted},

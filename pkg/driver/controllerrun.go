@@ -173,7 +173,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	vmInf, vmiInf := c.cfg.Host.VMInformer(0), c.cfg.Host.VMIInformer(0)
 	qcfg := c.cfg.Queue
 	qcfg.Namespace = c.cfg.Host.Namespace
-	q, err := hotplug.New(qcfg, backend, c.cfg.Host, vmInf, vmiInf, c.cfg.Metrics)
+	q, err := hotplug.New(qcfg, backend, c.cfg.Host.ClaimReader(), vmInf, vmiInf, c.cfg.Metrics)
 	if err != nil {
 		return err
 	}

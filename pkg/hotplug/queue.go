@@ -86,6 +86,7 @@ type Queue struct {
 	cfg     Config
 	backend Backend
 	reader  Reader
+	live    *liveReads
 	vms     cache.Indexer
 	vmis    cache.Indexer
 	synced  []cache.InformerSynced
@@ -178,6 +179,7 @@ func New(cfg Config, backend Backend, reader Reader, vmInformer, vmiInformer cac
 		cfg:     cfg,
 		backend: backend,
 		reader:  reader,
+		live:    &liveReads{reader: reader, timeout: cfg.RequestTimeout},
 		vms:     vmInformer.GetIndexer(),
 		vmis:    vmiInformer.GetIndexer(),
 		synced:  []cache.InformerSynced{vmInformer.HasSynced, vmiInformer.HasSynced},

@@ -239,17 +239,13 @@ func (q *Queue) claimPhases(ctx context.Context, changes []Change) (map[string]c
 
 // liveHolders reads from the API server which VMs hold each volume: in the
 // VM spec, a queued legacy request, the VMI spec or its volume status.
+// Workers asking at the same time share one read (liveReads).
 func (q *Queue) liveHolders(ctx context.Context, vols []string) (map[string][]string, error) {
-	ctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
-	defer cancel()
-	vms, err := q.reader.ListVMs(ctx)
+	r, err := q.live.get(ctx)
 	if err != nil {
 		return nil, err
 	}
-	vmis, err := q.reader.ListVMIs(ctx)
-	if err != nil {
-		return nil, err
-	}
+	vms, vmis := r.vms, r.vmis
 	want := map[string]bool{}
 	for _, v := range vols {
 		want[v] = true

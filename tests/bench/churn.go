@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -82,6 +83,18 @@ type ChurnResult struct {
 	WallSeconds           float64        `json:"wall_seconds"`
 	HostRequestsByKind    map[string]int `json:"host_requests_by_kind,omitempty"`
 	ControllerDescription string         `json:"controller"`
+	// DriverBatches counts the queue's writes (one batch of changes to one
+	// VM each); AttachmentPods the attachment pods KubeVirt created
+	// meanwhile. About one pod per batch means KubeVirt carried out each
+	// batch in one pass (for the legacy calls: folded the batch's
+	// back-to-back addvolume/removevolume requests into one spec update).
+	DriverBatches  int `json:"driver_batches,omitempty"`
+	AttachmentPods int `json:"attachment_pods,omitempty"`
+	// VMSpecUpdates counts the changes of the VMs' specs (their
+	// generation), by the driver or by KubeVirt's VM controller: in legacy
+	// mode about one per batch means KubeVirt folded the batch's requests
+	// into one spec update.
+	VMSpecUpdates int `json:"vm_spec_updates,omitempty"`
 }
 
 // Host is what the churn needs from a simulated host and its controller.
@@ -188,8 +201,10 @@ func RunChurn(ctx context.Context, h Host, cfg ChurnConfig, vms, vols []string) 
 	res.PublishToReady, res.Unpublish = percentiles(pubs), percentiles(unpubs)
 	writes, conflicts, reqs := h.Counts()
 	total := 0
-	for _, n := range reqs {
-		total += n
+	for k, n := range reqs {
+		if !strings.HasPrefix(k, "conflict ") { // answers, not requests
+			total += n
+		}
 	}
 	res.VMWritesPerOperation = float64(writes) / float64(res.Operations)
 	res.Conflicts = conflicts
@@ -199,15 +214,18 @@ func RunChurn(ctx context.Context, h Host, cfg ChurnConfig, vms, vols []string) 
 }
 
 // Write stores res as dir/<res.Name>.json.
-func (res ChurnResult) Write(dir string) (string, error) {
+func (res ChurnResult) Write(dir string) (string, error) { return writeJSON(dir, res.Name, res) }
+
+// writeJSON stores v as dir/<name>.json.
+func writeJSON(dir, name string, v any) (string, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return "", err
 	}
-	b, err := json.MarshalIndent(res, "", "  ")
+	b, err := json.MarshalIndent(v, "", "  ")
 	if err != nil {
 		return "", err
 	}
-	path := filepath.Join(dir, res.Name+".json")
+	path := filepath.Join(dir, name+".json")
 	return path, os.WriteFile(path, append(b, '\n'), 0o644)
 }
 

@@ -5,10 +5,17 @@ import (
 	"flag"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
@@ -41,22 +48,38 @@ type flavor struct {
 	version kubevirtsim.Version
 }
 
+// flavors are every KubeVirt version the simulator names, in each hotplug
+// mode it has (declarative from v1.6 on).
 var flavors = []flavor{
 	{"legacy-v1.5.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3},
 	{"legacy-v1.6.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3},
 	{"legacy-v1.7.0", kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0},
+	{"legacy-v1.8.2", kubevirtsim.ModeLegacy, kubevirtsim.V1_8_2},
+	{"legacy-main", kubevirtsim.ModeLegacy, kubevirtsim.VMain},
+	{"declarative-v1.6.3", kubevirtsim.ModeDeclarative, kubevirtsim.V1_6_3},
 	{"declarative-v1.7.0", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0},
 	{"declarative-v1.8.2", kubevirtsim.ModeDeclarative, kubevirtsim.V1_8_2},
+	{"declarative-main", kubevirtsim.ModeDeclarative, kubevirtsim.VMain},
 }
 
 // simHost adapts a framework host and controller to Host.
 type simHost struct {
 	h    *framework.Host
 	ctrl *framework.Controller
+	pods *podCounter // nil: not counted
+	gens *generations
 }
 
 func (s simHost) Controller() csi.ControllerClient { return s.ctrl.Client }
-func (s simHost) Reset()                           { s.h.Sim.ResetStats() }
+func (s simHost) Reset() {
+	s.h.Sim.ResetStats()
+	if s.pods != nil {
+		s.pods.reset()
+	}
+	if s.gens != nil {
+		s.gens.start = s.gens.read()
+	}
+}
 func (s simHost) Counts() (int, int, map[string]int) {
 	st := s.h.Sim.Stats()
 	reqs := map[string]int{}
@@ -69,6 +92,11 @@ func (s simHost) Counts() (int, int, map[string]int) {
 			name += "/" + k.Subresource
 		}
 		reqs[name] += n
+	}
+	for k, codes := range st.Answers {
+		if n := codes[409] + codes[422]; n > 0 {
+			reqs["conflict "+k.Verb+" "+k.Resource+"/"+k.Subresource] += n
+		}
 	}
 	return st.VMSpecWrites + st.VMStatusWrites + st.VMIWrites + st.AddVolume + st.RemoveVolume, st.Conflicts + st.Unprocessable, reqs
 }
@@ -102,9 +130,9 @@ func BenchmarkChurn(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					b.Logf("%s: %d/%d unfinished, publish p50 %.1fs p99 %.1fs, unpublish p99 %.1fs, %.2f VM writes/op, %.2f host requests/op, %d conflicts -> %s",
+					b.Logf("%s: %d/%d unfinished, publish p50 %.1fs p99 %.1fs, unpublish p99 %.1fs, %.2f VM writes/op, %.2f host requests/op, %d conflicts, %d batches, %d VM spec updates, %d attachment pods -> %s",
 						res.Name, res.Unfinished, res.Operations, res.PublishToReady.P50, res.PublishToReady.P99, res.Unpublish.P99,
-						res.VMWritesPerOperation, res.HostRequestsPerOp, res.Conflicts, path)
+						res.VMWritesPerOperation, res.HostRequestsPerOp, res.Conflicts, res.DriverBatches, res.VMSpecUpdates, res.AttachmentPods, path)
 					b.ReportMetric(float64(res.Unfinished), "unfinished")
 					b.ReportMetric(res.PublishToReady.P99, "p99-publish-s")
 					b.ReportMetric(res.VMWritesPerOperation, "vm-writes/op")
@@ -117,22 +145,122 @@ func BenchmarkChurn(b *testing.B) {
 
 func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 	b.Helper()
-	h := framework.StartHost(b, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: cfg.Scale, BindClasslessPVCs: true, Seed: cfg.Seed})
+	h := framework.StartHost(b, kubevirtsimOptions(f, cfg.Scale, cfg.Seed))
 	vms := make([]string, cfg.VMs)
 	for i := range vms {
 		vms[i] = fmt.Sprintf("node-%d", i)
 	}
 	h.CreateVMs(b, vms...)
 	vols := h.CreateVolumes(b, "churn", cfg.Volumes)
-	sc := func(d time.Duration) time.Duration { return time.Duration(float64(d) * cfg.Scale) }
-	d := hotplug.DefaultConfig()
 	ctrl := h.StartController(b, framework.ControllerOptions{Backend: host.BackendAuto,
-		Queue: hotplug.Config{BatchWindow: sc(d.BatchWindow), MaxHold: sc(d.MaxHold), BackoffBase: sc(d.BackoffBase), BackoffMax: sc(d.BackoffMax),
-			QPS: d.QPS / cfg.Scale, Burst: d.Burst, Workers: d.Workers},
-		Driver: driver.ControllerOptions{PublishMargin: sc(2 * time.Second), PublishWait: sc(cfg.PublishWait)}})
+		Queue: scaledQueue(cfg.Scale), Driver: scaledDriver(cfg.Scale, cfg.PublishWait)})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
 	defer cancel()
-	res := RunChurn(ctx, simHost{h: h, ctrl: ctrl}, cfg, vms, vols)
+	pods := countAttachmentPods(ctx, b, h)
+	gens := &generations{b: b, h: h}
+	batchesBefore := gatherCounter(b, ctrl.Metrics, "harvester_csi_hotplug_vm_writes_total")
+	res := RunChurn(ctx, simHost{h: h, ctrl: ctrl, pods: pods, gens: gens}, cfg, vms, vols)
 	res.ControllerDescription = "this driver, backend " + ctrl.Queue.BackendName()
+	res.DriverBatches = int(gatherCounter(b, ctrl.Metrics, "harvester_csi_hotplug_vm_writes_total") - batchesBefore)
+	res.AttachmentPods = pods.count()
+	for vm, g := range gens.read() {
+		res.VMSpecUpdates += int(g - gens.start[vm])
+	}
 	return res
+}
+
+// generations reads every VM's metadata.generation, which the API server
+// raises on each change of the VM's spec, whoever makes it (the driver's
+// patch in declarative mode, KubeVirt's VM controller applying queued
+// requests in legacy mode).
+type generations struct {
+	b     *testing.B
+	h     *framework.Host
+	start map[string]int64
+}
+
+func (g *generations) read() map[string]int64 {
+	dyn, err := dynamic.NewForConfig(g.h.Env.Config)
+	if err != nil {
+		g.b.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	l, err := dyn.Resource(schema.GroupVersionResource{Group: "kubevirt.io", Version: "v1", Resource: "virtualmachines"}).
+		Namespace(g.h.Namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		g.b.Fatal(err)
+	}
+	out := map[string]int64{}
+	for _, vm := range l.Items {
+		out[vm.GetName()] = vm.GetGeneration()
+	}
+	return out
+}
+
+// podCounter counts the attachment pods KubeVirt creates on the host.
+type podCounter struct {
+	mu sync.Mutex
+	n  int
+}
+
+func (p *podCounter) reset() { p.mu.Lock(); p.n = 0; p.mu.Unlock() }
+func (p *podCounter) count() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.n
+}
+
+func countAttachmentPods(ctx context.Context, b *testing.B, h *framework.Host) *podCounter {
+	b.Helper()
+	pc := &podCounter{}
+	f := informers.NewSharedInformerFactoryWithOptions(h.Kube, 0, informers.WithNamespace(h.Namespace),
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = "kubevirt.io=hotplug-disk" }))
+	inf := f.Core().V1().Pods().Informer()
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{AddFunc: func(any) {
+		pc.mu.Lock()
+		pc.n++
+		pc.mu.Unlock()
+	}}); err != nil {
+		b.Fatal(err)
+	}
+	f.Start(ctx.Done())
+	f.WaitForCacheSync(ctx.Done())
+	return pc
+}
+
+// gatherCounter sums a counter's series in reg.
+func gatherCounter(b *testing.B, reg *prometheus.Registry, name string) float64 {
+	b.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		b.Fatal(err)
+	}
+	sum := 0.0
+	for _, f := range families {
+		if f.GetName() == name {
+			for _, m := range f.GetMetric() {
+				sum += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return sum
+}
+
+func kubevirtsimOptions(f flavor, scale float64, seed uint64) kubevirtsim.Options {
+	return kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true, Seed: seed}
+}
+
+// scaledQueue is the queue's default configuration with its timings (and
+// retry rate) scaled like the simulator's latencies.
+func scaledQueue(scale float64) hotplug.Config {
+	sc := func(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
+	d := hotplug.DefaultConfig()
+	return hotplug.Config{BatchWindow: sc(d.BatchWindow), MaxHold: sc(d.MaxHold), BackoffBase: sc(d.BackoffBase), BackoffMax: sc(d.BackoffMax),
+		QPS: d.QPS / scale, Burst: d.Burst, Workers: d.Workers}
+}
+
+func scaledDriver(scale float64, publishWait time.Duration) driver.ControllerOptions {
+	sc := func(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
+	return driver.ControllerOptions{PublishMargin: sc(2 * time.Second), PublishWait: sc(publishWait)}
 }
