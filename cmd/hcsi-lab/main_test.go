@@ -26,22 +26,8 @@ func TestQuickLab(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs the whole lab (a few minutes)")
 	}
-	bin, err := testenv.BinDir()
-	if err != nil {
-		t.Fatal(err)
-	}
 	work := t.TempDir()
-	build := func(out, pkg string) string {
-		p := filepath.Join(work, out)
-		cmd := exec.Command("go", "build", "-o", p, pkg)
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("build %s: %v\n%s", pkg, err, b)
-		}
-		return p
-	}
-	driver := build("harvester-csi-driver", "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver")
-	labBin := build("hcsi-lab", "github.com/harvester-csi/harvester-csi-driver/cmd/hcsi-lab")
+	bin, driver, labBin := buildLab(t, work)
 	out := filepath.Join(work, "run")
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
@@ -92,4 +78,40 @@ func TestQuickLab(t *testing.T) {
 	if mounts, _ := os.ReadFile("/proc/self/mountinfo"); strings.Contains(string(mounts), "hcsi-lab-") {
 		t.Error("mounts of the lab left in the host's mount namespace")
 	}
+}
+
+// buildLab builds the driver and the lab command into dir and returns the
+// upstream tools' directory with them.
+func buildLab(t testing.TB, dir string) (tools, driver, labBin string) {
+	t.Helper()
+	tools, err := testenv.BinDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	build := func(out, pkg string) string {
+		p := filepath.Join(dir, out)
+		cmd := exec.Command("go", "build", "-o", p, pkg)
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if b, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("build %s: %v\n%s", pkg, err, b)
+		}
+		return p
+	}
+	driver = build("harvester-csi-driver", "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver")
+	labBin = build("hcsi-lab", "github.com/harvester-csi/harvester-csi-driver/cmd/hcsi-lab")
+	return tools, driver, labBin
+}
+
+// readReport reads a run directory's report.json.
+func readReport(t testing.TB, dir string) *lab.Report {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(dir, "report.json"))
+	if err != nil {
+		t.Fatalf("no report in %s: %v", dir, err)
+	}
+	var rep lab.Report
+	if err := json.Unmarshal(data, &rep); err != nil {
+		t.Fatalf("%s/report.json: %v", dir, err)
+	}
+	return &rep
 }

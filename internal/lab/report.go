@@ -4,9 +4,12 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -28,15 +31,20 @@ type Report struct {
 	PodStartLatency     monitor.Percentiles    `json:"pod_start_latency_seconds"`
 	KubeVirtWrites      KubeVirtWrites         `json:"kubevirt_writes"`
 	Conflicts           map[string]int         `json:"conflicts"`
-	AttacherErrors      map[string]int         `json:"attacher_errors"`
-	Driver              Driver                 `json:"driver"`
-	DataChecks          DataChecks             `json:"data_checks"`
-	NodeCalls           NodeCalls              `json:"node_calls"`
-	Config              Config                 `json:"config"`
-	Components          map[string]string      `json:"components"`
-	Started             time.Time              `json:"started"`
-	Elapsed             float64                `json:"elapsed_seconds"`
-	RunDir              string                 `json:"run_dir"`
+	// ConflictsByRequest splits Conflicts by the request answered ("409
+	// patch kubevirt.io/virtualmachines"): in the lab only the driver's
+	// processes write through KubeVirt's front (the simulator's own
+	// controllers bypass it), so these are the driver's.
+	ConflictsByRequest map[string]int    `json:"conflicts_by_request,omitempty"`
+	AttacherErrors     map[string]int    `json:"attacher_errors"`
+	Driver             Driver            `json:"driver"`
+	DataChecks         DataChecks        `json:"data_checks"`
+	NodeCalls          NodeCalls         `json:"node_calls"`
+	Config             Config            `json:"config"`
+	Components         map[string]string `json:"components"`
+	Started            time.Time         `json:"started"`
+	Elapsed            float64           `json:"elapsed_seconds"`
+	RunDir             string            `json:"run_dir"`
 	// Samples for latency.svg.
 	AttachSamples []monitor.Sample `json:"attach_samples,omitempty"`
 	DetachSamples []monitor.Sample `json:"detach_samples,omitempty"`
@@ -82,6 +90,24 @@ type NodeCalls struct {
 	Total          int `json:"total"`
 	Failed         int `json:"failed"`
 	UnstageSkipped int `json:"unstage_skipped"`
+}
+
+// conflictsByRequest counts the 409 and 422 answers of the front proxy by
+// request.
+func (r *run) conflictsByRequest() map[string]int {
+	out := map[string]int{}
+	for k, codes := range r.h.Sim.Stats().Answers {
+		for _, code := range []int{http.StatusConflict, http.StatusUnprocessableEntity} {
+			if n := codes[code]; n > 0 {
+				res := k.Group + "/" + k.Resource
+				if k.Subresource != "" {
+					res += "/" + k.Subresource
+				}
+				out[fmt.Sprintf("%d %s %s", code, k.Verb, res)] += n
+			}
+		}
+	}
+	return out
 }
 
 func (r *run) figures() (monitor.Snapshot, KubeVirtWrites, map[string]int) {
@@ -157,6 +183,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		rep.Operations = Operations{Attaches: s.Attaches, Detaches: s.Detaches, JobsRun: s.JobsSucceeded + s.JobsFailed, JobsFailed: s.JobsFailed}
 		rep.AttachLatency, rep.DetachLatency, rep.PodStartLatency = monitor.Summarize(s.Attach), monitor.Summarize(s.Detach), monitor.Summarize(s.PodStart)
 		rep.KubeVirtWrites, rep.Conflicts, rep.AttacherErrors = kw, conf, s.AttacherErrors
+		rep.ConflictsByRequest = r.conflictsByRequest()
 		rep.AttachSamples, rep.DetachSamples = s.Attach, s.Detach
 	}
 	if r.wl != nil {
@@ -241,6 +268,9 @@ func (rep *Report) Summary() string {
 	fmt.Fprintf(&b, "  KubeVirt writes: %d (%.2f per volume operation; spec %d, status %d, VMI %d, addvolume %d, removevolume %d)\n",
 		kw.Total, kw.PerVolumeOp, kw.VMSpec, kw.VMStatus, kw.VMI, kw.AddVolume, kw.RemoveVolume)
 	fmt.Fprintf(&b, "  conflicts: 409 x%d, 422 x%d\n", rep.Conflicts["409"], rep.Conflicts["422"])
+	for _, k := range slices.Sorted(maps.Keys(rep.ConflictsByRequest)) {
+		fmt.Fprintf(&b, "    %4dx %s\n", rep.ConflictsByRequest[k], k)
+	}
 	fmt.Fprintf(&b, "  data checks: %d passed, %d failed; node calls %d (%d failed, %d NodeUnstage skipped by the fault)\n",
 		rep.DataChecks.Passed, rep.DataChecks.Failed, rep.NodeCalls.Total, rep.NodeCalls.Failed, rep.NodeCalls.UnstageSkipped)
 	if len(rep.AttacherErrors) > 0 {
