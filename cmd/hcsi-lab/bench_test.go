@@ -98,12 +98,15 @@ func BenchmarkLab(b *testing.B) {
 	if os.Geteuid() != 0 {
 		b.Skip("the lab needs root (loop devices, mounts, a mount namespace)")
 	}
+	// The commit the binaries are built from (-dirty: with changes not
+	// committed), taken before the build.
+	commit := gitCommit()
 	work := b.TempDir()
 	tools, driver, labBin := buildLab(b, work)
 	for _, kv := range strings.Split(*labBenchKubeVirt, ",") {
 		b.Run(kv, func(b *testing.B) {
 			for range b.N {
-				res := runLabBench(b, tools, driver, labBin, kv)
+				res := runLabBench(b, tools, driver, labBin, kv, commit)
 				b.ReportMetric(float64(res.Stuck), "stuck")
 				b.ReportMetric(res.AttachLatency.P99, "attach-p99-s")
 				b.ReportMetric(res.KubeVirtWrites.PerVolumeOp, "kubevirt-writes/op")
@@ -113,14 +116,14 @@ func BenchmarkLab(b *testing.B) {
 	}
 }
 
-func runLabBench(b *testing.B, tools, driver, labBin, kv string) *LabBenchResult {
+func runLabBench(b *testing.B, tools, driver, labBin, kv, commit string) *LabBenchResult {
 	b.Helper()
 	runs, err := filepath.Abs(*labBenchRuns)
 	if err != nil {
 		b.Fatal(err)
 	}
 	out := filepath.Join(runs, fmt.Sprintf("bench-%s-%s", kv, time.Now().Format("20060102-150405")))
-	res := &LabBenchResult{Benchmark: "BenchmarkLab", Measured: time.Now().UTC(), Commit: gitCommit(), Machine: machine()}
+	res := &LabBenchResult{Benchmark: "BenchmarkLab", Measured: time.Now().UTC(), Commit: commit, Machine: machine()}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Duration(*labBenchMinutes*float64(time.Minute))+40*time.Minute)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, labBin, "--driver-binary="+driver, "--out="+out, "--kubevirt="+kv,
