@@ -65,6 +65,7 @@ func parse(args []string) (*flags, error) {
 	fs.DurationVar(&c.StuckBound, "stuck-bound", 0, "a pod or VolumeAttachment in progress longer than this is stuck (default 5m at time scale 1)")
 	fs.DurationVar(&c.JobInterval, "job-interval", 0, "with lab-made Jobs (--quick), how often each namespace runs one")
 	fs.DurationVar(&c.MoveInterval, "move-interval", 0, "how often a database is moved to another node (default 20s at time scale 1)")
+	fs.DurationVar(&c.ExpandEvery, "expand-every", 0, "expand one database's claim by 512Mi (online, through the csi-resizer and the kubelet) this often, then move the database so it verifies its data (0: never)")
 	fs.Float64Var(&c.SkipUnstage, "skip-unstage", 0, "fault: probability that a kubelet's NodeUnstageVolume never reaches the driver, as in kubelet's unstage race")
 	fs.DurationVar(&c.ControllerKillEvery, "kill-controller-every", 0, "fault: SIGKILL the driver's controller process this often (it restarts)")
 	fs.DurationVar(&f.pauseFor, "pause-api-for", 0, "fault: pause (SIGSTOP) the host API server for this long ...")
@@ -92,6 +93,7 @@ func parse(args []string) (*flags, error) {
 			"stuck-bound":           func() { c.StuckBound = 2 * time.Minute },
 			"skip-unstage":          func() { c.SkipUnstage = 0.2 },
 			"kill-controller-every": func() { c.ControllerKillEvery = 40 * time.Second },
+			"expand-every":          func() { c.ExpandEvery = 15 * time.Second },
 		}
 		for name, apply := range preset {
 			if !f.set[name] {

@@ -16,10 +16,10 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
-// The --quick lab, with NodeUnstageVolume skipped now and then and the
-// controller process killed every 40 s, must pass: no invariant broken,
-// nothing stuck, every data check good. It runs the built binaries as a user
-// would (make lab LAB_FLAGS=--quick).
+// The --quick lab, with NodeUnstageVolume skipped now and then, the
+// controller process killed every 40 s and claims expanded every 15 s, must
+// pass: no invariant broken, nothing stuck, every data check good. It runs
+// the built binaries as a user would (make lab LAB_FLAGS=--quick).
 func TestQuickLab(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("the lab needs root (loop devices, mounts, a mount namespace)")
@@ -60,6 +60,11 @@ func TestQuickLab(t *testing.T) {
 	}
 	if rep.DataChecks.Passed == 0 {
 		t.Error("no data check ran")
+	}
+	// Claims grew online through the real resizer and kubelet (a stuck
+	// expansion is a violation above).
+	if rep.Operations.Expansions == 0 {
+		t.Error("no claim expansion finished")
 	}
 	if rep.NodeCalls.UnstageSkipped == 0 {
 		t.Error("the skip-unstage fault never struck")
