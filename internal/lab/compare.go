@@ -9,7 +9,7 @@ import (
 // Compare prints two runs of the same scenario side by side.
 func Compare(a, b *Report) string {
 	var s strings.Builder
-	row := func(name, x, y string) { fmt.Fprintf(&s, "  %-34s %-24s %-24s\n", name, x, y) }
+	row := func(name, x, y string) { fmt.Fprintf(&s, "  %-37s %-24s %-24s\n", name, x, y) }
 	f := func(v float64) string { return fmt.Sprintf("%.1fs", v) }
 	d := func(v int) string { return fmt.Sprint(v) }
 	fmt.Fprintf(&s, "comparison (same scenario, seed %d)\n", a.Config.Seed)
