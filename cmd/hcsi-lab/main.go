@@ -26,6 +26,16 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
 )
 
+// minStuckBound is the shortest default stuck bound. Kubernetes' own
+// recovery times do not follow --time-scale: the attach/detach controller
+// waits up to 2 min for a VolumeAttachment it found already there (one still
+// being deleted after a detach, say) before it creates a new one, and backs
+// off failed operations up to 2m2s. A bound below that would call
+// Kubernetes' own recovery stuck (a --quick run with the controller-kill
+// fault saw a pod wait 2m1s that way, the driver answering every call at
+// once).
+const minStuckBound = 3 * time.Minute
+
 // inNamespace marks the re-executed lab inside its private mount namespace.
 const inNamespace = "HCSI_LAB_IN_MOUNT_NS"
 
@@ -90,7 +100,7 @@ func parse(args []string) (*flags, error) {
 			"time-scale":            func() { c.TimeScale = 0.1 },
 			"job-interval":          func() { c.JobInterval = 5 * time.Second },
 			"move-interval":         func() { c.MoveInterval = 4 * time.Second },
-			"stuck-bound":           func() { c.StuckBound = 2 * time.Minute },
+			"stuck-bound":           func() { c.StuckBound = minStuckBound },
 			"skip-unstage":          func() { c.SkipUnstage = 0.2 },
 			"kill-controller-every": func() { c.ControllerKillEvery = 40 * time.Second },
 			"expand-every":          func() { c.ExpandEvery = 15 * time.Second },
@@ -106,7 +116,7 @@ func parse(args []string) (*flags, error) {
 		return nil, errors.New("--nodes, --namespaces, --minutes and --time-scale must be positive")
 	}
 	if c.StuckBound == 0 {
-		c.StuckBound = max(2*time.Minute, time.Duration(float64(5*time.Minute)*c.TimeScale))
+		c.StuckBound = max(minStuckBound, time.Duration(float64(5*time.Minute)*c.TimeScale))
 	}
 	if c.MoveInterval == 0 {
 		c.MoveInterval = max(2*time.Second, time.Duration(float64(20*time.Second)*c.TimeScale))
