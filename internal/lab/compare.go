@@ -32,6 +32,11 @@ func Compare(a, b *Report) string {
 		row("  p95", f(p.x[1]), f(p.y[1]))
 		row("  p99", f(p.x[2]), f(p.y[2]))
 	}
+	if a.Config.ExpandEvery > 0 {
+		ex := func(r *Report) string { return fmt.Sprintf("%d / %.1fs", r.Operations.Expansions, r.ExpandLatency.P50) }
+		row("claim expansions / p50", ex(a), ex(b))
+	}
+	row("data checks passed / failed", fmt.Sprintf("%d / %d", a.DataChecks.Passed, a.DataChecks.Failed), fmt.Sprintf("%d / %d", b.DataChecks.Passed, b.DataChecks.Failed))
 	row("KubeVirt writes per volume op", fmt.Sprintf("%.2f", a.KubeVirtWrites.PerVolumeOp), fmt.Sprintf("%.2f", b.KubeVirtWrites.PerVolumeOp))
 	row("409 conflicts", d(a.Conflicts["409"]), d(b.Conflicts["409"]))
 	row("422 unprocessable", d(a.Conflicts["422"]), d(b.Conflicts["422"]))
