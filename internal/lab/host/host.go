@@ -18,8 +18,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
@@ -120,11 +123,39 @@ func Start(ctx context.Context, o Options) (*Host, error) {
 		h.Stop(ctx)
 		return nil, fmt.Errorf("default storage class: %w", err)
 	}
+	if err := h.onlineExpansionSetting(ctx); err != nil {
+		h.Stop(ctx)
+		return nil, fmt.Errorf("harvester setting %s: %w", onlineExpandSetting, err)
+	}
 	if err := h.growDisks(simCtx); err != nil {
 		h.Stop(ctx)
 		return nil, fmt.Errorf("disk growth: %w", err)
 	}
 	return h, nil
+}
+
+// onlineExpandSetting is the Harvester setting (1.4 and later) upstream's
+// driver reads before it grows a volume in use; it refuses the expansion
+// when the setting cannot be read.
+const onlineExpandSetting = "csi-online-expand-validation"
+
+func (h *Host) onlineExpansionSetting(ctx context.Context) error {
+	dyn, err := dynamic.NewForConfig(h.Env.Config)
+	if err != nil {
+		return err
+	}
+	res := dyn.Resource(schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"})
+	obj := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "harvesterhci.io/v1beta1", "kind": "Setting",
+		"metadata": map[string]any{"name": onlineExpandSetting},
+		"default":  "true",
+	}}
+	// The simulator installs the Setting CRD as it starts; it may not be
+	// served yet.
+	return wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := res.Create(ctx, obj, metav1.CreateOptions{})
+		return err == nil || apierrors.IsAlreadyExists(err), nil
+	})
 }
 
 func (h *Host) markDefaultClass(ctx context.Context) error {

@@ -435,7 +435,9 @@ func (w *Workload) expand(ctx context.Context, ns string, pod *corev1.Pod) (Expa
 			return false, errClaimGone
 		}
 		if err != nil {
-			last = err.Error()
+			if ctx.Err() == nil { // not the wait's own deadline: keep the claim's last state
+				last = err.Error()
+			}
 			return false, nil
 		}
 		have := pvc.Status.Capacity[corev1.ResourceStorage]
