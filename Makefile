@@ -18,10 +18,11 @@ CHART_TEST_FLAGS ?= -count=1 -timeout 20m
 # (no registry prefix, so Rancher's system default registry applies); REGISTRY=<host> builds for a mirror.
 REGISTRY ?=
 IMAGE_REPO ?= harvester-csi/harvester-csi-driver
-# BENCH selects one benchmark: churn (the wave workload), scale (1,000 volumes on 50 VMs) or burst (20 volumes at once).
+# BENCH selects one benchmark: churn (the wave workload), scale (1,000 volumes on 50 VMs), burst (20 volumes at
+# once) or lab (the lab's default scenario in both KubeVirt modes, as root; docs/benchmarks.md, "The lab").
 BENCH ?=
-BENCH_PATTERN := $(if $(filter churn,$(BENCH)),BenchmarkChurn,$(if $(filter scale,$(BENCH)),BenchmarkScale,$(if $(filter burst,$(BENCH)),BenchmarkPublishBurst,.)))
-BENCH_PKGS := $(if $(filter churn scale,$(BENCH)),./tests/bench/,$(if $(filter burst,$(BENCH)),./tests/integration/,./tests/...))
+BENCH_PATTERN := $(if $(filter churn,$(BENCH)),BenchmarkChurn,$(if $(filter scale,$(BENCH)),BenchmarkScale,$(if $(filter burst,$(BENCH)),BenchmarkPublishBurst,$(if $(filter lab,$(BENCH)),BenchmarkLab,.))))
+BENCH_PKGS := $(if $(filter churn scale,$(BENCH)),./tests/bench/,$(if $(filter burst,$(BENCH)),./tests/integration/,$(if $(filter lab,$(BENCH)),./cmd/hcsi-lab/,./tests/... ./cmd/hcsi-lab/)))
 # BENCH_ARGS go to the benchmark binary, e.g. BENCH_ARGS='-args -churn.waves=2' (with BENCH=churn) or '-args -scale.duration=20m' (BENCH=scale).
 BENCH_ARGS ?=
 IMAGE ?= $(if $(REGISTRY),$(REGISTRY:%/=%)/)$(IMAGE_REPO):$(TAG)
@@ -56,7 +57,7 @@ test-chart: tools ## Test the Helm chart: lint, render, API-server dry-run, upgr
 	cd tests/chart && HCSI_TOOLS_BIN=$$(bash ../../hack/tools.sh) $(GO) test -mod=mod $(CHART_TEST_FLAGS) ./...
 
 .PHONY: bench
-bench: tools ## Run the benchmarks (BENCH=churn, scale or burst for one; results under bench/results/).
+bench: tools ## Run the benchmarks (BENCH=churn, scale, burst or lab for one; results under bench/results/).
 	HCSI_TOOLS_BIN=$$(bash hack/tools.sh) $(GO) test -run '^$$' -bench '$(BENCH_PATTERN)' -benchtime=1x -count=1 -timeout 120m $(BENCH_PKGS) $(BENCH_ARGS)
 
 .PHONY: manifests

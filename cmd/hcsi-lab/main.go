@@ -26,6 +26,16 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
 )
 
+// minStuckBound is the shortest default stuck bound. Kubernetes' own
+// recovery times do not follow --time-scale: the attach/detach controller
+// waits up to 2 min for a VolumeAttachment it found already there (one still
+// being deleted after a detach, say) before it creates a new one, and backs
+// off failed operations up to 2m2s. A bound below that would call
+// Kubernetes' own recovery stuck (a --quick run with the controller-kill
+// fault saw a pod wait 2m1s that way, the driver answering every call at
+// once).
+const minStuckBound = 3 * time.Minute
+
 // inNamespace marks the re-executed lab inside its private mount namespace.
 const inNamespace = "HCSI_LAB_IN_MOUNT_NS"
 
@@ -65,6 +75,7 @@ func parse(args []string) (*flags, error) {
 	fs.DurationVar(&c.StuckBound, "stuck-bound", 0, "a pod or VolumeAttachment in progress longer than this is stuck (default 5m at time scale 1)")
 	fs.DurationVar(&c.JobInterval, "job-interval", 0, "with lab-made Jobs (--quick), how often each namespace runs one")
 	fs.DurationVar(&c.MoveInterval, "move-interval", 0, "how often a database is moved to another node (default 20s at time scale 1)")
+	fs.DurationVar(&c.ExpandEvery, "expand-every", 0, "expand one database's claim by 512Mi (online, through the csi-resizer and the kubelet) this often, then move the database so it verifies its data (0: never)")
 	fs.Float64Var(&c.SkipUnstage, "skip-unstage", 0, "fault: probability that a kubelet's NodeUnstageVolume never reaches the driver, as in kubelet's unstage race")
 	fs.DurationVar(&c.ControllerKillEvery, "kill-controller-every", 0, "fault: SIGKILL the driver's controller process this often (it restarts)")
 	fs.DurationVar(&f.pauseFor, "pause-api-for", 0, "fault: pause (SIGSTOP) the host API server for this long ...")
@@ -89,9 +100,10 @@ func parse(args []string) (*flags, error) {
 			"time-scale":            func() { c.TimeScale = 0.1 },
 			"job-interval":          func() { c.JobInterval = 5 * time.Second },
 			"move-interval":         func() { c.MoveInterval = 4 * time.Second },
-			"stuck-bound":           func() { c.StuckBound = 2 * time.Minute },
+			"stuck-bound":           func() { c.StuckBound = minStuckBound },
 			"skip-unstage":          func() { c.SkipUnstage = 0.2 },
 			"kill-controller-every": func() { c.ControllerKillEvery = 40 * time.Second },
+			"expand-every":          func() { c.ExpandEvery = 15 * time.Second },
 		}
 		for name, apply := range preset {
 			if !f.set[name] {
@@ -104,7 +116,7 @@ func parse(args []string) (*flags, error) {
 		return nil, errors.New("--nodes, --namespaces, --minutes and --time-scale must be positive")
 	}
 	if c.StuckBound == 0 {
-		c.StuckBound = max(2*time.Minute, time.Duration(float64(5*time.Minute)*c.TimeScale))
+		c.StuckBound = max(minStuckBound, time.Duration(float64(5*time.Minute)*c.TimeScale))
 	}
 	if c.MoveInterval == 0 {
 		c.MoveInterval = max(2*time.Second, time.Duration(float64(20*time.Second)*c.TimeScale))

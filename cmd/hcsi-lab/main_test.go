@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -15,10 +16,10 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
-// The --quick lab, with NodeUnstageVolume skipped now and then and the
-// controller process killed every 40 s, must pass: no invariant broken,
-// nothing stuck, every data check good. It runs the built binaries as a user
-// would (make lab LAB_FLAGS=--quick).
+// The --quick lab, with NodeUnstageVolume skipped now and then, the
+// controller process killed every 40 s and claims expanded every 15 s, must
+// pass: no invariant broken, nothing stuck, every data check good. It runs
+// the built binaries as a user would (make lab LAB_FLAGS=--quick).
 func TestQuickLab(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("the lab needs root (loop devices, mounts, a mount namespace)")
@@ -26,22 +27,8 @@ func TestQuickLab(t *testing.T) {
 	if testing.Short() {
 		t.Skip("runs the whole lab (a few minutes)")
 	}
-	bin, err := testenv.BinDir()
-	if err != nil {
-		t.Fatal(err)
-	}
 	work := t.TempDir()
-	build := func(out, pkg string) string {
-		p := filepath.Join(work, out)
-		cmd := exec.Command("go", "build", "-o", p, pkg)
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("build %s: %v\n%s", pkg, err, b)
-		}
-		return p
-	}
-	driver := build("harvester-csi-driver", "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver")
-	labBin := build("hcsi-lab", "github.com/harvester-csi/harvester-csi-driver/cmd/hcsi-lab")
+	bin, driver, labBin := buildLab(t, work)
 	out := filepath.Join(work, "run")
 
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Minute)
@@ -74,6 +61,11 @@ func TestQuickLab(t *testing.T) {
 	if rep.DataChecks.Passed == 0 {
 		t.Error("no data check ran")
 	}
+	// Claims grew online through the real resizer and kubelet (a stuck
+	// expansion is a violation above).
+	if rep.Operations.Expansions == 0 {
+		t.Error("no claim expansion finished")
+	}
 	if rep.NodeCalls.UnstageSkipped == 0 {
 		t.Error("the skip-unstage fault never struck")
 	}
@@ -92,4 +84,153 @@ func TestQuickLab(t *testing.T) {
 	if mounts, _ := os.ReadFile("/proc/self/mountinfo"); strings.Contains(string(mounts), "hcsi-lab-") {
 		t.Error("mounts of the lab left in the host's mount namespace")
 	}
+}
+
+// buildLab builds the driver and the lab command into dir and returns the
+// upstream tools' directory with them.
+func buildLab(t testing.TB, dir string) (tools, driver, labBin string) {
+	t.Helper()
+	tools, err := testenv.BinDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	build := func(out, pkg string) string {
+		p := filepath.Join(dir, out)
+		cmd := exec.Command("go", "build", "-o", p, pkg)
+		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if b, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("build %s: %v\n%s", pkg, err, b)
+		}
+		return p
+	}
+	driver = build("harvester-csi-driver", "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver")
+	labBin = build("hcsi-lab", "github.com/harvester-csi/harvester-csi-driver/cmd/hcsi-lab")
+	return tools, driver, labBin
+}
+
+// readReport reads a run directory's report.json.
+func readReport(t testing.TB, dir string) *lab.Report {
+	t.Helper()
+	data, err := os.ReadFile(filepath.Join(dir, "report.json"))
+	if err != nil {
+		t.Fatalf("no report in %s: %v", dir, err)
+	}
+	var rep lab.Report
+	if err := json.Unmarshal(data, &rep); err != nil {
+		t.Fatalf("%s/report.json: %v", dir, err)
+	}
+	return &rep
+}
+
+// fakeUpstream is a controller binary that takes only upstream's flags, as
+// --compare expects: it records its arguments, says who it is in its log and
+// runs this driver's controller with them.
+const fakeUpstream = `#!/bin/sh
+if [ "$1" = --version ]; then echo "fake-upstream v0.0.0"; exit 0; fi
+printf '%s\n' "$@" > "$(dirname "$0")/fake-upstream.args"
+for a in "$@"; do
+	case "$a" in
+	--endpoint=*|--nodeid=*|--kubeconfig=*|--host-storage-class=*) ;;
+	*) echo "fake-upstream: not one of upstream's flags: $a" >&2; exit 2 ;;
+	esac
+done
+echo "fake-upstream: controller starting" >&2
+exec "$(dirname "$0")/harvester-csi-driver" --mode=controller "$@"
+`
+
+// --compare PATH runs the scenario twice, this driver's controller and then
+// PATH with upstream's flags, and prints both columns: each column must hold
+// the figures of its own run.
+func TestLabCompare(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the lab needs root (loop devices, mounts, a mount namespace)")
+	}
+	if testing.Short() {
+		t.Skip("runs the lab twice (a few minutes)")
+	}
+	work := t.TempDir()
+	tools, driver, labBin := buildLab(t, work)
+	fake := filepath.Join(work, "fake-upstream")
+	if err := os.WriteFile(fake, []byte(fakeUpstream), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	out := filepath.Join(work, "run")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+	// Short and without faults: TestQuickLab covers them.
+	cmd := exec.CommandContext(ctx, labBin, "--quick", "--minutes=0.75", "--namespaces=3", "--skip-unstage=0", "--kill-controller-every=0",
+		"--driver-binary="+driver, "--out="+out, "--compare="+fake)
+	cmd.Env = append(os.Environ(), "HCSI_TOOLS_BIN="+tools)
+	var stdout bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stdout
+	runErr := cmd.Run()
+	t.Logf("hcsi-lab output:\n%s", stdout.String())
+	if runErr != nil {
+		t.Errorf("hcsi-lab --compare: %v", runErr)
+	}
+	ours, theirs := readReport(t, filepath.Join(out, "this-driver")), readReport(t, filepath.Join(out, "compared"))
+
+	// Two real runs: each did the work, each with its own controller.
+	for name, rep := range map[string]*lab.Report{"this driver": ours, "compared": theirs} {
+		if rep.Outcome != "done" || rep.Operations.Attaches == 0 || rep.Operations.Detaches == 0 || rep.Operations.JobsRun == 0 {
+			t.Errorf("%s: the run did not do the workload: outcome %s, %+v", name, rep.Outcome, rep.Operations)
+		}
+		if rep.AttachLatency.N == 0 {
+			t.Errorf("%s: no attach latency measured", name)
+		}
+	}
+	if ours.Driver.Binary != driver || theirs.Driver.Binary != fake || theirs.Driver.Version != "fake-upstream v0.0.0" {
+		t.Errorf("controllers: this driver ran %s, compared ran %s (%s); want %s and %s", ours.Driver.Binary, theirs.Driver.Binary, theirs.Driver.Version, driver, fake)
+	}
+	args, err := os.ReadFile(filepath.Join(work, "fake-upstream.args"))
+	if err != nil {
+		t.Fatalf("the compared binary never ran: %v", err)
+	}
+	var flags []string
+	for _, a := range strings.Fields(string(args)) {
+		name, _, _ := strings.Cut(a, "=")
+		flags = append(flags, name)
+	}
+	if got := strings.Join(flags, " "); got != "--endpoint --nodeid --kubeconfig --host-storage-class" {
+		t.Errorf("the compared binary got flags %q, want upstream's four", got)
+	}
+	for dir, want := range map[string]bool{"this-driver": false, "compared": true} {
+		log, err := os.ReadFile(filepath.Join(out, dir, "logs", "driver-controller.log"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := strings.Contains(string(log), "fake-upstream: controller starting"); got != want {
+			t.Errorf("%s/logs/driver-controller.log: the compared binary's line present = %v, want %v", dir, got, want)
+		}
+	}
+
+	// The printed columns are the two reports' figures.
+	table := stdout.String()
+	if i := strings.Index(table, "comparison (same scenario"); i >= 0 {
+		table = table[i:]
+	} else {
+		t.Fatal("no comparison printed")
+	}
+	row := func(name string) []string {
+		for _, l := range strings.Split(table, "\n") {
+			if rest, ok := strings.CutPrefix(strings.TrimSpace(l), name); ok {
+				return strings.Fields(rest)
+			}
+		}
+		t.Errorf("no row %q in the comparison", name)
+		return nil
+	}
+	check := func(name string, want ...string) {
+		if got := row(name); strings.Join(got, " ") != strings.Join(want, " ") {
+			t.Errorf("row %q = %q, want %q", name, got, want)
+		}
+	}
+	ops := func(r *lab.Report) []string {
+		return []string{fmt.Sprint(r.Operations.Attaches), "/", fmt.Sprint(r.Operations.Detaches)}
+	}
+	check("attaches / detaches", append(ops(ours), ops(theirs)...)...)
+	check("jobs run", fmt.Sprint(ours.Operations.JobsRun), fmt.Sprint(theirs.Operations.JobsRun))
+	check("stuck", fmt.Sprint(ours.Stuck), fmt.Sprint(theirs.Stuck))
+	check("attach (VA created -> attached) p50", fmt.Sprintf("%.1fs", ours.AttachLatency.P50), fmt.Sprintf("%.1fs", theirs.AttachLatency.P50))
+	check("KubeVirt writes per volume op", fmt.Sprintf("%.2f", ours.KubeVirtWrites.PerVolumeOp), fmt.Sprintf("%.2f", theirs.KubeVirtWrites.PerVolumeOp))
 }

@@ -9,7 +9,7 @@ import (
 // Compare prints two runs of the same scenario side by side.
 func Compare(a, b *Report) string {
 	var s strings.Builder
-	row := func(name, x, y string) { fmt.Fprintf(&s, "  %-34s %-24s %-24s\n", name, x, y) }
+	row := func(name, x, y string) { fmt.Fprintf(&s, "  %-37s %-24s %-24s\n", name, x, y) }
 	f := func(v float64) string { return fmt.Sprintf("%.1fs", v) }
 	d := func(v int) string { return fmt.Sprint(v) }
 	fmt.Fprintf(&s, "comparison (same scenario, seed %d)\n", a.Config.Seed)
@@ -32,6 +32,11 @@ func Compare(a, b *Report) string {
 		row("  p95", f(p.x[1]), f(p.y[1]))
 		row("  p99", f(p.x[2]), f(p.y[2]))
 	}
+	if a.Config.ExpandEvery > 0 {
+		ex := func(r *Report) string { return fmt.Sprintf("%d / %.1fs", r.Operations.Expansions, r.ExpandLatency.P50) }
+		row("claim expansions / p50", ex(a), ex(b))
+	}
+	row("data checks passed / failed", fmt.Sprintf("%d / %d", a.DataChecks.Passed, a.DataChecks.Failed), fmt.Sprintf("%d / %d", b.DataChecks.Passed, b.DataChecks.Failed))
 	row("KubeVirt writes per volume op", fmt.Sprintf("%.2f", a.KubeVirtWrites.PerVolumeOp), fmt.Sprintf("%.2f", b.KubeVirtWrites.PerVolumeOp))
 	row("409 conflicts", d(a.Conflicts["409"]), d(b.Conflicts["409"]))
 	row("422 unprocessable", d(a.Conflicts["422"]), d(b.Conflicts["422"]))

@@ -17,11 +17,16 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 
@@ -61,6 +66,12 @@ type Config struct {
 	LabJobs      bool          `json:"lab_jobs"`
 	JobInterval  time.Duration `json:"job_interval"`
 	MoveInterval time.Duration `json:"move_interval"`
+	// ExpandEvery: one database claim is expanded (by 512 MiB, online)
+	// this often, then its database moved; 0: never.
+	ExpandEvery time.Duration `json:"expand_every"`
+	// DBFSType is set when the databases' claims do not use the chart's
+	// class as is (see dbStorageClass).
+	DBFSType string `json:"db_fstype,omitempty"`
 
 	// Faults.
 	SkipUnstage         float64       `json:"fault_skip_unstage"`
@@ -170,6 +181,7 @@ type run struct {
 	violations []invariants.Violation
 	seen       map[string]bool
 	taps       tapCounts
+	expansions []monitor.Sample
 	inflight   []InFlight
 	phase      string
 }
@@ -271,10 +283,16 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	}
 
 	r.setPhase("workload")
+	dbClass, err := r.dbStorageClass(ctx, m.StorageClass)
+	if err != nil {
+		return nil, err
+	}
 	r.wl = workload.New(r.g.Kube, workload.Options{
-		Namespaces: c.Namespaces, Nodes: r.nodes, StorageClass: m.StorageClass.Name, Image: AgentImage,
+		Namespaces: c.Namespaces, Nodes: r.nodes, StorageClass: m.StorageClass.Name, DBStorageClass: dbClass, Image: AgentImage,
 		DBInterval: max(200*time.Millisecond, c.scaled(2*time.Second)), BackupWork: c.scaled(10 * time.Second),
 		LabJobs: c.LabJobs, JobInterval: c.JobInterval, MoveInterval: c.MoveInterval, Seed: c.Seed,
+		ExpandInterval: c.ExpandEvery, ExpandStep: resource.MustParse("512Mi"), ExpandTimeout: c.StuckBound,
+		OnExpansion: r.expanded,
 	})
 	if err := r.wl.Create(ctx); err != nil {
 		return nil, err
@@ -285,7 +303,7 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	bgCtx, stopBG := context.WithCancel(ctx)
 	defer func() { stopBG(); bg.Wait() }()
 	bg.Add(3)
-	go func() { defer bg.Done(); r.wl.Run(runCtx) }()
+	go func() { defer bg.Done(); r.wl.RunUntil(runCtx, bgCtx) }()
 	go func() { defer bg.Done(); r.checkLoop(bgCtx) }()
 	go func() { defer bg.Done(); r.progressLoop(bgCtx) }()
 	r.startFaults(runCtx, &bg)
@@ -304,6 +322,52 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	bg.Wait()
 	r.finalChecks(qctx)
 	return r.report(ctx, "done")
+}
+
+// capSysResource is the capability ext4's online resize (EXT4_IOC_RESIZE_FS)
+// needs.
+const capSysResource = 24
+
+// dbStorageClass is the databases' StorageClass: the chart's, except when
+// claims are expanded on a machine whose processes lack CAP_SYS_RESOURCE
+// (some sandboxes drop it; the chart's node plugin is privileged): ext4 cannot
+// grow while mounted there, and the kubelet always expands a CSI volume
+// mounted, so the databases get a copy of the chart's class whose
+// filesystem is XFS, which grows with CAP_SYS_ADMIN.
+func (r *run) dbStorageClass(ctx context.Context, chartClass *storagev1.StorageClass) (string, error) {
+	if r.c.ExpandEvery == 0 || hasCapability(capSysResource) {
+		return chartClass.Name, nil
+	}
+	sc := chartClass.DeepCopy()
+	sc.Name += "-xfs"
+	sc.ResourceVersion, sc.UID = "", ""
+	delete(sc.Annotations, "storageclass.kubernetes.io/is-default-class")
+	if sc.Parameters == nil {
+		sc.Parameters = map[string]string{}
+	}
+	sc.Parameters["csi.storage.k8s.io/fstype"] = "xfs"
+	if _, err := r.g.Kube.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return "", fmt.Errorf("StorageClass %s: %w", sc.Name, err)
+	}
+	r.c.DBFSType = "xfs"
+	r.log.Info("this machine drops CAP_SYS_RESOURCE, so a mounted ext4 cannot grow: the databases' claims use XFS", "storageClass", sc.Name)
+	return sc.Name, nil
+}
+
+// hasCapability reports whether capability bit c is in this process's
+// effective set.
+func hasCapability(c uint) bool {
+	data, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return false
+	}
+	for _, l := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(l, "CapEff:"); ok {
+			caps, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			return err == nil && caps&(1<<c) != 0
+		}
+	}
+	return false
 }
 
 // quiesce suspends the CronJobs, waits for running Jobs, deletes the
@@ -327,6 +391,22 @@ func (r *run) quiesce(ctx context.Context) error {
 func (r *run) noVAs(ctx context.Context) bool {
 	vas, err := r.g.Kube.StorageV1().VolumeAttachments().List(ctx, metav1ListAll)
 	return err == nil && len(vas.Items) == 0
+}
+
+// expanded records a claim expansion's end: its latency, or a stuck
+// expansion.
+func (r *run) expanded(e workload.Expansion) {
+	vol := e.Namespace + "/" + e.Claim
+	if e.Err != nil {
+		r.violate(invariants.Violation{Kind: invariants.KindStuck, At: time.Now(), Volume: vol, Nodes: []string{e.Node},
+			Details: fmt.Sprintf("expansion from %s to %s asked at %s: %v", e.From.String(), e.To.String(), e.Requested.Format(time.TimeOnly), e.Err)})
+		return
+	}
+	d := e.Done.Sub(e.Requested)
+	r.mu.Lock()
+	r.expansions = append(r.expansions, monitor.Sample{At: e.Done, Seconds: d.Seconds(), D: d})
+	r.mu.Unlock()
+	r.log.V(2).Info("claim expanded", "volume", vol, "node", e.Node, "to", e.To.String(), "seconds", d.Seconds())
 }
 
 func (r *run) nodeCall(c nodetap.Call) {

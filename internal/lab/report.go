@@ -1,12 +1,16 @@
 package lab
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -26,17 +30,25 @@ type Report struct {
 	AttachLatency       monitor.Percentiles    `json:"attach_latency_seconds"`
 	DetachLatency       monitor.Percentiles    `json:"detach_latency_seconds"`
 	PodStartLatency     monitor.Percentiles    `json:"pod_start_latency_seconds"`
-	KubeVirtWrites      KubeVirtWrites         `json:"kubevirt_writes"`
-	Conflicts           map[string]int         `json:"conflicts"`
-	AttacherErrors      map[string]int         `json:"attacher_errors"`
-	Driver              Driver                 `json:"driver"`
-	DataChecks          DataChecks             `json:"data_checks"`
-	NodeCalls           NodeCalls              `json:"node_calls"`
-	Config              Config                 `json:"config"`
-	Components          map[string]string      `json:"components"`
-	Started             time.Time              `json:"started"`
-	Elapsed             float64                `json:"elapsed_seconds"`
-	RunDir              string                 `json:"run_dir"`
+	// ExpandLatency: claim expansion asked to the claim at its new size
+	// with no resize pending (--expand-every).
+	ExpandLatency  monitor.Percentiles `json:"expand_latency_seconds"`
+	KubeVirtWrites KubeVirtWrites      `json:"kubevirt_writes"`
+	Conflicts      map[string]int      `json:"conflicts"`
+	// ConflictsByRequest splits Conflicts by the request answered ("409
+	// patch kubevirt.io/virtualmachines"): in the lab only the driver's
+	// processes write through KubeVirt's front (the simulator's own
+	// controllers bypass it), so these are the driver's.
+	ConflictsByRequest map[string]int    `json:"conflicts_by_request,omitempty"`
+	AttacherErrors     map[string]int    `json:"attacher_errors"`
+	Driver             Driver            `json:"driver"`
+	DataChecks         DataChecks        `json:"data_checks"`
+	NodeCalls          NodeCalls         `json:"node_calls"`
+	Config             Config            `json:"config"`
+	Components         map[string]string `json:"components"`
+	Started            time.Time         `json:"started"`
+	Elapsed            float64           `json:"elapsed_seconds"`
+	RunDir             string            `json:"run_dir"`
 	// Samples for latency.svg.
 	AttachSamples []monitor.Sample `json:"attach_samples,omitempty"`
 	DetachSamples []monitor.Sample `json:"detach_samples,omitempty"`
@@ -50,6 +62,8 @@ type Operations struct {
 	JobsRun       int `json:"jobs_run"`
 	JobsFailed    int `json:"jobs_failed"`
 	DatabaseMoves int `json:"database_moves"`
+	// Expansions done (a stuck one is a violation).
+	Expansions int `json:"expansions"`
 }
 
 // KubeVirtWrites counts the writes that reached KubeVirt (the simulator's
@@ -82,6 +96,24 @@ type NodeCalls struct {
 	Total          int `json:"total"`
 	Failed         int `json:"failed"`
 	UnstageSkipped int `json:"unstage_skipped"`
+}
+
+// conflictsByRequest counts the 409 and 422 answers of the front proxy by
+// request.
+func (r *run) conflictsByRequest() map[string]int {
+	out := map[string]int{}
+	for k, codes := range r.h.Sim.Stats().Answers {
+		for _, code := range []int{http.StatusConflict, http.StatusUnprocessableEntity} {
+			if n := codes[code]; n > 0 {
+				res := k.Group + "/" + k.Resource
+				if k.Subresource != "" {
+					res += "/" + k.Subresource
+				}
+				out[fmt.Sprintf("%d %s %s", code, k.Verb, res)] += n
+			}
+		}
+	}
+	return out
 }
 
 func (r *run) figures() (monitor.Snapshot, KubeVirtWrites, map[string]int) {
@@ -157,6 +189,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		rep.Operations = Operations{Attaches: s.Attaches, Detaches: s.Detaches, JobsRun: s.JobsSucceeded + s.JobsFailed, JobsFailed: s.JobsFailed}
 		rep.AttachLatency, rep.DetachLatency, rep.PodStartLatency = monitor.Summarize(s.Attach), monitor.Summarize(s.Detach), monitor.Summarize(s.PodStart)
 		rep.KubeVirtWrites, rep.Conflicts, rep.AttacherErrors = kw, conf, s.AttacherErrors
+		rep.ConflictsByRequest = r.conflictsByRequest()
 		rep.AttachSamples, rep.DetachSamples = s.Attach, s.Detach
 	}
 	if r.wl != nil {
@@ -175,6 +208,8 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 	rep.InvariantViolations = append([]invariants.Violation{}, r.violations...)
 	rep.NodeCalls = NodeCalls{Total: r.taps.calls, Failed: r.taps.failed, UnstageSkipped: r.taps.skipped}
 	rep.InFlight = append([]InFlight(nil), r.inflight...)
+	rep.Operations.Expansions = len(r.expansions)
+	rep.ExpandLatency = monitor.Summarize(r.expansions)
 	r.mu.Unlock()
 	rep.Stuck = r.stuckCount()
 	bin := r.c.DriverBinary
@@ -191,6 +226,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		"kubernetes (guest and host control planes, kubelet, scheduler)": "v1.35.4",
 		"csi-attacher":    "external-attacher v4.13.0",
 		"csi-provisioner": "external-provisioner v5.3.0",
+		"csi-resizer":     "external-resizer v1.14.0",
 		"kubevirt":        "simulated (" + r.c.KubeVirt + ")",
 	}
 	rep.Passed = outcome == "done" && len(rep.InvariantViolations) == 0 && rep.Stuck == 0
@@ -228,19 +264,29 @@ func (rep *Report) Summary() string {
 	fmt.Fprintf(&b, "hcsi-lab %s (%s) in %s\n", verdict, rep.Outcome, time.Duration(rep.Elapsed*float64(time.Second)).Round(time.Second))
 	fmt.Fprintf(&b, "  scenario: %d nodes, %d namespaces, %.1f min, KubeVirt %s, time scale %g, seed %d\n",
 		c.Nodes, c.Namespaces, c.Minutes, c.KubeVirt, c.TimeScale, c.Seed)
+	if c.ExpandEvery > 0 {
+		fs := cmp.Or(c.DBFSType, "the chart's class")
+		fmt.Fprintf(&b, "  a database claim expanded every %s (databases' filesystem: %s)\n", c.ExpandEvery, fs)
+	}
 	fmt.Fprintf(&b, "  driver: %s (%s), controller restarts %d\n", rep.Driver.Binary, rep.Driver.Version, rep.Driver.Restarts)
 	o := rep.Operations
-	fmt.Fprintf(&b, "  operations: %d attaches, %d detaches, %d jobs run (%d failed), %d database moves\n", o.Attaches, o.Detaches, o.JobsRun, o.JobsFailed, o.DatabaseMoves)
+	fmt.Fprintf(&b, "  operations: %d attaches, %d detaches, %d jobs run (%d failed), %d database moves, %d claim expansions\n", o.Attaches, o.Detaches, o.JobsRun, o.JobsFailed, o.DatabaseMoves, o.Expansions)
 	pl := func(name string, p monitor.Percentiles) {
 		fmt.Fprintf(&b, "  %-18s p50 %6.1fs  p95 %6.1fs  p99 %6.1fs  max %6.1fs  (n=%d)\n", name, p.P50, p.P95, p.P99, p.Max, p.N)
 	}
 	pl("attach latency:", rep.AttachLatency)
 	pl("detach latency:", rep.DetachLatency)
 	pl("pod start:", rep.PodStartLatency)
+	if rep.Config.ExpandEvery > 0 {
+		pl("claim expansion:", rep.ExpandLatency)
+	}
 	kw := rep.KubeVirtWrites
 	fmt.Fprintf(&b, "  KubeVirt writes: %d (%.2f per volume operation; spec %d, status %d, VMI %d, addvolume %d, removevolume %d)\n",
 		kw.Total, kw.PerVolumeOp, kw.VMSpec, kw.VMStatus, kw.VMI, kw.AddVolume, kw.RemoveVolume)
 	fmt.Fprintf(&b, "  conflicts: 409 x%d, 422 x%d\n", rep.Conflicts["409"], rep.Conflicts["422"])
+	for _, k := range slices.Sorted(maps.Keys(rep.ConflictsByRequest)) {
+		fmt.Fprintf(&b, "    %4dx %s\n", rep.ConflictsByRequest[k], k)
+	}
 	fmt.Fprintf(&b, "  data checks: %d passed, %d failed; node calls %d (%d failed, %d NodeUnstage skipped by the fault)\n",
 		rep.DataChecks.Passed, rep.DataChecks.Failed, rep.NodeCalls.Total, rep.NodeCalls.Failed, rep.NodeCalls.UnstageSkipped)
 	if len(rep.AttacherErrors) > 0 {

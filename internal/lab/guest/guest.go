@@ -1,7 +1,7 @@
 // Package guest runs the lab's guest cluster (the RKE2 side): a real etcd and
 // kube-apiserver, the real kube-controller-manager with the controllers a
 // volume's life goes through, the real kube-scheduler, the real
-// csi-provisioner and csi-attacher with the chart's flags, the driver's
+// csi-provisioner, csi-attacher and csi-resizer with the chart's flags, the driver's
 // controller process, and per guest node the real kubelet (hollow-kubelet),
 // a plugin registrar and the driver's node-plugin process. Every component is
 // its own OS process (package proc).
@@ -236,7 +236,9 @@ func (g *Guest) start(ctx context.Context) error {
 	}
 	ns := o.Manifests.Namespace
 	vars := map[string]string{"ADDRESS": g.ControllerSocket(), "POD_NAMESPACE": ns}
-	for _, sc := range []string{"csi-provisioner", "csi-attacher"} {
+	// The snapshotter is not run: without the VolumeSnapshot CRDs and the
+	// snapshot controller (neither in the lab) it has nothing to act on.
+	for _, sc := range []string{"csi-provisioner", "csi-attacher", "csi-resizer"} {
 		args, err := chart.Args(o.Manifests.Controller, sc, vars)
 		if err != nil {
 			return err

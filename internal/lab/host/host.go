@@ -12,12 +12,20 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
@@ -108,7 +116,91 @@ func Start(ctx context.Context, o Options) (*Host, error) {
 		h.Stop(ctx)
 		return nil, fmt.Errorf("simulator: %w", err)
 	}
+	// Harvester's class is its default: the API server's DefaultStorageClass
+	// admission gives it to the classless PVCs the driver creates, which the
+	// PersistentVolumeClaimResize admission needs before it lets one grow.
+	if err := h.markDefaultClass(ctx); err != nil {
+		h.Stop(ctx)
+		return nil, fmt.Errorf("default storage class: %w", err)
+	}
+	if err := h.onlineExpansionSetting(ctx); err != nil {
+		h.Stop(ctx)
+		return nil, fmt.Errorf("harvester setting %s: %w", onlineExpandSetting, err)
+	}
+	if err := h.growDisks(simCtx); err != nil {
+		h.Stop(ctx)
+		return nil, fmt.Errorf("disk growth: %w", err)
+	}
 	return h, nil
+}
+
+// onlineExpandSetting is the Harvester setting (1.4 and later) upstream's
+// driver reads before it grows a volume in use; it refuses the expansion
+// when the setting cannot be read.
+const onlineExpandSetting = "csi-online-expand-validation"
+
+func (h *Host) onlineExpansionSetting(ctx context.Context) error {
+	dyn, err := dynamic.NewForConfig(h.Env.Config)
+	if err != nil {
+		return err
+	}
+	res := dyn.Resource(schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"})
+	obj := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "harvesterhci.io/v1beta1", "kind": "Setting",
+		"metadata": map[string]any{"name": onlineExpandSetting},
+		"default":  "true",
+	}}
+	// The simulator installs the Setting CRD as it starts; it may not be
+	// served yet.
+	return wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := res.Create(ctx, obj, metav1.CreateOptions{})
+		return err == nil || apierrors.IsAlreadyExists(err), nil
+	})
+}
+
+func (h *Host) markDefaultClass(ctx context.Context) error {
+	patch := []byte(`{"metadata":{"annotations":{"storageclass.kubernetes.io/is-default-class":"true"}}}`)
+	return wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := h.Kube.StorageV1().StorageClasses().Patch(ctx, h.StorageClass(), types.MergePatchType, patch, metav1.PatchOptions{})
+		return err == nil, nil // the simulator creates the class as it starts
+	})
+}
+
+// growDisks plays Longhorn's online expansion below the simulator: once a
+// host PVC's capacity grew (the simulator answers the driver's expansion),
+// its backing file grows and every loop device on it sees the new size, as
+// the guest's disk does when Longhorn expands an attached volume. A disk not
+// plugged yet gets the claim's size when it is plugged.
+func (h *Host) growDisks(ctx context.Context) error {
+	f := informers.NewSharedInformerFactoryWithOptions(h.Kube, 0, informers.WithNamespace(h.Namespace))
+	inf := f.Core().V1().PersistentVolumeClaims().Informer()
+	grow := func(obj any) {
+		pvc, ok := obj.(*corev1.PersistentVolumeClaim)
+		if !ok {
+			return
+		}
+		want := pvc.Status.Capacity[corev1.ResourceStorage]
+		st, err := os.Stat(h.Disks.BackingFile(pvc.Name))
+		if err != nil || want.Value() <= st.Size() {
+			return
+		}
+		if err := h.Disks.Grow(ctx, pvc.Name, want.Value()); err != nil {
+			klog.FromContext(ctx).Error(err, "growing the disk of an expanded host PVC", "pvc", pvc.Name, "bytes", want.Value())
+		}
+	}
+	if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    grow,
+		UpdateFunc: func(_, obj any) { grow(obj) },
+	}); err != nil {
+		return err
+	}
+	f.Start(ctx.Done())
+	for typ, ok := range f.WaitForCacheSync(ctx.Done()) {
+		if !ok {
+			return fmt.Errorf("%v cache not synced", typ)
+		}
+	}
+	return nil
 }
 
 // hardUnplug is the loop-device disk hook with one change that keeps the

@@ -6,8 +6,10 @@
 package workload
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"sort"
@@ -32,6 +34,8 @@ type Options struct {
 	Namespaces   int
 	Nodes        []string
 	StorageClass string
+	// DBStorageClass is the databases' class (default StorageClass).
+	DBStorageClass string
 	// Image is the agent's image (the hollow kubelet runs the agent for it).
 	Image string
 	// DBInterval is how often a database writes a record.
@@ -45,7 +49,28 @@ type Options struct {
 	// MoveInterval is how often one database is moved to another node (0:
 	// never).
 	MoveInterval time.Duration
-	Seed         uint64
+	// ExpandInterval is how often one database's claim is expanded by
+	// ExpandStep (0: never); an expansion not done within ExpandTimeout is
+	// reported failed. OnExpansion hears of every expansion's end.
+	ExpandInterval time.Duration
+	ExpandStep     resource.Quantity
+	ExpandTimeout  time.Duration
+	OnExpansion    func(Expansion)
+	Seed           uint64
+}
+
+// Expansion is one claim expansion the workload asked for.
+type Expansion struct {
+	Namespace, Claim string
+	// Node is where the claim's pod ran when the expansion was asked for
+	// (the expansion is online).
+	Node      string
+	From, To  resource.Quantity
+	Requested time.Time
+	// Done is when the claim reported the new size with no resize pending;
+	// Err says why it did not.
+	Done time.Time
+	Err  error
 }
 
 // Workload drives the workload on the guest.
@@ -145,7 +170,7 @@ func (w *Workload) create(ctx context.Context, ns string) error {
 					}},
 				},
 			},
-			VolumeClaimTemplates: []corev1.PersistentVolumeClaim{{ObjectMeta: metav1.ObjectMeta{Name: "data"}, Spec: claim("data", w.o.StorageClass)}},
+			VolumeClaimTemplates: []corev1.PersistentVolumeClaim{{ObjectMeta: metav1.ObjectMeta{Name: "data"}, Spec: claim("data", cmp.Or(w.o.DBStorageClass, w.o.StorageClass))}},
 			PersistentVolumeClaimRetentionPolicy: &appsv1.StatefulSetPersistentVolumeClaimRetentionPolicy{
 				WhenDeleted: appsv1.DeletePersistentVolumeClaimRetentionPolicyType,
 				WhenScaled:  appsv1.RetainPersistentVolumeClaimRetentionPolicyType,
@@ -177,7 +202,12 @@ func (w *Workload) create(ctx context.Context, ns string) error {
 
 // Run drives the workload until ctx ends: lab-made Jobs (LabJobs) and
 // database moves.
-func (w *Workload) Run(ctx context.Context) {
+func (w *Workload) Run(ctx context.Context) { w.RunUntil(ctx, ctx) }
+
+// RunUntil is Run where an expansion still under way when ctx ends is
+// followed until it ends or lifetime does: one asked for near the end is
+// judged too.
+func (w *Workload) RunUntil(ctx, lifetime context.Context) {
 	var wg sync.WaitGroup
 	if w.o.LabJobs {
 		for _, ns := range w.Namespaces() {
@@ -193,6 +223,13 @@ func (w *Workload) Run(ctx context.Context) {
 		go func() {
 			defer wg.Done()
 			w.moveLoop(ctx)
+		}()
+	}
+	if w.o.ExpandInterval > 0 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			w.expandLoop(ctx, lifetime)
 		}()
 	}
 	wg.Wait()
@@ -276,34 +313,157 @@ func (w *Workload) moveLoop(ctx context.Context) {
 			return
 		case <-t.C:
 		}
-		nss := w.Namespaces()
-		w.mu.Lock()
-		ns := nss[w.rnd.IntN(len(nss))]
-		w.mu.Unlock()
-		pod, err := w.kube.CoreV1().Pods(ns).Get(ctx, "db-0", metav1.GetOptions{})
-		if err != nil || pod.Status.Phase != corev1.PodRunning || pod.DeletionTimestamp != nil {
+		ns := w.randomNamespace()
+		pod, ok := w.runningDB(ctx, ns)
+		if !ok {
 			continue
 		}
-		var others []string
-		for _, n := range w.o.Nodes {
-			if n != pod.Spec.NodeName {
-				others = append(others, n)
+		if err := w.move(ctx, ns, pod); err != nil {
+			logger.V(2).Info("moving a database failed", "namespace", ns, "err", err)
+		}
+	}
+}
+
+func (w *Workload) randomNamespace() string {
+	nss := w.Namespaces()
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return nss[w.rnd.IntN(len(nss))]
+}
+
+// runningDB is ns's database pod if it runs.
+func (w *Workload) runningDB(ctx context.Context, ns string) (*corev1.Pod, bool) {
+	pod, err := w.kube.CoreV1().Pods(ns).Get(ctx, "db-0", metav1.GetOptions{})
+	if err != nil || pod.Status.Phase != corev1.PodRunning || pod.DeletionTimestamp != nil {
+		return nil, false
+	}
+	return pod, true
+}
+
+// move pins ns's database to a node other than pod's.
+func (w *Workload) move(ctx context.Context, ns string, pod *corev1.Pod) error {
+	var others []string
+	for _, n := range w.o.Nodes {
+		if n != pod.Spec.NodeName {
+			others = append(others, n)
+		}
+	}
+	if len(others) == 0 {
+		return nil
+	}
+	w.mu.Lock()
+	to := others[w.rnd.IntN(len(others))]
+	w.mu.Unlock()
+	patch, _ := json.Marshal(map[string]any{"spec": map[string]any{"template": map[string]any{"spec": map[string]any{
+		"nodeSelector": map[string]string{"kubernetes.io/hostname": to}}}}})
+	if _, err := w.kube.AppsV1().StatefulSets(ns).Patch(ctx, "db", types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		return err
+	}
+	w.mu.Lock()
+	w.moves++
+	w.mu.Unlock()
+	klog.FromContext(ctx).V(2).Info("moving database", "namespace", ns, "from", pod.Spec.NodeName, "to", to)
+	return nil
+}
+
+// expandLoop expands one running database's claim every ExpandInterval,
+// one at a time: it grows the claim's request by ExpandStep, waits until
+// the claim reports the new size with no resize pending (the resizer's
+// ControllerExpandVolume, then the kubelet's NodeExpandVolume on the
+// mounted volume), then moves the database, whose next start verifies every
+// record it acknowledged before: the data must survive the expansion.
+func (w *Workload) expandLoop(ctx, lifetime context.Context) {
+	t := time.NewTicker(w.o.ExpandInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		ns := w.randomNamespace()
+		pod, ok := w.runningDB(ctx, ns)
+		if !ok {
+			continue
+		}
+		e, ok := w.expand(lifetime, ns, pod)
+		if !ok {
+			continue
+		}
+		if e.Err == nil && ctx.Err() == nil {
+			if pod, ok := w.runningDB(ctx, ns); ok {
+				_ = w.move(ctx, ns, pod)
 			}
 		}
-		w.mu.Lock()
-		to := others[w.rnd.IntN(len(others))]
-		w.mu.Unlock()
-		patch, _ := json.Marshal(map[string]any{"spec": map[string]any{"template": map[string]any{"spec": map[string]any{
-			"nodeSelector": map[string]string{"kubernetes.io/hostname": to}}}}})
-		if _, err := w.kube.AppsV1().StatefulSets(ns).Patch(ctx, "db", types.StrategicMergePatchType, patch, metav1.PatchOptions{}); err != nil {
-			logger.V(2).Info("moving a database failed", "namespace", ns, "err", err)
-			continue
+		if e.Err != nil && lifetime.Err() != nil {
+			return // the lab stopped first: not the expansion's fault
 		}
-		w.mu.Lock()
-		w.moves++
-		w.mu.Unlock()
-		logger.V(2).Info("moving database", "namespace", ns, "from", pod.Spec.NodeName, "to", to)
+		if w.o.OnExpansion != nil {
+			w.o.OnExpansion(e)
+		}
 	}
+}
+
+const dbClaim = "data-db-0"
+
+var errClaimGone = errors.New("claim deleted")
+
+func (w *Workload) expand(ctx context.Context, ns string, pod *corev1.Pod) (Expansion, bool) {
+	logger := klog.FromContext(ctx).WithValues("namespace", ns, "claim", dbClaim)
+	pvcs := w.kube.CoreV1().PersistentVolumeClaims(ns)
+	pvc, err := pvcs.Get(ctx, dbClaim, metav1.GetOptions{})
+	if err != nil || pvc.Status.Phase != corev1.ClaimBound {
+		return Expansion{}, false
+	}
+	from := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+	if have := pvc.Status.Capacity[corev1.ResourceStorage]; have.Cmp(from) < 0 {
+		return Expansion{}, false // an earlier expansion is still going on
+	}
+	to := from.DeepCopy()
+	to.Add(w.o.ExpandStep)
+	e := Expansion{Namespace: ns, Claim: dbClaim, Node: pod.Spec.NodeName, From: from, To: to, Requested: time.Now()}
+	patch, _ := json.Marshal(map[string]any{"spec": map[string]any{"resources": map[string]any{"requests": map[string]string{"storage": to.String()}}}})
+	if _, err := pvcs.Patch(ctx, dbClaim, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		logger.V(2).Info("expanding a claim failed", "err", err)
+		return Expansion{}, false
+	}
+	logger.V(2).Info("expanding claim", "from", from.String(), "to", to.String(), "node", pod.Spec.NodeName)
+	var last string
+	err = wait.PollUntilContextTimeout(ctx, time.Second, w.o.ExpandTimeout, true, func(ctx context.Context) (bool, error) {
+		pvc, err := pvcs.Get(ctx, dbClaim, metav1.GetOptions{})
+		if apierrors.IsNotFound(err) || (err == nil && pvc.DeletionTimestamp != nil) {
+			return false, errClaimGone
+		}
+		if err != nil {
+			if ctx.Err() == nil { // not the wait's own deadline: keep the claim's last state
+				last = err.Error()
+			}
+			return false, nil
+		}
+		have := pvc.Status.Capacity[corev1.ResourceStorage]
+		last = fmt.Sprintf("capacity %s, conditions %v, allocated resource statuses %v", have.String(), pvc.Status.Conditions, pvc.Status.AllocatedResourceStatuses)
+		if have.Cmp(to) < 0 || pvc.Status.AllocatedResourceStatuses[corev1.ResourceStorage] != "" {
+			return false, nil
+		}
+		for _, c := range pvc.Status.Conditions {
+			if c.Type == corev1.PersistentVolumeClaimFileSystemResizePending || c.Type == corev1.PersistentVolumeClaimResizing {
+				return false, nil
+			}
+		}
+		return true, nil
+	})
+	switch {
+	case errors.Is(err, errClaimGone):
+		// The workload is being deleted (the lab quiesces): nothing to judge.
+		logger.V(2).Info("claim deleted while expanding", "to", to.String())
+		return Expansion{}, false
+	case err != nil:
+		e.Err = fmt.Errorf("not done after %s (%s)", time.Since(e.Requested).Round(time.Second), last)
+	default:
+		e.Done = time.Now()
+	}
+	logger.V(2).Info("claim expansion ended", "to", to.String(), "err", e.Err)
+	return e, true
 }
 
 // Moves counts database moves started.
