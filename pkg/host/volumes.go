@@ -66,14 +66,21 @@ func (c *Client) CreateVolume(ctx context.Context, spec VolumeSpec) (*corev1.Per
 		}
 	}
 	pvcs := c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace)
-	created, err := pvcs.Create(ctx, pvc, metav1.CreateOptions{})
-	if err == nil {
-		return created, nil
-	}
-	if !apierrors.IsAlreadyExists(err) {
-		return nil, err
-	}
+	// The provisioner calls again for a volume whose first call timed out
+	// (waiting for the bind): read first, so a repeat is answered from what
+	// exists instead of a create the API server refuses with 409.
 	existing, err := pvcs.Get(ctx, spec.Name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		created, cerr := pvcs.Create(ctx, pvc, metav1.CreateOptions{})
+		if cerr == nil {
+			return created, nil
+		}
+		if !apierrors.IsAlreadyExists(cerr) {
+			return nil, cerr
+		}
+		// Created meanwhile by a concurrent call: judge that one.
+		existing, err = pvcs.Get(ctx, spec.Name, metav1.GetOptions{})
+	}
 	if err != nil {
 		return nil, err
 	}
