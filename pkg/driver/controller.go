@@ -301,15 +301,22 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 		}
 		return nil, status.Errorf(codes.InvalidArgument, "volume %s: read-only controller publish is not supported (the capability PUBLISH_READONLY is not offered); publish read-write and mount read-only on the node", vol)
 	}
-	pvc, err := s.getVolume(ctx, vol)
-	if err != nil {
-		return nil, err
-	}
-	if pvc.Status.Phase != corev1.ClaimBound {
-		return nil, status.Errorf(codes.Aborted, "host PVC %s is %s, not Bound yet", vol, pvc.Status.Phase)
-	}
 	if multiNode(req.GetVolumeCapability()) {
+		pvc, err := s.boundVolume(ctx, vol)
+		if err != nil {
+			return nil, err
+		}
 		return s.publishRWX(ctx, vol, vm, pvc)
+	}
+	// A first publish reads the claim so that a missing or unbound one is
+	// answered at once, not when the VM's queued changes let the queue get
+	// to it. A retry for a volume already written to this VM skips the read:
+	// the claim was there when it was written, and the queue reads it again
+	// before any further write (that read is the fence, not this one).
+	if !slices.Contains(s.hotplug.Holders(vol), vm) {
+		if _, err := s.boundVolume(ctx, vol); err != nil {
+			return nil, err
+		}
 	}
 	ctx, cancel := s.withMargin(ctx)
 	defer cancel()
@@ -322,6 +329,18 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 	}
 	klog.FromContext(ctx).Info("volume attached", "volume", vol, "vm", vm)
 	return &csi.ControllerPublishVolumeResponse{}, nil
+}
+
+// boundVolume reads a host PVC and answers Aborted while it is not bound.
+func (s *controllerService) boundVolume(ctx context.Context, vol string) (*corev1.PersistentVolumeClaim, error) {
+	pvc, err := s.getVolume(ctx, vol)
+	if err != nil {
+		return nil, err
+	}
+	if pvc.Status.Phase != corev1.ClaimBound {
+		return nil, status.Errorf(codes.Aborted, "host PVC %s is %s, not Bound yet", vol, pvc.Status.Phase)
+	}
+	return pvc, nil
 }
 
 func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {

@@ -29,6 +29,8 @@ type fakeVolumes struct {
 	// getErr, when set, is what every read of a PVC answers.
 	getErr error
 	snaps  map[string]*host.Snapshot
+	// gets counts reads of a PVC.
+	gets int
 }
 
 var pvcGR = schema.GroupResource{Resource: "persistentvolumeclaims"}
@@ -49,6 +51,7 @@ func (f *fakeVolumes) CreateVolume(_ context.Context, spec host.VolumeSpec) (*co
 }
 
 func (f *fakeVolumes) GetVolume(_ context.Context, name string) (*corev1.PersistentVolumeClaim, error) {
+	f.gets++
 	if f.getErr != nil {
 		return nil, f.getErr
 	}
@@ -369,5 +372,34 @@ func TestUnpublish(t *testing.T) {
 	}
 	if _, err := s.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "never-existed"}); err != nil {
 		t.Errorf("delete of a missing volume: %v, want OK", err)
+	}
+}
+
+// A first publish reads its claim (a missing one is NotFound at once, without
+// queueing); a retry for a volume already on that VM does not, since the
+// queue reads the claim before any write it makes.
+func TestPublishReadsTheClaimOnlyWhenNotYetOnTheVM(t *testing.T) {
+	s, vols, hp := newTestController(ControllerOptions{})
+	vols.pvcs["bound"] = &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "bound"}, Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound}}
+	queued := 0
+	hp.attach = func(context.Context, string, string) error { queued++; return nil }
+	pub := func(vol string) error {
+		_, err := s.ControllerPublishVolume(context.Background(), &csi.ControllerPublishVolumeRequest{VolumeId: vol, NodeId: "vm1", VolumeCapability: rwo})
+		return err
+	}
+	if err := pub("nope"); status.Code(err) != codes.NotFound || queued != 0 {
+		t.Fatalf("missing claim: %v after %d queue calls, want NotFound before queueing", err, queued)
+	}
+	vols.gets = 0
+	if err := pub("bound"); err != nil || vols.gets != 1 {
+		t.Fatalf("first publish: %v with %d reads, want OK after one read", err, vols.gets)
+	}
+	hp.holders["bound"] = []string{"vm1"}
+	if err := pub("bound"); err != nil || vols.gets != 1 {
+		t.Errorf("retry of a volume already on the VM: %v, %d reads in all, want no new read", err, vols.gets)
+	}
+	hp.holders["bound"] = []string{"vm2"}
+	if err := pub("bound"); err != nil || vols.gets != 2 {
+		t.Errorf("volume on another VM: %v, %d reads in all, want a read", err, vols.gets)
 	}
 }
