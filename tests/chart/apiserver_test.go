@@ -435,7 +435,7 @@ func (k *kube) checkAccessReviews(ctx context.Context, t *testing.T) {
 		attrs authzv1.ResourceAttributes
 	}{
 		{"controller", authzv1.ResourceAttributes{Verb: "get", Resource: "secrets"}},
-		{"controller", authzv1.ResourceAttributes{Verb: "list", Resource: "pods"}},
+		{"controller", authzv1.ResourceAttributes{Verb: "delete", Resource: "pods"}}, // reads them (RWX unpublish), never changes them
 		{"controller", authzv1.ResourceAttributes{Verb: "delete", Group: "storage.k8s.io", Resource: "volumeattachments"}},
 		{"controller", authzv1.ResourceAttributes{Verb: "patch", Resource: "nodes"}},
 		{"node", authzv1.ResourceAttributes{Verb: "get", Resource: "secrets"}},
