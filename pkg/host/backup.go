@@ -169,11 +169,7 @@ func (c *Client) GetBackup(ctx context.Context, namespace, name string) (*Backup
 // Harvester deletes its snapshot (and with it the data in the backup target)
 // through the owner reference.
 func (c *Client) DeleteBackup(ctx context.Context, namespace, name string) error {
-	err := c.Dynamic.Resource(BackupResource).Namespace(namespace).Delete(ctx, name, metav1.DeleteOptions{})
-	if apierrors.IsNotFound(err) {
-		return nil
-	}
-	return err
+	return c.deleteObject(ctx, BackupResource, namespace, name)
 }
 
 // ListBackups returns the backups of the host namespace that a guest CSI
@@ -249,11 +245,7 @@ func (c *Client) GetRestore(ctx context.Context, name string) (*Restore, error) 
 // DeleteRestore deletes a VolumeRemoteRestore; a missing one (or a host
 // without the kind) is not an error.
 func (c *Client) DeleteRestore(ctx context.Context, name string) error {
-	err := c.Dynamic.Resource(RestoreResource).Namespace(c.Namespace).Delete(ctx, name, metav1.DeleteOptions{})
-	if apierrors.IsNotFound(err) {
-		return nil
-	}
-	return err
+	return c.deleteObject(ctx, RestoreResource, c.Namespace, name)
 }
 
 // AdoptVolume puts this driver's label on a host PVC that Harvester created

@@ -181,11 +181,7 @@ func (c *Client) SetNetworkFSState(ctx context.Context, name, desired string) (*
 
 // DeleteNetworkFS deletes a NetworkFilesystem; a missing one is not an error.
 func (c *Client) DeleteNetworkFS(ctx context.Context, name string) error {
-	err := c.Dynamic.Resource(NetworkFSResource).Namespace(NetworkFSNamespace).Delete(ctx, name, metav1.DeleteOptions{})
-	if apierrors.IsNotFound(err) {
-		return nil
-	}
-	return err
+	return c.deleteObject(ctx, NetworkFSResource, NetworkFSNamespace, name)
 }
 
 // WaitNetworkFS watches a NetworkFilesystem until done says so or ctx ends,

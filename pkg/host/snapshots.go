@@ -147,7 +147,14 @@ func (c *Client) GetSnapshot(ctx context.Context, name string) (*Snapshot, error
 
 // DeleteSnapshot deletes a host snapshot; a missing one is not an error.
 func (c *Client) DeleteSnapshot(ctx context.Context, name string) error {
-	err := c.Dynamic.Resource(snapshotResource).Namespace(c.Namespace).Delete(ctx, name, metav1.DeleteOptions{})
+	return c.deleteObject(ctx, snapshotResource, c.Namespace, name)
+}
+
+// deleteObject deletes a namespaced object of a custom resource; one that is
+// already gone is not an error (deletes are retried, and a repeat must
+// succeed).
+func (c *Client) deleteObject(ctx context.Context, gvr schema.GroupVersionResource, namespace, name string) error {
+	err := c.Dynamic.Resource(gvr).Namespace(namespace).Delete(ctx, name, metav1.DeleteOptions{})
 	if apierrors.IsNotFound(err) {
 		return nil
 	}

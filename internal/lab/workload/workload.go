@@ -304,8 +304,19 @@ func finished(j *batchv1.Job) bool {
 // StatefulSet controller replaces the pod (delete, wait, create) so the
 // volume detaches from one node and attaches to the other.
 func (w *Workload) moveLoop(ctx context.Context) {
-	logger := klog.FromContext(ctx)
-	t := time.NewTicker(w.o.MoveInterval)
+	w.everyRunningDB(ctx, w.o.MoveInterval, func(ns string, pod *corev1.Pod) bool {
+		if err := w.move(ctx, ns, pod); err != nil {
+			klog.FromContext(ctx).V(2).Info("moving a database failed", "namespace", ns, "err", err)
+		}
+		return true
+	})
+}
+
+// everyRunningDB calls fn every interval with a running database of a random
+// namespace (a tick that finds none is skipped), until ctx ends or fn
+// returns false; one call ends before the next begins.
+func (w *Workload) everyRunningDB(ctx context.Context, interval time.Duration, fn func(ns string, pod *corev1.Pod) bool) {
+	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
 		select {
@@ -314,12 +325,8 @@ func (w *Workload) moveLoop(ctx context.Context) {
 		case <-t.C:
 		}
 		ns := w.randomNamespace()
-		pod, ok := w.runningDB(ctx, ns)
-		if !ok {
-			continue
-		}
-		if err := w.move(ctx, ns, pod); err != nil {
-			logger.V(2).Info("moving a database failed", "namespace", ns, "err", err)
+		if pod, ok := w.runningDB(ctx, ns); ok && !fn(ns, pod) {
+			return
 		}
 	}
 }
@@ -373,22 +380,10 @@ func (w *Workload) move(ctx context.Context, ns string, pod *corev1.Pod) error {
 // mounted volume), then moves the database, whose next start verifies every
 // record it acknowledged before: the data must survive the expansion.
 func (w *Workload) expandLoop(ctx, lifetime context.Context) {
-	t := time.NewTicker(w.o.ExpandInterval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		ns := w.randomNamespace()
-		pod, ok := w.runningDB(ctx, ns)
-		if !ok {
-			continue
-		}
+	w.everyRunningDB(ctx, w.o.ExpandInterval, func(ns string, pod *corev1.Pod) bool {
 		e, ok := w.expand(lifetime, ns, pod)
 		if !ok {
-			continue
+			return true
 		}
 		if e.Err == nil && ctx.Err() == nil {
 			if pod, ok := w.runningDB(ctx, ns); ok {
@@ -396,12 +391,13 @@ func (w *Workload) expandLoop(ctx, lifetime context.Context) {
 			}
 		}
 		if e.Err != nil && lifetime.Err() != nil {
-			return // the lab stopped first: not the expansion's fault
+			return false // the lab stopped first: not the expansion's fault
 		}
 		if w.o.OnExpansion != nil {
 			w.o.OnExpansion(e)
 		}
-	}
+		return true
+	})
 }
 
 const dbClaim = "data-db-0"
