@@ -9,6 +9,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
 )
 
@@ -32,7 +34,7 @@ type InUseError struct {
 }
 
 func (e *InUseError) Error() string {
-	return fmt.Sprintf("volume %s is still in use by guest node %s (listed in its status.volumesInUse; kubelet has not unmounted it): not unplugging it from VM %s yet; refused since %s, unplugged anyway after %s",
+	return fmt.Sprintf("volume %s is still in use by guest node %s (listed in its status.volumesInUse while still reported attached, or while the node is not Ready: kubelet may still have it mounted): not unplugging it from VM %s yet; refused since %s, unplugged anyway after %s",
 		e.Volume, strings.Join(e.Nodes, ", "), e.VM, e.Since.UTC().Format(time.RFC3339), e.Until.UTC().Format(time.RFC3339))
 }
 
@@ -42,8 +44,8 @@ type EventSink interface {
 }
 
 // Guard decides whether a volume may be unplugged from a VM now. It reads the
-// guest Node of the VM: while that Node lists the volume in
-// status.volumesInUse, unplugging would pull the disk from under a mounted
+// guest Node of the VM: while kubelet there may have the volume mounted (see
+// mayBeMounted), unplugging would pull the disk from under a mounted
 // filesystem, so the guard refuses, up to Timeout counted from the first
 // refusal of that volume and VM; then it lets the unplug through and says so
 // in an Event on the Node. A VM without guest Node, a Node that is gone and a
@@ -81,14 +83,7 @@ func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 	synced := g.nodes.HasSynced()
 	var users []*corev1.Node
 	if synced {
-		for _, node := range g.nodes.NodesOfVM(vm) {
-			if OutOfService(node) {
-				continue
-			}
-			if inUse(node, g.nodes.driver, volume) {
-				users = append(users, node)
-			}
-		}
+		users = g.users(ctx, vm, volume)
 	}
 	key := refusalKey{vm, volume}
 	now := g.now()
@@ -137,6 +132,37 @@ func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 		}
 	}
 	return nil
+}
+
+// users returns the guest Nodes of vm that may still have the volume
+// mounted. A Node the cache shows only waiting for the volume (listed in
+// use, no longer reported attached) is read again from the API server first:
+// letting the unplug through on a stale cache could pull the disk from a
+// kubelet that has mounted it since. A Node that cannot be read counts as a
+// user; one that is gone does not.
+func (g *Guard) users(ctx context.Context, vm, volume string) []*corev1.Node {
+	var users []*corev1.Node
+	for _, node := range g.nodes.NodesOfVM(vm) {
+		if OutOfService(node) || !inUse(node, g.nodes.driver, volume) {
+			continue
+		}
+		if mayBeMounted(node, g.nodes.driver, volume) {
+			users = append(users, node)
+			continue
+		}
+		live, err := g.nodes.client.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
+		switch {
+		case apierrors.IsNotFound(err):
+		case err != nil:
+			klog.FromContext(ctx).Error(err, "cannot read the guest node again: counting it as still using the volume", "volume", volume, "vm", vm, "guestNode", node.Name)
+			users = append(users, node)
+		case !OutOfService(live) && mayBeMounted(live, g.nodes.driver, volume):
+			users = append(users, live)
+		default:
+			klog.FromContext(ctx).V(2).Info("the guest lists the volume in use but no longer attached: its kubelet waits for the volume to come back, not using it", "volume", volume, "vm", vm, "guestNode", node.Name)
+		}
+	}
+	return users
 }
 
 // Done forgets what the guard counted for the volume on vm: the unplug

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2/ktesting"
 
@@ -22,9 +23,23 @@ import (
 
 const testDriver = "driver.harvesterhci.io"
 
-func guestNode(name string, inUse ...string) *corev1.Node {
+// guestNode is a Ready guest Node whose kubelet has these volumes mounted:
+// listed in use by kubelet and as attached by the attach/detach controller.
+func guestNode(name string, mounted ...string) *corev1.Node {
 	n := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name, UID: types.UID("uid-" + name)}}
-	for _, v := range inUse {
+	n.Status.Conditions = []corev1.NodeCondition{{Type: corev1.NodeReady, Status: corev1.ConditionTrue}}
+	for _, v := range mounted {
+		n.Status.VolumesInUse = append(n.Status.VolumesInUse, UniqueVolumeName(testDriver, v))
+		n.Status.VolumesAttached = append(n.Status.VolumesAttached, corev1.AttachedVolume{Name: UniqueVolumeName(testDriver, v)})
+	}
+	return n
+}
+
+// awaiting is a guest Node whose kubelet lists these volumes in use for a
+// pod that waits for them, while the attach/detach controller no longer
+// reports them attached (it took them out before detaching).
+func awaiting(n *corev1.Node, volumes ...string) *corev1.Node {
+	for _, v := range volumes {
 		n.Status.VolumesInUse = append(n.Status.VolumesInUse, UniqueVolumeName(testDriver, v))
 	}
 	return n
@@ -161,6 +176,56 @@ func TestGuardLetsThrough(t *testing.T) {
 		if err := g.Allow(ctx, vm, "pvc-a"); err != nil {
 			t.Errorf("%s: %v", what, err)
 		}
+	}
+}
+
+// TestGuardLetsThroughAVolumeKubeletOnlyAwaits: kubelet lists a volume in
+// use as soon as a new pod wants it, also while the attach/detach controller
+// is detaching it from the pod before (it took the volume out of
+// volumesAttached first, so kubelet cannot mount it). Refusing that unplug
+// stalls the new pod for the whole guard timeout; only a volume still
+// reported attached, or listed by a Node that is not Ready, is held. A cache
+// that shows the volume awaited is confirmed with the API server first.
+func TestGuardLetsThroughAVolumeKubeletOnlyAwaits(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	notReady := awaiting(guestNode("worker-silent"), "pvc-a")
+	notReady.Status.Conditions[0].Status = corev1.ConditionUnknown
+	nodes, client := startNodes(t,
+		awaiting(guestNode("worker-1"), "pvc-a"), csiNode("worker-1", "vm-1"),
+		guestNode("worker-2", "pvc-a"), csiNode("worker-2", "vm-2"),
+		notReady, csiNode("worker-silent", "vm-silent"),
+		awaiting(guestNode("worker-stale"), "pvc-a"), csiNode("worker-stale", "vm-stale"),
+	)
+	// The API server already has worker-stale's kubelet using the volume;
+	// the cache has not seen it yet.
+	client.PrependReactor("get", "nodes", func(a k8stesting.Action) (bool, runtime.Object, error) {
+		if a.(k8stesting.GetAction).GetName() != "worker-stale" {
+			return false, nil, nil
+		}
+		return true, guestNode("worker-stale", "pvc-a"), nil
+	})
+	g := NewGuard(nodes, nil, time.Hour)
+	if err := g.Allow(ctx, "vm-1", "pvc-a"); err != nil {
+		t.Errorf("a volume a Ready node only awaits: %v, want the unplug to go ahead", err)
+	}
+	var inUse *InUseError
+	for what, vm := range map[string]string{
+		"a volume listed in use and still reported attached":                "vm-2",
+		"a volume listed by a node that is not Ready":                       "vm-silent",
+		"a volume the cache shows awaited but the API server shows mounted": "vm-stale",
+	} {
+		if err := g.Allow(ctx, vm, "pvc-a"); !errors.As(err, &inUse) {
+			t.Errorf("%s: %v, want InUseError", what, err)
+		}
+	}
+	gets := 0
+	for _, a := range client.Actions() {
+		if a.GetVerb() == "get" && a.GetResource().Resource == "nodes" {
+			gets++
+		}
+	}
+	if gets != 2 {
+		t.Errorf("%d live reads of guest nodes, want 2 (worker-1 and worker-stale, the ones the cache shows awaiting)", gets)
 	}
 }
 

@@ -49,6 +49,7 @@ const indexNodeID = "driverNodeID"
 // CSINode (written by the node-driver-registrar) maps one to the other.
 type Nodes struct {
 	driver   string
+	client   kubernetes.Interface
 	factory  informers.SharedInformerFactory
 	nodes    cache.SharedIndexInformer
 	csiNodes cache.SharedIndexInformer
@@ -59,7 +60,7 @@ type Nodes struct {
 // host side too is taken again.
 func NewNodes(client kubernetes.Interface, driverName string, resync time.Duration) (*Nodes, error) {
 	f := informers.NewSharedInformerFactory(client, resync)
-	n := &Nodes{driver: driverName, factory: f, nodes: f.Core().V1().Nodes().Informer(), csiNodes: f.Storage().V1().CSINodes().Informer()}
+	n := &Nodes{driver: driverName, client: client, factory: f, nodes: f.Core().V1().Nodes().Informer(), csiNodes: f.Storage().V1().CSINodes().Informer()}
 	if err := n.csiNodes.AddIndexers(cache.Indexers{indexNodeID: func(obj any) ([]string, error) {
 		cn, ok := obj.(*storagev1.CSINode)
 		if !ok {
@@ -162,9 +163,40 @@ func UniqueVolumeName(driver, volumeID string) corev1.UniqueVolumeName {
 	return corev1.UniqueVolumeName("kubernetes.io/csi/" + driver + "^" + volumeID)
 }
 
-// inUse reports whether the guest Node still lists the volume as in use:
-// kubelet keeps it there from before the volume is mounted until after it is
-// unmounted from the device (NodeUnstage done).
+// inUse reports whether the guest Node lists the volume in
+// status.volumesInUse. Kubelet lists a volume there from the moment a pod on
+// the Node wants it, before it is mounted, until it is unmounted from the
+// device (NodeUnstage done), so a listed volume is either mounted or awaited.
 func inUse(node *corev1.Node, driver, volumeID string) bool {
 	return slices.Contains(node.Status.VolumesInUse, UniqueVolumeName(driver, volumeID))
+}
+
+// reportedAttached reports whether the guest Node's status.volumesAttached,
+// written by the attach/detach controller, lists the volume.
+func reportedAttached(node *corev1.Node, driver, volumeID string) bool {
+	name := UniqueVolumeName(driver, volumeID)
+	return slices.ContainsFunc(node.Status.VolumesAttached, func(a corev1.AttachedVolume) bool { return a.Name == name })
+}
+
+// mayBeMounted reports whether kubelet on the guest Node may have the volume
+// mounted. Listed in volumesInUse is not enough: kubelet lists a volume a new
+// pod waits for too. What separates the two is Kubernetes' own handshake
+// (kubernetes v1.35.4, pkg/volume/util/operationexecutor/operation_generator.go,
+// GenerateVerifyControllerAttachedVolumeFunc and verifyVolumeIsSafeToDetach;
+// pkg/controller/volume/attachdetach/reconciler/reconciler.go, reconcile):
+// kubelet mounts a volume only after reporting it in use and then reading it
+// in volumesAttached from the API server, and the attach/detach controller
+// takes a volume out of volumesAttached before it reads volumesInUse from
+// the API server and detaches. So while a Ready Node lists the volume in use
+// but no longer as attached, its kubelet is waiting for the volume to come
+// back and cannot mount it: unplugging is what lets the re-attach go on
+// (holding it would stall the pod for the whole guard timeout). A Node that
+// is not Ready reports nothing fresh: its listing may be a mount the kubelet
+// still has.
+func mayBeMounted(node *corev1.Node, driver, volumeID string) bool {
+	if !inUse(node, driver, volumeID) {
+		return false
+	}
+	ready, _ := nodeReady(node)
+	return reportedAttached(node, driver, volumeID) || !ready
 }

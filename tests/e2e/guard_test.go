@@ -73,7 +73,7 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 
 	// Kubelet still has the first volume mounted.
 	inUse, free := vols[0], vols[1]
-	g.SetVolumesInUse(t, nodeName, inUse)
+	g.SetMounted(t, nodeName, inUse)
 	testwait.Until(ctx, t, "the controller's guest cache to show the volume in use", func() (bool, string) {
 		n, ok := ctrl.Driver.GuestNodes().Node(nodeName)
 		return ok && len(n.Status.VolumesInUse) == 1 && n.Status.VolumesInUse[0] == guestpkg.UniqueVolumeName(driver.Name, inUse), fmt.Sprint(n)
@@ -125,7 +125,7 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 	}
 
 	// Kubelet unmounts it: the attacher's next retry detaches it.
-	g.SetVolumesInUse(t, nodeName)
+	g.SetMounted(t, nodeName)
 	testwait.Until(ctx, t, "the in-use volume's VolumeAttachment gone", func() (bool, string) {
 		_, err := guestKube.StorageV1().VolumeAttachments().Get(ctx, vaName(inUse), metav1.GetOptions{})
 		return err != nil, fmt.Sprint(err)

@@ -83,13 +83,31 @@ func (g *Guest) SetReady(tb testing.TB, name string, ready corev1.ConditionStatu
 	})
 }
 
-// SetVolumesInUse sets status.volumesInUse to this driver's volumes.
-func (g *Guest) SetVolumesInUse(tb testing.TB, name string, volumes ...string) {
+// SetMounted sets the Node's volume status to what it shows while kubelet
+// has these volumes of this driver mounted: listed in volumesInUse by
+// kubelet and in volumesAttached by the attach/detach controller.
+func (g *Guest) SetMounted(tb testing.TB, name string, volumes ...string) {
+	tb.Helper()
+	g.setVolumes(tb, name, volumes, volumes)
+}
+
+// SetAwaiting sets the Node's volume status to what it shows while pods on
+// it wait for these volumes: listed in volumesInUse, not in volumesAttached
+// (not attached yet, or being detached from an earlier pod).
+func (g *Guest) SetAwaiting(tb testing.TB, name string, volumes ...string) {
+	tb.Helper()
+	g.setVolumes(tb, name, volumes, nil)
+}
+
+func (g *Guest) setVolumes(tb testing.TB, name string, inUse, attached []string) {
 	tb.Helper()
 	g.UpdateNodeStatus(tb, name, func(st *corev1.NodeStatus) {
-		st.VolumesInUse = nil
-		for _, v := range volumes {
+		st.VolumesInUse, st.VolumesAttached = nil, nil
+		for _, v := range inUse {
 			st.VolumesInUse = append(st.VolumesInUse, guest.UniqueVolumeName(driver.Name, v))
+		}
+		for _, v := range attached {
+			st.VolumesAttached = append(st.VolumesAttached, corev1.AttachedVolume{Name: guest.UniqueVolumeName(driver.Name, v)})
 		}
 	})
 }

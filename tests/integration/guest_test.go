@@ -84,10 +84,11 @@ func (s *guestSuite) unpublishOnce(ctx context.Context, vm, vol string) error {
 }
 
 // detachGuard (seed 000): the attach/detach controller asks for a detach
-// while the guest still lists the volume in volumesInUse (kubelet has not
-// unmounted it). The unplug is refused with Aborted, the volume stays Ready
-// on the VM, and it leaves as soon as the guest stops listing it. A volume
-// the guest does not list leaves at once.
+// while the guest still has the volume mounted (listed in volumesInUse and
+// volumesAttached). The unplug is refused with Aborted, the volume stays
+// Ready on the VM, and it leaves as soon as kubelet has unmounted it, even
+// with a new pod on the node already waiting for it. A volume the guest
+// does not list leaves at once.
 func (s *guestSuite) detachGuard(t *testing.T) {
 	vm, node := "dg-vm", "rke2-dg-worker" // the guest Node is not named after its VM
 	vols := s.scene(t, "dg", 2, vm)
@@ -101,7 +102,7 @@ func (s *guestSuite) detachGuard(t *testing.T) {
 		}
 	}
 	inUse, free := vols[0], vols[1]
-	s.guest.SetVolumesInUse(t, node, inUse)
+	s.guest.SetMounted(t, node, inUse)
 	s.waitGuestCache(t, node, listsInUse(inUse))
 
 	if err := s.unpublishOnce(ctx, vm, free); err != nil {
@@ -123,10 +124,14 @@ func (s *guestSuite) detachGuard(t *testing.T) {
 	}
 	s.requireReady(vm, inUse)
 
-	s.guest.SetVolumesInUse(t, node)
-	s.waitGuestCache(t, node, listsInUse())
+	// Kubelet unmounts it, and a new pod on the same node already wants it:
+	// still listed in use, but the attach/detach controller has taken it out
+	// of volumesAttached before detaching, so kubelet cannot mount it until
+	// the volume is attached again. Holding it would stall that pod.
+	s.guest.SetAwaiting(t, node, inUse)
+	s.waitGuestCache(t, node, func(n *corev1.Node) bool { return listsInUse(inUse)(n) && len(n.Status.VolumesAttached) == 0 })
 	if err := a.unpublish(ctx, vm, inUse); err != nil {
-		t.Fatalf("unpublish once kubelet unmounted: %v", err)
+		t.Fatalf("unpublish once kubelet unmounted (a new pod awaits the volume): %v", err)
 	}
 	if got := s.attachedTo(inUse, vm); len(got) != 0 {
 		t.Errorf("%s still on %v after its unpublish", inUse, got)
@@ -156,7 +161,7 @@ func (s *guestSuite) guardDoesNotBlock(t *testing.T) {
 
 	fenced := "rke2-nb-fenced"
 	s.guest.AddNode(t, fenced, vms[1])
-	s.guest.SetVolumesInUse(t, fenced, vols[1])
+	s.guest.SetMounted(t, fenced, vols[1])
 	n, err := s.guest.Kube.CoreV1().Nodes().Get(ctx, fenced, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -172,7 +177,7 @@ func (s *guestSuite) guardDoesNotBlock(t *testing.T) {
 
 	deleted := "rke2-nb-deleted"
 	s.guest.AddNode(t, deleted, vms[2])
-	s.guest.SetVolumesInUse(t, deleted, vols[2])
+	s.guest.SetMounted(t, deleted, vols[2])
 	s.waitGuestCache(t, deleted, listsInUse(vols[2]))
 	if err := s.unpublishOnce(ctx, vms[2], vols[2]); status.Code(err) != codes.Aborted {
 		t.Fatalf("before the node is deleted: %v, want Aborted", err)
@@ -201,7 +206,7 @@ func (s *guestSuite) cleanupNotGuarded(t *testing.T) {
 	vm, node := "cu-vm", "rke2-cu-worker"
 	bad := s.scene(t, "cu", 1, vm)[0]
 	s.guest.AddNode(t, node, vm)
-	s.guest.SetVolumesInUse(t, node, bad)
+	s.guest.SetMounted(t, node, bad)
 	s.waitGuestCache(t, node, listsInUse(bad))
 	s.host.Sim.Faults().DenyVolume(bad, "")
 	defer s.host.Sim.Faults().AllowVolume(bad)
@@ -331,7 +336,7 @@ func (s *guestSuite) forced(t *testing.T) {
 	if err := newAttacher(s.client).publish(ctx, vm, vol); err != nil {
 		t.Fatal(err)
 	}
-	s.guest.SetVolumesInUse(t, node, vol)
+	s.guest.SetMounted(t, node, vol)
 	s.waitGuestCache(t, node, listsInUse(vol))
 
 	start := time.Now()
