@@ -98,6 +98,15 @@ type ControllerOptions struct {
 	// ClaimUsers, when set, tells whether guest pods still use a volume; an
 	// RWX unpublish disables the export only when none does (nil: never).
 	ClaimUsers ClaimUsers
+	// Claims, when set, lets a first publish skip reading a host claim that
+	// a cache already shows Bound (pkg/host.ClaimCache).
+	Claims ClaimCache
+}
+
+// ClaimCache says whether a cache of the host's PVCs shows a claim Bound;
+// false means "read the API server" (unknown, not bound or gone).
+type ClaimCache interface {
+	ShowsBound(name string) bool
 }
 
 // AttachmentEvents records an Event on the guest VolumeAttachment of a
@@ -308,12 +317,13 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 		}
 		return s.publishRWX(ctx, vol, vm, pvc)
 	}
-	// A first publish reads the claim so that a missing or unbound one is
+	// A first publish checks the claim so that a missing or unbound one is
 	// answered at once, not when the VM's queued changes let the queue get
-	// to it. A retry for a volume already written to this VM skips the read:
-	// the claim was there when it was written, and the queue reads it again
-	// before any further write (that read is the fence, not this one).
-	if !slices.Contains(s.hotplug.Holders(vol), vm) {
+	// to it. A claim the host cache shows Bound needs no read, and a retry
+	// for a volume already written to this VM skips the check: the queue
+	// reads the claim from the API server right before any write of it
+	// (that read is the fence, not this one).
+	if !slices.Contains(s.hotplug.Holders(vol), vm) && (s.opts.Claims == nil || !s.opts.Claims.ShowsBound(vol)) {
 		if _, err := s.boundVolume(ctx, vol); err != nil {
 			return nil, err
 		}

@@ -403,3 +403,34 @@ func TestPublishReadsTheClaimOnlyWhenNotYetOnTheVM(t *testing.T) {
 		t.Errorf("volume on another VM: %v, %d reads in all, want a read", err, vols.gets)
 	}
 }
+
+type cachedClaims map[string]bool
+
+func (c cachedClaims) ShowsBound(name string) bool { return c[name] }
+
+// TestPublishSkipsTheClaimReadTheCacheAnswers: a claim the host cache shows
+// Bound needs no read before queueing; one it does not show (missing,
+// pending, not seen yet) is read, so a missing claim still answers NotFound
+// at once.
+func TestPublishSkipsTheClaimReadTheCacheAnswers(t *testing.T) {
+	cache := cachedClaims{"bound": true}
+	s, vols, hp := newTestController(ControllerOptions{Claims: cache})
+	vols.pvcs["bound"] = &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "bound"}, Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound}}
+	vols.pvcs["pending"] = &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "pending"}, Status: corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimPending}}
+	queued := 0
+	hp.attach = func(context.Context, string, string) error { queued++; return nil }
+	pub := func(vol string) error {
+		_, err := s.ControllerPublishVolume(context.Background(), &csi.ControllerPublishVolumeRequest{VolumeId: vol, NodeId: "vm1", VolumeCapability: rwo})
+		return err
+	}
+	vols.gets = 0
+	if err := pub("bound"); err != nil || vols.gets != 0 || queued != 1 {
+		t.Fatalf("publish of a claim the cache shows Bound: %v with %d reads and %d queue calls, want OK, no read, queued", err, vols.gets, queued)
+	}
+	if err := pub("nope"); status.Code(err) != codes.NotFound || vols.gets != 1 || queued != 1 {
+		t.Fatalf("missing claim: %v after %d reads and %d queue calls, want NotFound from one read, not queued", err, vols.gets, queued)
+	}
+	if err := pub("pending"); status.Code(err) != codes.Aborted || vols.gets != 2 || queued != 1 {
+		t.Fatalf("claim not bound: %v after %d reads and %d queue calls, want Aborted from a read, not queued", err, vols.gets, queued)
+	}
+}

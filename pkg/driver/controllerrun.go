@@ -61,6 +61,8 @@ type Controller struct {
 	monitor          *guest.Monitor
 	// claims watches guest pods for RWX unpublishes (with a guest client).
 	claims *GuestClaims
+	// claimCache holds the host's PVCs for the publish's first check.
+	claimCache *host.ClaimCache
 	// rwx is set by Run when the host lists NetworkFilesystems.
 	rwx atomic.Bool
 	// buildErr is a failure of NewController, returned by Run.
@@ -86,6 +88,8 @@ func NewController(cfg ControllerConfig) *Controller {
 	if cfg.Host != nil {
 		opts.NetworkFS = cfg.Host
 		opts.RWX = c.rwx.Load
+		c.claimCache = cfg.Host.ClaimCache(0)
+		opts.Claims = c.claimCache
 	}
 	if c.claims != nil {
 		opts.ClaimUsers = c.claims
@@ -197,6 +201,7 @@ func (c *Controller) Run(ctx context.Context) error {
 	g, ctx := errgroup.WithContext(ctx)
 	g.Go(func() error { vmInf.RunWithContext(ctx); return nil })
 	g.Go(func() error { vmiInf.RunWithContext(ctx); return nil })
+	g.Go(func() error { c.claimCache.Run(ctx); return nil })
 	g.Go(func() error { return q.Run(ctx) })
 	if c.guestNodes != nil {
 		c.guestNodes.Start(ctx.Done())

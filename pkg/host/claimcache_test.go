@@ -1,0 +1,52 @@
+package host
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubefake "k8s.io/client-go/kubernetes/fake"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
+)
+
+func TestClaimCacheShowsBoundClaimsOfItsNamespace(t *testing.T) {
+	claim := func(ns, name string, phase corev1.PersistentVolumeClaimPhase) *corev1.PersistentVolumeClaim {
+		return &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns,
+			Annotations: map[string]string{"big": "x"}}, Status: corev1.PersistentVolumeClaimStatus{Phase: phase}}
+	}
+	kube := kubefake.NewClientset(
+		claim("guests", "bound", corev1.ClaimBound),
+		claim("guests", "pending", corev1.ClaimPending),
+		claim("others", "elsewhere", corev1.ClaimBound),
+	)
+	cc := (&Client{Namespace: "guests", Kube: kube}).ClaimCache(0)
+	if cc.ShowsBound("bound") {
+		t.Fatal("an unsynced cache must not answer")
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go cc.Run(ctx)
+	testwait.For(t, "the cache to show the bound claim", 10*time.Second, func() bool { return cc.ShowsBound("bound") })
+	for _, name := range []string{"pending", "elsewhere", "missing"} {
+		if cc.ShowsBound(name) {
+			t.Errorf("%s shown Bound", name)
+		}
+	}
+	if err := kube.CoreV1().PersistentVolumeClaims("guests").Delete(ctx, "bound", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.For(t, "the deleted claim gone from the cache", 10*time.Second, func() bool { return !cc.ShowsBound("bound") })
+	// Only what the check needs is kept.
+	objs := cc.inf.GetStore().List()
+	for _, o := range objs {
+		if p := o.(*corev1.PersistentVolumeClaim); len(p.Annotations) != 0 {
+			t.Errorf("cached claim %s keeps its annotations", p.Name)
+		}
+	}
+	if len(objs) != 1 {
+		t.Errorf("%d claims cached, want the one left in the namespace", len(objs))
+	}
+}
