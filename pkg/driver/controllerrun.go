@@ -175,6 +175,9 @@ func (c *Controller) Run(ctx context.Context) error {
 	}
 	c.detectRWX(ctx)
 	vmInf, vmiInf := c.cfg.Host.VMInformer(0), c.cfg.Host.VMIInformer(0)
+	if d, ok := backend.(*host.Declarative); ok {
+		d.Follow(vmInf.GetStore())
+	}
 	qcfg := c.cfg.Queue
 	qcfg.Namespace = c.cfg.Host.Namespace
 	q, err := hotplug.New(qcfg, backend, c.cfg.Host.ClaimReader(), vmInf, vmiInf, c.cfg.Metrics)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"sync"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -11,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/tools/cache"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
@@ -29,10 +31,76 @@ const (
 // status writes between our read and our patch do not fail it.
 type Declarative struct {
 	c *Client
+
+	// A batch needs the VM's two lists exactly as stored. What our last
+	// patch of a VM stored is in the patch's answer; while the VM cache
+	// shows the VM with that UID and generation (a VM's generation moves
+	// with its spec only, not with virt-controller's status writes), the
+	// lists are still those and the next batch needs no read. Anything else
+	// (no answer kept, a cache behind or ahead, another writer of the spec)
+	// reads the VM, and the patch's `test` operations stay the guard either
+	// way: lists that changed in between fail the patch, which is retried
+	// after a read.
+	vms  cache.Store
+	mu   sync.Mutex
+	kept map[string]keptLists
+}
+
+type keptLists struct {
+	uid                  types.UID
+	generation           int64
+	vols, disks          []any
+	volsFound, diskFound bool
 }
 
 // NewDeclarative returns the declarative backend.
-func NewDeclarative(c *Client) *Declarative { return &Declarative{c: c} }
+func NewDeclarative(c *Client) *Declarative { return &Declarative{c: c, kept: map[string]keptLists{}} }
+
+// Follow lets Apply take a VM's lists from its own last patch while vms (the
+// VM informer's store) shows the VM unchanged since.
+func (d *Declarative) Follow(vms cache.Store) { d.vms = vms }
+
+// keptFor returns the lists our last patch of vm stored, if the cache
+// shows the VM's spec unchanged since.
+func (d *Declarative) keptFor(vm string) (keptLists, bool) {
+	if d.vms == nil {
+		return keptLists{}, false
+	}
+	d.mu.Lock()
+	k, ok := d.kept[vm]
+	d.mu.Unlock()
+	if !ok {
+		return keptLists{}, false
+	}
+	obj, exists, err := d.vms.GetByKey(d.c.Namespace + "/" + vm)
+	m, isObj := obj.(metav1.Object)
+	if err != nil || !exists || !isObj || m.GetUID() != k.uid || m.GetGeneration() != k.generation {
+		d.forget(vm)
+		return keptLists{}, false
+	}
+	return k, true
+}
+
+func (d *Declarative) forget(vm string) {
+	d.mu.Lock()
+	delete(d.kept, vm)
+	d.mu.Unlock()
+}
+
+// keep remembers the lists of a VM as a patch answer stored them.
+func (d *Declarative) keep(vm string, obj *unstructured.Unstructured) {
+	k := keptLists{uid: obj.GetUID(), generation: obj.GetGeneration()}
+	var err1, err2 error
+	k.vols, k.volsFound, err1 = unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "volumes")
+	k.disks, k.diskFound, err2 = unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "domain", "devices", "disks")
+	if d.vms == nil || err1 != nil || err2 != nil || k.generation == 0 {
+		d.forget(vm)
+		return
+	}
+	d.mu.Lock()
+	d.kept[vm] = k
+	d.mu.Unlock()
+}
 
 // Name implements hotplug.Backend.
 func (d *Declarative) Name() string { return "declarative" }
@@ -46,21 +114,23 @@ func (d *Declarative) Apply(ctx context.Context, vm string, changes []hotplug.Ch
 		}
 		return outs
 	}
-	// Read raw JSON, not typed objects: the test values must match the stored
-	// lists byte for byte in meaning, including fields this build of the
-	// KubeVirt API does not know.
-	obj, err := d.c.Dynamic.Resource(vmResource).Namespace(d.c.Namespace).Get(ctx, vm, metav1.GetOptions{})
-	if err != nil {
-		return fill(classify(err, hotplug.Attach))
+	k, ok := d.keptFor(vm)
+	if !ok {
+		// Read raw JSON, not typed objects: the test values must match the
+		// stored lists byte for byte in meaning, including fields this
+		// build of the KubeVirt API does not know.
+		obj, err := d.c.Dynamic.Resource(vmResource).Namespace(d.c.Namespace).Get(ctx, vm, metav1.GetOptions{})
+		if err != nil {
+			return fill(classify(err, hotplug.Attach))
+		}
+		if k.vols, k.volsFound, err = unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "volumes"); err != nil {
+			return fill(hotplug.Outcome{Result: hotplug.Failed, Err: err})
+		}
+		if k.disks, k.diskFound, err = unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "domain", "devices", "disks"); err != nil {
+			return fill(hotplug.Outcome{Result: hotplug.Failed, Err: err})
+		}
 	}
-	vols, volsFound, err := unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "volumes")
-	if err != nil {
-		return fill(hotplug.Outcome{Result: hotplug.Failed, Err: err})
-	}
-	disks, disksFound, err := unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "domain", "devices", "disks")
-	if err != nil {
-		return fill(hotplug.Outcome{Result: hotplug.Failed, Err: err})
-	}
+	vols, volsFound, disks, disksFound := k.vols, k.volsFound, k.disks, k.diskFound
 
 	newVols, newDisks := vols, disks
 	var touched []int
@@ -97,7 +167,12 @@ func (d *Declarative) Apply(ctx context.Context, vm string, changes []hotplug.Ch
 	if err != nil {
 		return fill(hotplug.Outcome{Result: hotplug.Failed, Err: err})
 	}
-	_, err = d.c.Dynamic.Resource(vmResource).Namespace(d.c.Namespace).Patch(ctx, vm, types.JSONPatchType, body, metav1.PatchOptions{})
+	stored, err := d.c.Dynamic.Resource(vmResource).Namespace(d.c.Namespace).Patch(ctx, vm, types.JSONPatchType, body, metav1.PatchOptions{})
+	if err == nil {
+		d.keep(vm, stored)
+	} else {
+		d.forget(vm)
+	}
 	o := classify(err, hotplug.Attach)
 	if o.Result == hotplug.Rejected && len(touched) > 1 {
 		// A webhook refused the batch: find the volumes it refuses by trying

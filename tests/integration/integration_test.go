@@ -115,6 +115,7 @@ func TestController(t *testing.T) {
 			t.Run("UnboundClaimBesideOthers", s.unboundClaim)
 			t.Run("BurstsAPodStartApart", s.burstsAPodStartApart)
 			t.Run("ReattachWhileDetaching", s.reattachWhileDetaching)
+			t.Run("DeclarativeReadsTheSpecOnlyWhenItMoved", s.specReadOnlyWhenMoved)
 		})
 	}
 }
