@@ -95,9 +95,7 @@ type Machine struct {
 // bench/results/lab-<kubevirt>.json. Its figures are measurements, never
 // assertions: a run fails only when the lab itself could not run.
 func BenchmarkLab(b *testing.B) {
-	if os.Geteuid() != 0 {
-		b.Skip("the lab needs root (loop devices, mounts, a mount namespace)")
-	}
+	skipWithoutLab(b, "runs the lab's default scenario (about 20 minutes)")
 	// The commit the binaries are built from (-dirty: with changes not
 	// committed), taken before the build.
 	commit := gitCommit()

@@ -21,12 +21,7 @@ import (
 // pass: no invariant broken, nothing stuck, every data check good. It runs
 // the built binaries as a user would (make lab LAB_FLAGS=--quick).
 func TestQuickLab(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("the lab needs root (loop devices, mounts, a mount namespace)")
-	}
-	if testing.Short() {
-		t.Skip("runs the whole lab (a few minutes)")
-	}
+	skipWithoutLab(t, "runs the whole lab (a few minutes)")
 	work := t.TempDir()
 	bin, driver, labBin := buildLab(t, work)
 	out := filepath.Join(work, "run")
@@ -86,6 +81,18 @@ func TestQuickLab(t *testing.T) {
 	}
 }
 
+// skipWithoutLab skips where the lab cannot run (it needs root for loop
+// devices, mounts and a mount namespace) and in -short runs, saying why.
+func skipWithoutLab(tb testing.TB, long string) {
+	tb.Helper()
+	if os.Geteuid() != 0 {
+		tb.Skip("the lab needs root (loop devices, mounts, a mount namespace)")
+	}
+	if testing.Short() {
+		tb.Skip(long)
+	}
+}
+
 // buildLab builds the driver and the lab command into dir and returns the
 // upstream tools' directory with them.
 func buildLab(t testing.TB, dir string) (tools, driver, labBin string) {
@@ -142,12 +149,7 @@ exec "$(dirname "$0")/harvester-csi-driver" --mode=controller "$@"
 // PATH with upstream's flags, and prints both columns: each column must hold
 // the figures of its own run.
 func TestLabCompare(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("the lab needs root (loop devices, mounts, a mount namespace)")
-	}
-	if testing.Short() {
-		t.Skip("runs the lab twice (a few minutes)")
-	}
+	skipWithoutLab(t, "runs the lab twice (a few minutes)")
 	work := t.TempDir()
 	tools, driver, labBin := buildLab(t, work)
 	fake := filepath.Join(work, "fake-upstream")

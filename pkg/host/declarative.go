@@ -47,10 +47,10 @@ type Declarative struct {
 }
 
 type keptLists struct {
-	uid                  types.UID
-	generation           int64
-	vols, disks          []any
-	volsFound, diskFound bool
+	uid                   types.UID
+	generation            int64
+	vols, disks           []any
+	volsFound, disksFound bool
 }
 
 // NewDeclarative returns the declarative backend.
@@ -89,17 +89,26 @@ func (d *Declarative) forget(vm string) {
 
 // keep remembers the lists of a VM as a patch answer stored them.
 func (d *Declarative) keep(vm string, obj *unstructured.Unstructured) {
-	k := keptLists{uid: obj.GetUID(), generation: obj.GetGeneration()}
-	var err1, err2 error
-	k.vols, k.volsFound, err1 = unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "volumes")
-	k.disks, k.diskFound, err2 = unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "domain", "devices", "disks")
-	if d.vms == nil || err1 != nil || err2 != nil || k.generation == 0 {
+	k, err := listsOf(obj)
+	if d.vms == nil || err != nil || k.generation == 0 {
 		d.forget(vm)
 		return
 	}
 	d.mu.Lock()
 	d.kept[vm] = k
 	d.mu.Unlock()
+}
+
+// listsOf takes a stored VM's volume and disk lists, raw, with its UID and
+// generation.
+func listsOf(obj *unstructured.Unstructured) (keptLists, error) {
+	k := keptLists{uid: obj.GetUID(), generation: obj.GetGeneration()}
+	var err error
+	if k.vols, k.volsFound, err = unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "volumes"); err != nil {
+		return k, err
+	}
+	k.disks, k.disksFound, err = unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "domain", "devices", "disks")
+	return k, err
 }
 
 // Name implements hotplug.Backend.
@@ -123,14 +132,11 @@ func (d *Declarative) Apply(ctx context.Context, vm string, changes []hotplug.Ch
 		if err != nil {
 			return fill(classify(err, hotplug.Attach))
 		}
-		if k.vols, k.volsFound, err = unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "volumes"); err != nil {
-			return fill(hotplug.Outcome{Result: hotplug.Failed, Err: err})
-		}
-		if k.disks, k.diskFound, err = unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "domain", "devices", "disks"); err != nil {
+		if k, err = listsOf(obj); err != nil {
 			return fill(hotplug.Outcome{Result: hotplug.Failed, Err: err})
 		}
 	}
-	vols, volsFound, disks, disksFound := k.vols, k.volsFound, k.disks, k.diskFound
+	vols, volsFound, disks, disksFound := k.vols, k.volsFound, k.disks, k.disksFound
 
 	newVols, newDisks := vols, disks
 	var touched []int

@@ -64,25 +64,46 @@ type Percentiles struct {
 	Max float64 `json:"max"`
 }
 
-// ChurnResult is what one run measured; it is written as JSON.
+// OperationFigures are the per-operation figures both the churn and the
+// scale benchmark report; an operation is a publish and its unpublish.
+type OperationFigures struct {
+	Operations           int            `json:"operations"`
+	Unfinished           int            `json:"unfinished"`
+	PublishToReady       Percentiles    `json:"publish_to_ready_seconds"`
+	Unpublish            Percentiles    `json:"unpublish_seconds"`
+	VMWritesPerOperation float64        `json:"vm_writes_per_operation"`
+	Conflicts            int            `json:"conflicts"`
+	HostRequestsPerOp    float64        `json:"host_requests_per_operation"`
+	HostRequestsByKind   map[string]int `json:"host_requests_by_kind,omitempty"`
+	Answers              map[string]int `json:"answers"` // gRPC code -> count, all calls
+}
+
+// count sets the figures that come from the host's counts (Host.Counts);
+// Operations must be set.
+func (f *OperationFigures) count(writes, conflicts int, reqs map[string]int) {
+	total := 0
+	for k, n := range reqs {
+		if !strings.HasPrefix(k, "conflict ") { // answers, not requests
+			total += n
+		}
+	}
+	if f.Operations > 0 {
+		f.VMWritesPerOperation = float64(writes) / float64(f.Operations)
+		f.HostRequestsPerOp = float64(total) / float64(f.Operations)
+	}
+	f.Conflicts, f.HostRequestsByKind = conflicts, reqs
+}
+
+// ChurnResult is what one run measured; it is written as JSON. Operations
+// is the number of publish-hold-unpublish cycles asked for; Unfinished
+// those whose publish or unpublish did not finish within the deadline.
 type ChurnResult struct {
 	Name string `json:"name"`
-	// Operations is the number of publish-hold-unpublish cycles asked for;
-	// Unfinished those whose publish or unpublish did not finish within
-	// the deadline.
-	Operations            int            `json:"operations"`
-	Unfinished            int            `json:"unfinished"`
-	PublishToReady        Percentiles    `json:"publish_to_ready_seconds"`
-	Unpublish             Percentiles    `json:"unpublish_seconds"`
-	VMWritesPerOperation  float64        `json:"vm_writes_per_operation"`
-	Conflicts             int            `json:"conflicts"`
-	HostRequestsPerOp     float64        `json:"host_requests_per_operation"`
-	Answers               map[string]int `json:"answers"` // gRPC code -> count, all calls
-	Config                ChurnConfig    `json:"config"`
-	SimulatedSeconds      float64        `json:"simulated_seconds"`
-	WallSeconds           float64        `json:"wall_seconds"`
-	HostRequestsByKind    map[string]int `json:"host_requests_by_kind,omitempty"`
-	ControllerDescription string         `json:"controller"`
+	OperationFigures
+	Config                ChurnConfig `json:"config"`
+	SimulatedSeconds      float64     `json:"simulated_seconds"`
+	WallSeconds           float64     `json:"wall_seconds"`
+	ControllerDescription string      `json:"controller"`
 	// DriverBatches counts the queue's writes (one batch of changes to one
 	// VM each); AttachmentPods the attachment pods KubeVirt created
 	// meanwhile. About one pod per batch means KubeVirt carried out each
@@ -182,8 +203,8 @@ func RunChurn(ctx context.Context, h Host, cfg ChurnConfig, vms, vols []string) 
 	wg.Wait()
 	wall := time.Since(start)
 
-	res := ChurnResult{Config: cfg, Operations: cfg.Volumes * cfg.Waves, WallSeconds: wall.Seconds(),
-		SimulatedSeconds: wall.Seconds() / cfg.Scale, Answers: att.answers()}
+	res := ChurnResult{Config: cfg, WallSeconds: wall.Seconds(), SimulatedSeconds: wall.Seconds() / cfg.Scale,
+		OperationFigures: OperationFigures{Operations: cfg.Volumes * cfg.Waves, Answers: att.answers()}}
 	var pubs, unpubs []float64
 	for v := range plan {
 		for _, o := range plan[v] {
@@ -199,17 +220,7 @@ func RunChurn(ctx context.Context, h Host, cfg ChurnConfig, vms, vols []string) 
 		}
 	}
 	res.PublishToReady, res.Unpublish = percentiles(pubs), percentiles(unpubs)
-	writes, conflicts, reqs := h.Counts()
-	total := 0
-	for k, n := range reqs {
-		if !strings.HasPrefix(k, "conflict ") { // answers, not requests
-			total += n
-		}
-	}
-	res.VMWritesPerOperation = float64(writes) / float64(res.Operations)
-	res.Conflicts = conflicts
-	res.HostRequestsPerOp = float64(total) / float64(res.Operations)
-	res.HostRequestsByKind = reqs
+	res.count(h.Counts())
 	return res
 }
 

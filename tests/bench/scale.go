@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
-	"strings"
 	"sync"
 	"time"
 
@@ -71,16 +70,8 @@ type Sampler interface {
 // operation figures cover the steady state only (operations begun after the
 // warm-up); an operation is one move: an unpublish and the publish after it.
 type ScaleResult struct {
-	Name                 string         `json:"name"`
-	Operations           int            `json:"operations"`
-	Unfinished           int            `json:"unfinished"`
-	PublishToReady       Percentiles    `json:"publish_to_ready_seconds"`
-	Unpublish            Percentiles    `json:"unpublish_seconds"`
-	VMWritesPerOperation float64        `json:"vm_writes_per_operation"`
-	Conflicts            int            `json:"conflicts"`
-	HostRequestsPerOp    float64        `json:"host_requests_per_operation"`
-	HostRequestsByKind   map[string]int `json:"host_requests_by_kind,omitempty"`
-	Answers              map[string]int `json:"answers"`
+	Name string `json:"name"`
+	OperationFigures
 	// RSSMiB is the largest resident set seen in the steady state, and
 	// RSSPeakMiB the process's high-water mark over its whole life
 	// (including the initial attach of every volume).
@@ -306,17 +297,7 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 		}
 	}
 	res.PublishToReady, res.Unpublish = percentiles(pubs), percentiles(unpubs)
-	total := 0
-	for k, n := range reqs {
-		if !strings.HasPrefix(k, "conflict ") { // answers, not requests
-			total += n
-		}
-	}
-	if res.Operations > 0 {
-		res.VMWritesPerOperation = float64(writes) / float64(res.Operations)
-		res.HostRequestsPerOp = float64(total) / float64(res.Operations)
-	}
-	res.Conflicts, res.HostRequestsByKind = conflicts, reqs
+	res.count(writes, conflicts, reqs)
 
 	res.Samples = samples
 	if len(samples) >= 2 {
