@@ -32,9 +32,12 @@ type Report struct {
 	PodStartLatency     monitor.Percentiles    `json:"pod_start_latency_seconds"`
 	// ExpandLatency: claim expansion asked to the claim at its new size
 	// with no resize pending (--expand-every).
-	ExpandLatency  monitor.Percentiles `json:"expand_latency_seconds"`
-	KubeVirtWrites KubeVirtWrites      `json:"kubevirt_writes"`
-	Conflicts      map[string]int      `json:"conflicts"`
+	ExpandLatency monitor.Percentiles `json:"expand_latency_seconds"`
+	// DriverBreakdown is the controller's own split of its hotplug time
+	// (absent for a controller that does not log it).
+	DriverBreakdown *Breakdown     `json:"driver_breakdown,omitempty"`
+	KubeVirtWrites  KubeVirtWrites `json:"kubevirt_writes"`
+	Conflicts       map[string]int `json:"conflicts"`
 	// ConflictsByRequest splits Conflicts by the request answered ("409
 	// patch kubevirt.io/virtualmachines"): in the lab only the driver's
 	// processes write through KubeVirt's front (the simulator's own
@@ -221,6 +224,11 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		if p := r.g.Controller(); p != nil {
 			rep.Driver.Restarts = p.Starts() - 1
 		}
+		bd, err := readBreakdown(r.g.Procs.LogPath("driver-controller"))
+		if err != nil {
+			r.log.Error(err, "driver's hotplug breakdown")
+		}
+		rep.DriverBreakdown = bd
 	}
 	rep.Components = map[string]string{
 		"kubernetes (guest and host control planes, kubelet, scheduler)": "v1.35.4",
@@ -279,6 +287,13 @@ func (rep *Report) Summary() string {
 	pl("pod start:", rep.PodStartLatency)
 	if rep.Config.ExpandEvery > 0 {
 		pl("claim expansion:", rep.ExpandLatency)
+	}
+	if bd := rep.DriverBreakdown; bd != nil {
+		fmt.Fprintf(&b, "  the controller's time per volume change: held by its queue, then KubeVirt's work after the write\n")
+		pl("  attach held:", bd.AttachHeld)
+		pl("  attach KubeVirt:", bd.AttachHost)
+		pl("  detach held:", bd.DetachHeld)
+		pl("  detach KubeVirt:", bd.DetachHost)
 	}
 	kw := rep.KubeVirtWrites
 	fmt.Fprintf(&b, "  KubeVirt writes: %d (%.2f per volume operation; spec %d, status %d, VMI %d, addvolume %d, removevolume %d)\n",

@@ -15,6 +15,9 @@ type metrics struct {
 	writes     prometheus.Counter
 	results    *prometheus.CounterVec
 	completion *prometheus.HistogramVec
+	// held is the part of completion the queue held the change before its
+	// last write (gathering a batch, KubeVirt settling the previous one).
+	held       *prometheus.HistogramVec
 	superseded prometheus.Counter
 	// hostFailures counts failed attempts at the host, reads included: a host
 	// that cannot be reached fails the reads before any change is sent.
@@ -48,6 +51,11 @@ func newMetrics(q *Queue, backend string) *metrics {
 			Name: "harvester_csi_hotplug_intent_duration_seconds", Help: "Time from intent to observed completion.",
 			ConstLabels: constLabels, Buckets: prometheus.ExponentialBuckets(0.25, 2, 12),
 		}, []string{"op"}),
+		held: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:        "harvester_csi_hotplug_intent_held_seconds",
+			Help:        "Time from intent to the last write of its change, for intents completed (the rest of intent_duration is KubeVirt's work).",
+			ConstLabels: constLabels, Buckets: prometheus.ExponentialBuckets(0.25, 2, 12),
+		}, []string{"op"}),
 		applyDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "harvester_csi_hotplug_apply_duration_seconds", Help: "Time of one backend attempt (the VM patch, or the addvolume/removevolume calls).",
 			ConstLabels: constLabels, Buckets: prometheus.ExponentialBuckets(0.01, 2, 12),
@@ -74,7 +82,7 @@ func (m *metrics) register(reg Registerer) error {
 	for _, cause := range []string{causeRefused, causeUnavailable, causeOther} {
 		m.hostFailures.WithLabelValues(cause)
 	}
-	for _, c := range []prometheus.Collector{m, m.batchSize, m.writes, m.results, m.completion, m.superseded, m.applyDuration, m.hostFailures} {
+	for _, c := range []prometheus.Collector{m, m.batchSize, m.writes, m.results, m.completion, m.held, m.superseded, m.applyDuration, m.hostFailures} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}

@@ -152,8 +152,12 @@ type intent struct {
 	// exclusive attaches are refused while another VM holds the volume.
 	exclusive bool
 	created   time.Time
-	done      chan struct{} // closed when err is final
-	err       error
+	// written is when this process last wrote the intent's change to the
+	// host (zero: never). It splits an intent's time into the queue's hold
+	// and KubeVirt's own work.
+	written time.Time
+	done    chan struct{} // closed when err is final
+	err     error
 }
 
 const indexClaim = "claim"
@@ -528,7 +532,20 @@ func (q *Queue) finishLocked(w *vmWork, it *intent, err error) {
 	close(it.done)
 	if err == nil {
 		q.metrics.completion.WithLabelValues(it.op.String()).Observe(q.now().Sub(it.created).Seconds())
+		if !it.written.IsZero() {
+			q.metrics.held.WithLabelValues(it.op.String()).Observe(it.written.Sub(it.created).Seconds())
+		}
 	}
+}
+
+// split divides an intent's time until now into the part the queue held it
+// (until its last write) and the part the host took after that; an intent
+// never written was held all along.
+func (it *intent) split(now time.Time) (held, host time.Duration) {
+	if it.written.IsZero() {
+		return now.Sub(it.created), 0
+	}
+	return it.written.Sub(it.created), now.Sub(it.written)
 }
 
 // await waits for it to finish. A caller whose deadline comes first, or whose

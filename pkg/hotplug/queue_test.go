@@ -591,3 +591,54 @@ func TestResultCountersStartAtZero(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// TestHeldTimeIsTheWaitBeforeTheWrite: the held histogram carries the part
+// of an intent's time before its change was written (here the batch window),
+// never more than the whole, so an operator can tell the queue's hold from
+// KubeVirt's work.
+func TestHeldTimeIsTheWaitBeforeTheWrite(t *testing.T) {
+	cfg := fastConfig()
+	cfg.BatchWindow = 300 * time.Millisecond
+	q, reg := startQueue(t, newFakeKubeVirt(t, "vm1"), cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); err != nil {
+		t.Fatal(err)
+	}
+	held := histogramSum(t, reg, "harvester_csi_hotplug_intent_held_seconds")
+	total := histogramSum(t, reg, "harvester_csi_hotplug_intent_duration_seconds")
+	if held < cfg.BatchWindow.Seconds() || held > total {
+		t.Errorf("held %.3fs of %.3fs, want at least the batch window (%v) and at most the whole", held, total, cfg.BatchWindow)
+	}
+}
+
+func TestSplitOfAnIntentsTime(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	it := &intent{created: t0}
+	if held, host := it.split(t0.Add(5 * time.Second)); held != 5*time.Second || host != 0 {
+		t.Errorf("never written: held %v host %v, want 5s and 0", held, host)
+	}
+	it.written = t0.Add(2 * time.Second)
+	if held, host := it.split(t0.Add(5 * time.Second)); held != 2*time.Second || host != 3*time.Second {
+		t.Errorf("written after 2s: held %v host %v, want 2s and 3s", held, host)
+	}
+}
+
+func histogramSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		if f.GetName() == name {
+			sum := 0.0
+			for _, m := range f.GetMetric() {
+				sum += m.GetHistogram().GetSampleSum()
+			}
+			return sum
+		}
+	}
+	t.Fatalf("no metric %s", name)
+	return 0
+}

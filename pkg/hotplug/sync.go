@@ -71,7 +71,8 @@ func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vm
 	w.settlingSince, w.progress = p.settlingSince, p.progress
 	w.hold = p.hold
 	for _, r := range p.resolve {
-		logger.V(2).Info("intent done", "volume", r.it.volume, "op", r.it.op, "err", r.err, "after", now.Sub(r.it.created))
+		held, host := r.it.split(now)
+		logger.V(2).Info("intent done", "volume", r.it.volume, "op", r.it.op, "err", r.err, "after", now.Sub(r.it.created), "held", held, "host", host)
 		q.finishLocked(w, r.it, r.err)
 	}
 	for _, vol := range p.cleanup {
@@ -339,6 +340,9 @@ func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Chan
 		switch o.Result {
 		case Applied, AlreadyDone, InFlight:
 			w.expect[c.Volume] = expectation{op: c.Op, since: now}
+			if it != nil {
+				it.written = now
+			}
 			wrote = wrote || o.Result == Applied
 			if o.Result != Applied {
 				logger.V(2).Info("hotplug change already under way", "volume", c.Volume, "op", c.Op, "result", o.Result, "detail", errString(o.Err))
