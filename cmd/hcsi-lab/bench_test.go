@@ -60,13 +60,16 @@ type LabBenchResult struct {
 	AttachLatency       monitor.Percentiles `json:"attach_latency_seconds"`
 	DetachLatency       monitor.Percentiles `json:"detach_latency_seconds"`
 	PodStartLatency     monitor.Percentiles `json:"pod_start_latency_seconds"`
-	KubeVirtWrites      lab.KubeVirtWrites  `json:"kubevirt_writes"`
-	Conflicts           map[string]int      `json:"conflicts"`
-	ConflictsByRequest  map[string]int      `json:"conflicts_by_request,omitempty"`
-	AttacherErrors      map[string]int      `json:"attacher_errors,omitempty"`
-	Targets             []Target            `json:"targets"`
-	Elapsed             float64             `json:"elapsed_seconds"`
-	RunDir              string              `json:"run_dir"`
+	// DriverBreakdown splits the controller's time per change into its
+	// queue's hold and KubeVirt's work after the write.
+	DriverBreakdown    *lab.Breakdown     `json:"driver_breakdown,omitempty"`
+	KubeVirtWrites     lab.KubeVirtWrites `json:"kubevirt_writes"`
+	Conflicts          map[string]int     `json:"conflicts"`
+	ConflictsByRequest map[string]int     `json:"conflicts_by_request,omitempty"`
+	AttacherErrors     map[string]int     `json:"attacher_errors,omitempty"`
+	Targets            []Target           `json:"targets"`
+	Elapsed            float64            `json:"elapsed_seconds"`
+	RunDir             string             `json:"run_dir"`
 }
 
 // Target is one benchmark target and whether the run met it.
@@ -145,6 +148,7 @@ func runLabBench(b *testing.B, tools, driver, labBin, kv, commit string) *LabBen
 	res.Passed, res.Stuck, res.InvariantViolations = rep.Passed, rep.Stuck, len(rep.InvariantViolations)
 	res.Operations = rep.Operations
 	res.AttachLatency, res.DetachLatency, res.PodStartLatency = rep.AttachLatency, rep.DetachLatency, rep.PodStartLatency
+	res.DriverBreakdown = rep.DriverBreakdown
 	res.KubeVirtWrites, res.Conflicts, res.ConflictsByRequest, res.AttacherErrors = rep.KubeVirtWrites, rep.Conflicts, rep.ConflictsByRequest, rep.AttacherErrors
 	res.Elapsed, res.RunDir = rep.Elapsed, out
 	res.Targets = targets(rep)
