@@ -564,16 +564,34 @@ func TestPublishedFollowsTheInformers(t *testing.T) {
 
 func histogramCount(t *testing.T, reg *prometheus.Registry, name string) uint64 {
 	t.Helper()
+	n, _ := histogramTotals(t, reg, name)
+	return n
+}
+
+func histogramSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
+	t.Helper()
+	_, sum := histogramTotals(t, reg, name)
+	return sum
+}
+
+// histogramTotals adds up the sample counts and sums of every series of a
+// histogram; a histogram with no series yet is all zero.
+func histogramTotals(t *testing.T, reg *prometheus.Registry, name string) (count uint64, sum float64) {
+	t.Helper()
 	families, err := reg.Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, f := range families {
-		if f.GetName() == name && len(f.GetMetric()) == 1 {
-			return f.GetMetric()[0].GetHistogram().GetSampleCount()
+		if f.GetName() != name {
+			continue
+		}
+		for _, m := range f.GetMetric() {
+			count += m.GetHistogram().GetSampleCount()
+			sum += m.GetHistogram().GetSampleSum()
 		}
 	}
-	return 0
+	return count, sum
 }
 
 // TestResultCountersStartAtZero: every change result is exported before it
@@ -622,23 +640,4 @@ func TestSplitOfAnIntentsTime(t *testing.T) {
 	if held, host := it.split(t0.Add(5 * time.Second)); held != 2*time.Second || host != 3*time.Second {
 		t.Errorf("written after 2s: held %v host %v, want 2s and 3s", held, host)
 	}
-}
-
-func histogramSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() == name {
-			sum := 0.0
-			for _, m := range f.GetMetric() {
-				sum += m.GetHistogram().GetSampleSum()
-			}
-			return sum
-		}
-	}
-	t.Fatalf("no metric %s", name)
-	return 0
 }
