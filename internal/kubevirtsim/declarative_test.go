@@ -2,6 +2,7 @@ package kubevirtsim
 
 import (
 	"fmt"
+	"net/http"
 	"slices"
 	"strings"
 	"testing"
@@ -118,6 +119,10 @@ func TestDeclarativeWebhookDenial(t *testing.T) {
 	err := patchVMVolumes(ctx, t, s, c, ns, "vm1", []string{"pvc-denied"}, nil)
 	if !apierrors.IsInvalid(err) || err.Error() != `admission webhook "validator.harvesterhci.io" denied the request: the volume pvc-denied is already used by VM other/vm9` {
 		t.Errorf("denial: %v", err)
+	}
+	// The front counts the refusal as a webhook's denial, apart from races.
+	if k := (RequestKey{"patch", "kubevirt.io", resVMs, ""}); s.Stats().Denied[k][http.StatusUnprocessableEntity] != 1 {
+		t.Errorf("denials counted %v, want one 422 on %v", s.Stats().Denied, k)
 	}
 	s.Faults().AllowVolume("pvc-denied")
 	if err := patchVMVolumes(ctx, t, s, c, ns, "vm1", []string{"pvc-denied"}, nil); err != nil {

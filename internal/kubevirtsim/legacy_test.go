@@ -173,8 +173,8 @@ func TestLegacyParallelAdds(t *testing.T) {
 	if accepted == 0 || rejected == 0 {
 		t.Fatalf("want some accepted and some 422s, got %d accepted, %d rejected", accepted, rejected)
 	}
-	if st := s.Stats(); st.Unprocessable != rejected || st.AddVolume != n {
-		t.Errorf("stats %+v, want %d 422s", st, rejected)
+	if st := s.Stats(); st.Unprocessable != rejected || st.AddVolume != n || len(st.Denied) != 0 {
+		t.Errorf("stats %+v, want %d 422s and no webhook denial (these are races)", st, rejected)
 	}
 	// Retry like virtctl until each call is accepted or already in.
 	for i, a := range answers {

@@ -58,6 +58,10 @@ type Stats struct {
 	// Conflicts counts 409 answers and Unprocessable 422 answers, any request.
 	Conflicts     int
 	Unprocessable int
+	// Denied counts, per kind and status code, the answers in which an
+	// admission webhook refused the request (a policy's answer, not a race;
+	// they are in Answers, Conflicts and Unprocessable too).
+	Denied map[RequestKey]map[int]int
 }
 
 // proxy is the front proxy: the aggregation layer's view of virt-api's
@@ -75,6 +79,7 @@ type proxy struct {
 	mu      sync.Mutex
 	reqs    map[RequestKey]int
 	answers map[RequestKey]map[int]int
+	denied  map[RequestKey]map[int]int
 }
 
 func startProxy(c *cluster, virtAPI *virtAPI) (*proxy, error) {
@@ -108,6 +113,7 @@ func startProxy(c *cluster, virtAPI *virtAPI) (*proxy, error) {
 		api:     api,
 		reqs:    map[RequestKey]int{},
 		answers: map[RequestKey]map[int]int{},
+		denied:  map[RequestKey]map[int]int{},
 	}
 	p.rp = &httputil.ReverseProxy{
 		Rewrite: func(r *httputil.ProxyRequest) {
@@ -228,6 +234,19 @@ func verbFor(r *http.Request, name string, watchPrefix bool) string {
 type statusRecorder struct {
 	http.ResponseWriter
 	code int
+	// head keeps the start of an error answer's body, enough to tell an
+	// admission webhook's denial from other failures.
+	head []byte
+}
+
+// maxErrorHead is how much of an error answer's body statusRecorder keeps.
+const maxErrorHead = 1024
+
+// deniedByWebhook reports whether an answer is an admission webhook's
+// refusal: the API server words those "admission webhook "<name>" denied the
+// request", and virt-api passes the message on.
+func (w *statusRecorder) deniedByWebhook() bool {
+	return w.code >= 400 && bytes.Contains(w.head, []byte("admission webhook ")) && bytes.Contains(w.head, []byte("denied the request"))
 }
 
 func (w *statusRecorder) WriteHeader(code int) {
@@ -240,6 +259,9 @@ func (w *statusRecorder) WriteHeader(code int) {
 func (w *statusRecorder) Write(b []byte) (int, error) {
 	if w.code == 0 {
 		w.code = http.StatusOK
+	}
+	if w.code >= 400 && len(w.head) < maxErrorHead {
+		w.head = append(w.head, b[:min(len(b), maxErrorHead-len(w.head))]...)
 	}
 	return w.ResponseWriter.Write(b)
 }
@@ -270,6 +292,14 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			p.answers[info.key] = m
 		}
 		m[code]++
+		if rec.deniedByWebhook() {
+			d := p.denied[info.key]
+			if d == nil {
+				d = map[int]int{}
+				p.denied[info.key] = d
+			}
+			d[code]++
+		}
 		p.mu.Unlock()
 	}()
 
@@ -382,13 +412,16 @@ func writeStatus(w http.ResponseWriter, err *apierrors.StatusError) {
 // stats returns a snapshot of the counters (empty before Start).
 func (p *proxy) stats() Stats {
 	if p == nil {
-		return Stats{Requests: map[RequestKey]int{}, Answers: map[RequestKey]map[int]int{}}
+		return Stats{Requests: map[RequestKey]int{}, Answers: map[RequestKey]map[int]int{}, Denied: map[RequestKey]map[int]int{}}
 	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	st := Stats{Requests: maps.Clone(p.reqs), Answers: map[RequestKey]map[int]int{}}
+	st := Stats{Requests: maps.Clone(p.reqs), Answers: map[RequestKey]map[int]int{}, Denied: map[RequestKey]map[int]int{}}
 	for k, m := range p.answers {
 		st.Answers[k] = maps.Clone(m)
+	}
+	for k, m := range p.denied {
+		st.Denied[k] = maps.Clone(m)
 	}
 	for k, n := range p.reqs {
 		write := k.Verb == "patch" || k.Verb == "update"
@@ -420,5 +453,6 @@ func (p *proxy) reset() {
 	p.mu.Lock()
 	p.reqs = map[RequestKey]int{}
 	p.answers = map[RequestKey]map[int]int{}
+	p.denied = map[RequestKey]map[int]int{}
 	p.mu.Unlock()
 }

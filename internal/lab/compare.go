@@ -40,6 +40,15 @@ func Compare(a, b *Report) string {
 	row("KubeVirt writes per volume op", fmt.Sprintf("%.2f", a.KubeVirtWrites.PerVolumeOp), fmt.Sprintf("%.2f", b.KubeVirtWrites.PerVolumeOp))
 	row("409 conflicts", d(a.Conflicts["409"]), d(b.Conflicts["409"]))
 	row("422 unprocessable", d(a.Conflicts["422"]), d(b.Conflicts["422"]))
+	if len(a.WebhookDenials)+len(b.WebhookDenials) > 0 {
+		total := func(m map[string]int) (n int) {
+			for _, v := range m {
+				n += v
+			}
+			return n
+		}
+		row("refused by a webhook (not conflicts)", d(total(a.WebhookDenials)), d(total(b.WebhookDenials)))
+	}
 	msgs := map[string]bool{}
 	for m := range a.AttacherErrors {
 		msgs[m] = true

@@ -15,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/agent"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/monitor"
@@ -42,16 +43,20 @@ type Report struct {
 	// patch kubevirt.io/virtualmachines"): in the lab only the driver's
 	// processes write through KubeVirt's front (the simulator's own
 	// controllers bypass it), so these are the driver's.
-	ConflictsByRequest map[string]int    `json:"conflicts_by_request,omitempty"`
-	AttacherErrors     map[string]int    `json:"attacher_errors"`
-	Driver             Driver            `json:"driver"`
-	DataChecks         DataChecks        `json:"data_checks"`
-	NodeCalls          NodeCalls         `json:"node_calls"`
-	Config             Config            `json:"config"`
-	Components         map[string]string `json:"components"`
-	Started            time.Time         `json:"started"`
-	Elapsed            float64           `json:"elapsed_seconds"`
-	RunDir             string            `json:"run_dir"`
+	ConflictsByRequest map[string]int `json:"conflicts_by_request,omitempty"`
+	// WebhookDenials counts, by request, the answers in which an admission
+	// webhook refused a write (the --deny-hotplug fault's webhook, or a
+	// policy): not conflicts, and not in Conflicts.
+	WebhookDenials map[string]int    `json:"webhook_denials,omitempty"`
+	AttacherErrors map[string]int    `json:"attacher_errors"`
+	Driver         Driver            `json:"driver"`
+	DataChecks     DataChecks        `json:"data_checks"`
+	NodeCalls      NodeCalls         `json:"node_calls"`
+	Config         Config            `json:"config"`
+	Components     map[string]string `json:"components"`
+	Started        time.Time         `json:"started"`
+	Elapsed        float64           `json:"elapsed_seconds"`
+	RunDir         string            `json:"run_dir"`
 	// Samples for latency.svg.
 	AttachSamples []monitor.Sample `json:"attach_samples,omitempty"`
 	DetachSamples []monitor.Sample `json:"detach_samples,omitempty"`
@@ -102,21 +107,38 @@ type NodeCalls struct {
 }
 
 // conflictsByRequest counts the 409 and 422 answers of the front proxy by
-// request.
-func (r *run) conflictsByRequest() map[string]int {
-	out := map[string]int{}
-	for k, codes := range r.h.Sim.Stats().Answers {
-		for _, code := range []int{http.StatusConflict, http.StatusUnprocessableEntity} {
-			if n := codes[code]; n > 0 {
-				res := k.Group + "/" + k.Resource
-				if k.Subresource != "" {
-					res += "/" + k.Subresource
-				}
-				out[fmt.Sprintf("%d %s %s", code, k.Verb, res)] += n
+// request, and apart from them the answers in which an admission webhook
+// refused the request: those are a policy's word (the --deny-hotplug fault),
+// not a race.
+func (r *run) conflictsByRequest() (conflicts, denials map[string]int) {
+	st := r.h.Sim.Stats()
+	return answersByRequest(st.Answers, st.Denied)
+}
+
+func answersByRequest(answers, denied map[kubevirtsim.RequestKey]map[int]int) (conflicts, denials map[string]int) {
+	conflicts, denials = map[string]int{}, map[string]int{}
+	name := func(k kubevirtsim.RequestKey, code int) string {
+		res := k.Group + "/" + k.Resource
+		if k.Subresource != "" {
+			res += "/" + k.Subresource
+		}
+		return fmt.Sprintf("%d %s %s", code, k.Verb, res)
+	}
+	for k, codes := range denied {
+		for code, n := range codes {
+			if n > 0 {
+				denials[name(k, code)] += n
 			}
 		}
 	}
-	return out
+	for k, codes := range answers {
+		for _, code := range []int{http.StatusConflict, http.StatusUnprocessableEntity} {
+			if n := codes[code] - denied[k][code]; n > 0 {
+				conflicts[name(k, code)] += n
+			}
+		}
+	}
+	return conflicts, denials
 }
 
 func (r *run) figures() (monitor.Snapshot, KubeVirtWrites, map[string]int) {
@@ -128,6 +150,10 @@ func (r *run) figures() (monitor.Snapshot, KubeVirtWrites, map[string]int) {
 		kw.PerVolumeOp = float64(kw.Total) / float64(ops)
 	}
 	conflicts := map[string]int{"409": st.Conflicts, "422": st.Unprocessable}
+	for _, codes := range st.Denied {
+		conflicts["409"] -= codes[http.StatusConflict]
+		conflicts["422"] -= codes[http.StatusUnprocessableEntity]
+	}
 	return s, kw, conflicts
 }
 
@@ -192,7 +218,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		rep.Operations = Operations{Attaches: s.Attaches, Detaches: s.Detaches, JobsRun: s.JobsSucceeded + s.JobsFailed, JobsFailed: s.JobsFailed}
 		rep.AttachLatency, rep.DetachLatency, rep.PodStartLatency = monitor.Summarize(s.Attach), monitor.Summarize(s.Detach), monitor.Summarize(s.PodStart)
 		rep.KubeVirtWrites, rep.Conflicts, rep.AttacherErrors = kw, conf, s.AttacherErrors
-		rep.ConflictsByRequest = r.conflictsByRequest()
+		rep.ConflictsByRequest, rep.WebhookDenials = r.conflictsByRequest()
 		rep.AttachSamples, rep.DetachSamples = s.Attach, s.Detach
 	}
 	if r.wl != nil {
@@ -301,6 +327,12 @@ func (rep *Report) Summary() string {
 	fmt.Fprintf(&b, "  conflicts: 409 x%d, 422 x%d\n", rep.Conflicts["409"], rep.Conflicts["422"])
 	for _, k := range slices.Sorted(maps.Keys(rep.ConflictsByRequest)) {
 		fmt.Fprintf(&b, "    %4dx %s\n", rep.ConflictsByRequest[k], k)
+	}
+	if len(rep.WebhookDenials) > 0 {
+		fmt.Fprintf(&b, "  refused by an admission webhook (a policy's answer, e.g. --deny-hotplug; not conflicts):\n")
+		for _, k := range slices.Sorted(maps.Keys(rep.WebhookDenials)) {
+			fmt.Fprintf(&b, "    %4dx %s\n", rep.WebhookDenials[k], k)
+		}
 	}
 	fmt.Fprintf(&b, "  data checks: %d passed, %d failed; node calls %d (%d failed, %d NodeUnstage skipped by the fault)\n",
 		rep.DataChecks.Passed, rep.DataChecks.Failed, rep.NodeCalls.Total, rep.NodeCalls.Failed, rep.NodeCalls.UnstageSkipped)
