@@ -124,6 +124,9 @@ func TestDeclarativeWebhookDenial(t *testing.T) {
 	if k := (RequestKey{"patch", "kubevirt.io", resVMs, ""}); s.Stats().Denied[k][http.StatusUnprocessableEntity] != 1 {
 		t.Errorf("denials counted %v, want one 422 on %v", s.Stats().Denied, k)
 	}
+	if c409, c422 := s.Stats().Contended(); c409 != 0 || c422 != 0 {
+		t.Errorf("the denial counted as a race: %d 409s, %d 422s contended", c409, c422)
+	}
 	s.Faults().AllowVolume("pvc-denied")
 	if err := patchVMVolumes(ctx, t, s, c, ns, "vm1", []string{"pvc-denied"}, nil); err != nil {
 		t.Fatal(err)

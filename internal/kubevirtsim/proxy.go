@@ -64,6 +64,18 @@ type Stats struct {
 	Denied map[RequestKey]map[int]int
 }
 
+// Contended returns the 409 and 422 answers that were not an admission
+// webhook's refusal: the compare-and-swap and version races, which are what a
+// writer's conflicts are. A policy's "no" is in Denied instead.
+func (st Stats) Contended() (conflicts, unprocessable int) {
+	conflicts, unprocessable = st.Conflicts, st.Unprocessable
+	for _, codes := range st.Denied {
+		conflicts -= codes[http.StatusConflict]
+		unprocessable -= codes[http.StatusUnprocessableEntity]
+	}
+	return conflicts, unprocessable
+}
+
 // proxy is the front proxy: the aggregation layer's view of virt-api's
 // subresources in front of the real API server, counting what clients send.
 type proxy struct {

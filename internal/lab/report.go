@@ -149,12 +149,8 @@ func (r *run) figures() (monitor.Snapshot, KubeVirtWrites, map[string]int) {
 	if ops := s.Attaches + s.Detaches; ops > 0 {
 		kw.PerVolumeOp = float64(kw.Total) / float64(ops)
 	}
-	conflicts := map[string]int{"409": st.Conflicts, "422": st.Unprocessable}
-	for _, codes := range st.Denied {
-		conflicts["409"] -= codes[http.StatusConflict]
-		conflicts["422"] -= codes[http.StatusUnprocessableEntity]
-	}
-	return s, kw, conflicts
+	c409, c422 := st.Contended()
+	return s, kw, map[string]int{"409": c409, "422": c422}
 }
 
 func (r *run) stuckCount() int {

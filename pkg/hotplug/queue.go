@@ -531,9 +531,11 @@ func (q *Queue) finishLocked(w *vmWork, it *intent, err error) {
 	it.err = err
 	close(it.done)
 	if err == nil {
-		q.metrics.completion.WithLabelValues(it.op.String()).Observe(q.now().Sub(it.created).Seconds())
+		now := q.now()
+		q.metrics.completion.WithLabelValues(it.op.String()).Observe(now.Sub(it.created).Seconds())
 		if !it.written.IsZero() {
-			q.metrics.held.WithLabelValues(it.op.String()).Observe(it.written.Sub(it.created).Seconds())
+			held, _ := it.split(now)
+			q.metrics.held.WithLabelValues(it.op.String()).Observe(held.Seconds())
 		}
 	}
 }

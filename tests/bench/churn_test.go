@@ -98,7 +98,8 @@ func (s simHost) Counts() (int, int, map[string]int) {
 			reqs["conflict "+k.Verb+" "+k.Resource+"/"+k.Subresource] += n
 		}
 	}
-	return st.VMSpecWrites + st.VMStatusWrites + st.VMIWrites + st.AddVolume + st.RemoveVolume, st.Conflicts + st.Unprocessable, reqs
+	c409, c422 := st.Contended()
+	return st.VMSpecWrites + st.VMStatusWrites + st.VMIWrites + st.AddVolume + st.RemoveVolume, c409 + c422, reqs
 }
 
 // BenchmarkChurn runs the wave workload on every flavor with each worker

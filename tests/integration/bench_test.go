@@ -69,7 +69,8 @@ func BenchmarkPublishBurst(b *testing.B) {
 						simTime += time.Duration(float64(time.Since(start)) / benchScale)
 						st := h.Sim.Stats()
 						writes += st.VMSpecWrites + st.VMStatusWrites + st.AddVolume + st.RemoveVolume
-						conflicts += st.Conflicts + st.Unprocessable
+						c409, c422 := st.Contended()
+						conflicts += c409 + c422
 					}
 					b.ReportMetric(float64(writes)/float64(b.N), "kubevirt-writes/op")
 					b.ReportMetric(float64(conflicts)/float64(b.N), "conflicts/op")
