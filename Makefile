@@ -48,8 +48,12 @@ build: ## Build bin/harvester-csi-driver (static).
 tools: ## Build (once, cached) the upstream binaries the tests run.
 	@bash hack/tools.sh >/dev/null
 
+.PHONY: os-deps
+os-deps: ## Install (as root) the OS tools the tests and the lab need: mkfs/fsck/mount/losetup (hack/os-deps.sh).
+	@bash hack/os-deps.sh
+
 .PHONY: test
-test: tools test-chart ## Run every test (builds its own kube-apiserver, etcd, attacher on first use).
+test: os-deps tools test-chart ## Run every test (builds its own kube-apiserver, etcd, attacher on first use).
 	HCSI_TOOLS_BIN=$$(bash hack/tools.sh) $(GO) test $(TEST_FLAGS) ./...
 
 .PHONY: test-chart
@@ -109,6 +113,6 @@ lint: ## gofmt, go vet, and a tidy go.mod (the main module stays lean).
 LAB_FLAGS ?=
 
 .PHONY: lab
-lab: build tools ## Run the local Harvester-in-a-box lab (as root; LAB_FLAGS="--quick", see docs/lab.md).
+lab: os-deps build tools ## Run the local Harvester-in-a-box lab (as root; LAB_FLAGS="--quick", see docs/lab.md).
 	CGO_ENABLED=0 $(GO) build -trimpath -o bin/hcsi-lab ./cmd/hcsi-lab
 	HCSI_TOOLS_BIN=$$(bash hack/tools.sh) ./bin/hcsi-lab $(LAB_FLAGS)

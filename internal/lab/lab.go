@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -182,12 +183,17 @@ type run struct {
 	seen       map[string]bool
 	taps       tapCounts
 	expansions []monitor.Sample
-	inflight   []InFlight
-	phase      string
+	// unstarted are the pods that never ran, taken when the run ends.
+	unstarted []string
+	inflight  []InFlight
+	phase     string
 }
 
 type tapCounts struct {
 	calls, skipped, failed int
+	// missingTool counts failures of a command this machine lacks.
+	missingTool    int
+	missingToolErr string
 }
 
 func (r *run) violate(vs ...invariants.Violation) {
@@ -227,6 +233,9 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	}
 	simOpts, err := c.simOptions()
 	if err != nil {
+		return nil, err
+	}
+	if err := preflight(c.neededTools(c.databasesUseXFS()), lookPath); err != nil {
 		return nil, err
 	}
 	r.results = filepath.Join(c.Out, "results")
@@ -311,6 +320,10 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	if ctx.Err() != nil {
 		return r.report(ctx, "interrupted")
 	}
+	unstarted := r.mon.NeverStarted(time.Now().Add(-c.startGrace()))
+	r.mu.Lock()
+	r.unstarted = unstarted
+	r.mu.Unlock()
 
 	r.setPhase("quiesce")
 	qctx, cancelQ := context.WithTimeout(context.WithoutCancel(ctx), max(5*time.Minute, 2*c.StuckBound))
@@ -335,7 +348,7 @@ const capSysResource = 24
 // mounted, so the databases get a copy of the chart's class whose
 // filesystem is XFS, which grows with CAP_SYS_ADMIN.
 func (r *run) dbStorageClass(ctx context.Context, chartClass *storagev1.StorageClass) (string, error) {
-	if r.c.ExpandEvery == 0 || hasCapability(capSysResource) {
+	if !r.c.databasesUseXFS() {
 		return chartClass.Name, nil
 	}
 	sc := chartClass.DeepCopy()
@@ -352,6 +365,19 @@ func (r *run) dbStorageClass(ctx context.Context, chartClass *storagev1.StorageC
 	r.c.DBFSType = "xfs"
 	r.log.Info("this machine drops CAP_SYS_RESOURCE, so a mounted ext4 cannot grow: the databases' claims use XFS", "storageClass", sc.Name)
 	return sc.Name, nil
+}
+
+// startGrace is how long a pod may take to start before a run that ends
+// without it having run counts it as never started: the stuck bound, but
+// at most half the run, so a short run still judges its first pods.
+func (c *Config) startGrace() time.Duration {
+	return min(c.StuckBound, time.Duration(c.Minutes*float64(time.Minute))/2)
+}
+
+// databasesUseXFS says whether the databases' claims are expanded on a
+// machine where a mounted ext4 cannot grow.
+func (c *Config) databasesUseXFS() bool {
+	return c.ExpandEvery > 0 && !hasCapability(capSysResource)
 }
 
 // hasCapability reports whether capability bit c is in this process's
@@ -419,6 +445,12 @@ func (r *run) nodeCall(c nodetap.Call) {
 	}
 	if c.Err != nil {
 		r.taps.failed++
+		if msg := c.Err.Error(); strings.Contains(msg, exec.ErrNotFound.Error()) {
+			r.taps.missingTool++
+			if r.taps.missingToolErr == "" {
+				r.taps.missingToolErr = msg
+			}
+		}
 	}
 }
 

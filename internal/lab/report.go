@@ -27,10 +27,15 @@ type Report struct {
 	Outcome             string                 `json:"outcome"`
 	Stuck               int                    `json:"stuck"`
 	InvariantViolations []invariants.Violation `json:"invariant_violations"`
-	Operations          Operations             `json:"operations"`
-	AttachLatency       monitor.Percentiles    `json:"attach_latency_seconds"`
-	DetachLatency       monitor.Percentiles    `json:"detach_latency_seconds"`
-	PodStartLatency     monitor.Percentiles    `json:"pod_start_latency_seconds"`
+	// WorkloadFailures name the parts of the scenario that did not happen
+	// (pods that never started, a part that did nothing, node calls that
+	// failed for a tool this machine lacks): such a run says nothing about
+	// the driver, so it does not pass.
+	WorkloadFailures []string            `json:"workload_failures,omitempty"`
+	Operations       Operations          `json:"operations"`
+	AttachLatency    monitor.Percentiles `json:"attach_latency_seconds"`
+	DetachLatency    monitor.Percentiles `json:"detach_latency_seconds"`
+	PodStartLatency  monitor.Percentiles `json:"pod_start_latency_seconds"`
 	// ExpandLatency: claim expansion asked to the claim at its new size
 	// with no resize pending (--expand-every).
 	ExpandLatency monitor.Percentiles `json:"expand_latency_seconds"`
@@ -104,6 +109,49 @@ type NodeCalls struct {
 	Total          int `json:"total"`
 	Failed         int `json:"failed"`
 	UnstageSkipped int `json:"unstage_skipped"`
+	// MissingTool counts the failed calls that ran a command this machine
+	// does not have, and MissingToolError is the first such answer.
+	MissingTool      int    `json:"missing_tool,omitempty"`
+	MissingToolError string `json:"missing_tool_error,omitempty"`
+}
+
+// workloadFailures says which parts of the scenario did not happen.
+// unstarted are the pods that never ran although they were created well
+// before the run ended.
+func workloadFailures(c Config, rep *Report, unstarted []string) []string {
+	var out []string
+	o := rep.Operations
+	add := func(format string, args ...any) { out = append(out, fmt.Sprintf(format, args...)) }
+	if len(unstarted) > 0 {
+		shown := unstarted
+		if len(shown) > 5 {
+			shown = shown[:5]
+		}
+		add("%d pods never started within the run: %s", len(unstarted), strings.Join(shown, ", "))
+	}
+	if n := rep.NodeCalls.MissingTool; n > 0 {
+		add("%d node calls failed for a tool this machine lacks (`make os-deps` as root installs them): %s", n, rep.NodeCalls.MissingToolError)
+	}
+	if o.JobsRun == 0 {
+		add("no Job ran")
+	}
+	if o.Attaches == 0 || o.Detaches == 0 {
+		add("the workload made %d attaches and %d detaches: every scenario makes both", o.Attaches, o.Detaches)
+	}
+	if rep.DataChecks.Passed == 0 {
+		add("no data check passed: no workload pod wrote and read back its volume")
+	}
+	if c.MoveInterval > 0 && o.DatabaseMoves == 0 {
+		add("no database was moved (one every %s was asked)", c.MoveInterval)
+	}
+	if c.ExpandEvery > 0 && o.Expansions == 0 {
+		add("no claim expansion finished (one every %s was asked)", c.ExpandEvery)
+	}
+	runFor := time.Duration(c.Minutes * float64(time.Minute))
+	if c.ControllerKillEvery > 0 && runFor > c.ControllerKillEvery && rep.Driver.Restarts == 0 {
+		add("the controller-kill fault never struck (every %s in a %s run)", c.ControllerKillEvery, runFor)
+	}
+	return out
 }
 
 // conflictsByRequest counts the 409 and 422 answers of the front proxy by
@@ -231,7 +279,9 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 	}
 	r.mu.Lock()
 	rep.InvariantViolations = append([]invariants.Violation{}, r.violations...)
-	rep.NodeCalls = NodeCalls{Total: r.taps.calls, Failed: r.taps.failed, UnstageSkipped: r.taps.skipped}
+	rep.NodeCalls = NodeCalls{Total: r.taps.calls, Failed: r.taps.failed, UnstageSkipped: r.taps.skipped,
+		MissingTool: r.taps.missingTool, MissingToolError: r.taps.missingToolErr}
+	unstarted := r.unstarted
 	rep.InFlight = append([]InFlight(nil), r.inflight...)
 	rep.Operations.Expansions = len(r.expansions)
 	rep.ExpandLatency = monitor.Summarize(r.expansions)
@@ -259,7 +309,10 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		"csi-resizer":     "external-resizer v1.14.0",
 		"kubevirt":        "simulated (" + r.c.KubeVirt + ")",
 	}
-	rep.Passed = outcome == "done" && len(rep.InvariantViolations) == 0 && rep.Stuck == 0
+	if outcome == "done" {
+		rep.WorkloadFailures = workloadFailures(r.c, rep, unstarted)
+	}
+	rep.Passed = outcome == "done" && len(rep.InvariantViolations) == 0 && rep.Stuck == 0 && len(rep.WorkloadFailures) == 0
 	data, err := json.MarshalIndent(rep, "", "  ")
 	if err != nil {
 		return rep, err
@@ -349,6 +402,12 @@ func (rep *Report) Summary() string {
 				break
 			}
 			fmt.Fprintf(&b, "    %4dx %s\n", e.v, e.k)
+		}
+	}
+	if len(rep.WorkloadFailures) > 0 {
+		fmt.Fprintf(&b, "  the workload did not run as the scenario asks:\n")
+		for _, f := range rep.WorkloadFailures {
+			fmt.Fprintf(&b, "    - %s\n", f)
 		}
 	}
 	fmt.Fprintf(&b, "  stuck: %d; invariant violations: %d\n", rep.Stuck, len(rep.InvariantViolations))

@@ -112,7 +112,7 @@ func RequireRealDevices(t testing.TB, tools ...string) {
 	}
 	for _, tool := range append([]string{"losetup", "mkfs.ext4", "blkid", "mount"}, tools...) {
 		if _, err := exec.LookPath(tool); err != nil {
-			t.Skipf("needs %s (install util-linux/e2fsprogs/xfsprogs; .ci/run does): %v", tool, err)
+			t.Skipf("needs %s (`make os-deps` as root installs util-linux, mount, e2fsprogs and xfsprogs): %v", tool, err)
 		}
 	}
 }

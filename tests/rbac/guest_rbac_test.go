@@ -7,12 +7,14 @@ package rbac
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
+	authorizationv1 "k8s.io/api/authorization/v1"
 	corev1 "k8s.io/api/core/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -24,6 +26,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
@@ -82,9 +85,32 @@ func asUser(t *testing.T, ctx context.Context, admin *rest.Config, user string, 
 	if _, err := kube.RbacV1().ClusterRoleBindings().Create(ctx, binding, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	waitAuthorized(t, ctx, kube, user, rules)
 	cfg := rest.CopyConfig(admin)
 	cfg.Impersonate = rest.ImpersonationConfig{UserName: user}
 	return kubernetes.NewForConfigOrDie(cfg)
+}
+
+// waitAuthorized waits until the API server's authorizer grants user each
+// rule: it learns of new bindings through its own informers, so a call made
+// right after the binding was written may still be refused, and a test that
+// then finds the call's effect missing would blame the rules.
+func waitAuthorized(t *testing.T, ctx context.Context, kube kubernetes.Interface, user string, rules []rbacv1.PolicyRule) {
+	t.Helper()
+	for _, r := range rules {
+		if len(r.Verbs) == 0 || len(r.Resources) == 0 || len(r.APIGroups) == 0 {
+			continue
+		}
+		attrs := &authorizationv1.ResourceAttributes{Verb: r.Verbs[0], Group: r.APIGroups[0], Resource: r.Resources[0]}
+		testwait.Until(ctx, t, fmt.Sprintf("the authorizer to grant %s %s", user, attrs), func() (bool, string) {
+			sar := &authorizationv1.SubjectAccessReview{Spec: authorizationv1.SubjectAccessReviewSpec{User: user, ResourceAttributes: attrs}}
+			got, err := kube.AuthorizationV1().SubjectAccessReviews().Create(ctx, sar, metav1.CreateOptions{})
+			if err != nil {
+				return false, err.Error()
+			}
+			return got.Status.Allowed, got.Status.Reason
+		})
+	}
 }
 
 func TestNodePluginGuestCallsFitTheListedPermissions(t *testing.T) {
@@ -119,23 +145,20 @@ func TestNodePluginGuestCallsFitTheListedPermissions(t *testing.T) {
 	events.Event(ctx, "pvc-without-pv", corev1.EventTypeWarning, "StaleStagingMount", "swept for the test")
 
 	want := map[string]bool{"PersistentVolume/pvc-with-pv": false, "Node/guest-node-1": false}
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
+	wctx, wcancel := context.WithTimeout(ctx, 30*time.Second)
+	defer wcancel()
+	testwait.Until(wctx, t, "events recorded with only the listed permissions (a missing one means the driver needs a permission the list and chart lack)", func() (bool, string) {
 		list, err := admin.CoreV1().Events("").List(ctx, metav1.ListOptions{})
 		if err != nil {
-			t.Fatal(err)
+			return false, err.Error()
 		}
 		for _, e := range list.Items {
 			if e.Reason == "StaleStagingMount" {
 				want[e.InvolvedObject.Kind+"/"+e.InvolvedObject.Name] = true
 			}
 		}
-		if want["PersistentVolume/pvc-with-pv"] && want["Node/guest-node-1"] {
-			return
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-	t.Fatalf("events recorded with only the listed permissions: %v (a missing one means the driver needs a permission the list and chart lack)", want)
+		return want["PersistentVolume/pvc-with-pv"] && want["Node/guest-node-1"], fmt.Sprint(want)
+	})
 }
 
 func resourceQuantity(s string) *resource.Quantity {

@@ -12,6 +12,7 @@ import (
 	"regexp"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -280,6 +281,25 @@ func (m *Monitor) Pending() []invariants.Pending {
 		out = append(out, invariants.Pending{What: "pod", Name: key, Volume: fmt.Sprint(info.volumes), Node: info.node, Since: sched})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Since.Before(out[j].Since) })
+	return out
+}
+
+// NeverStarted lists the pods with claims that were created before cutoff
+// and have not run (nor ended) since: pods the workload wanted that never
+// got their volumes.
+func (m *Monitor) NeverStarted(cutoff time.Time) []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	var out []string
+	for key, created := range m.podCreated {
+		if m.podRunning[key] || !created.Before(cutoff) || len(m.podInfo[key].volumes) == 0 {
+			continue
+		}
+		ns, rest, _ := strings.Cut(key, "/")
+		name, _, _ := strings.Cut(rest, "/")
+		out = append(out, ns+"/"+name)
+	}
+	sort.Strings(out)
 	return out
 }
 
