@@ -12,6 +12,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -46,6 +47,22 @@ func main() {
 	os.Exit(labMain(os.Args[1:]))
 }
 
+// usage says what the lab is before its flags.
+const usage = `hcsi-lab: the harvester-csi-driver lab, a Harvester in a box on this machine.
+
+It starts a simulated Harvester host (a real kube-apiserver with a KubeVirt simulator whose hot-plugged
+disks are real loop devices) and a real guest cluster (kube-apiserver, controller-manager, scheduler,
+one real kubelet per guest node, the CSI sidecars and this driver as separate processes), then runs the
+workload that deadlocked the upstream driver in the field (Harvester issue 9761: databases and backup
+CronJobs in many namespaces), with optional faults. It checks the invariants (one RWO volume in one VM,
+nothing stuck, every byte written read back) all the time and at the end, and writes report.json,
+summary.txt, latency.svg and every component's log into the run directory. Exit status: 0 passed,
+1 failed, 2 could not run. Needs root (loop devices, mounts, mkfs). docs/lab.md has the details.
+
+Usage: hcsi-lab [flags]    (make lab LAB_FLAGS="...")
+
+`
+
 type flags struct {
 	cfg                  lab.Config
 	quick                bool
@@ -56,10 +73,15 @@ type flags struct {
 	repo                 string
 }
 
-func parse(args []string) (*flags, error) {
+func parse(args []string, out io.Writer) (*flags, error) {
 	f := &flags{set: map[string]bool{}}
 	c := &f.cfg
 	fs := flag.NewFlagSet("hcsi-lab", flag.ContinueOnError)
+	fs.SetOutput(out)
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), usage)
+		fs.PrintDefaults()
+	}
 	fs.BoolVar(&f.quick, "quick", false, "the CI preset: 2 nodes, 6 namespaces, lab-made Jobs every few seconds, time scale 0.1, faults on")
 	fs.Float64Var(&c.Minutes, "minutes", 8, "how long the workload runs (schedule minutes) before quiescing")
 	fs.IntVar(&c.Namespaces, "namespaces", 40, "workload namespaces (a database StatefulSet and a backup CronJob each)")
@@ -163,7 +185,7 @@ func parse(args []string) (*flags, error) {
 }
 
 func labMain(args []string) int {
-	f, err := parse(args)
+	f, err := parse(args, os.Stderr)
 	if errors.Is(err, flag.ErrHelp) {
 		return 0
 	}
@@ -306,6 +328,11 @@ func compare(ctx context.Context, f *flags) int {
 		return 2
 	}
 	fmt.Print(lab.Compare(reps[0], reps[1]))
+	if err := lab.WriteCompareSVG(filepath.Join(base, "compare.svg"), reps[0], reps[1]); err != nil {
+		fmt.Fprintln(os.Stderr, "hcsi-lab: compare.svg:", err)
+	} else {
+		fmt.Printf("both runs in one figure: %s\n", filepath.Join(base, "compare.svg"))
+	}
 	if !reps[0].Passed {
 		return 1
 	}

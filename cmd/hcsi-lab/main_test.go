@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"flag"
 	"fmt"
 	"os"
 	"os/exec"
@@ -235,4 +237,28 @@ func TestLabCompare(t *testing.T) {
 	check("stuck", fmt.Sprint(ours.Stuck), fmt.Sprint(theirs.Stuck))
 	check("attach (VA created -> attached) p50", fmt.Sprintf("%.1fs", ours.AttachLatency.P50), fmt.Sprintf("%.1fs", theirs.AttachLatency.P50))
 	check("KubeVirt writes per volume op", fmt.Sprintf("%.2f", ours.KubeVirtWrites.PerVolumeOp), fmt.Sprintf("%.2f", theirs.KubeVirtWrites.PerVolumeOp))
+}
+
+// --help says what the lab is before listing its flags, and every line of
+// that text fits a terminal.
+func TestHelpSaysWhatTheLabIs(t *testing.T) {
+	var out strings.Builder
+	if _, err := parse([]string{"--help"}, &out); !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("--help: %v", err)
+	}
+	text := out.String()
+	intro, flags, ok := strings.Cut(text, "Usage: hcsi-lab")
+	if !ok || !strings.Contains(intro, "simulated Harvester host") || !strings.Contains(intro, "Exit status") {
+		t.Errorf("--help does not begin by saying what the lab is:\n%s", text)
+	}
+	for _, l := range strings.Split(intro, "\n") {
+		if len(l) > 110 {
+			t.Errorf("help line of %d columns: %q", len(l), l)
+		}
+	}
+	for _, name := range []string{"-quick", "-compare", "-kubevirt", "-kill-controller-every"} {
+		if !strings.Contains(flags, name) {
+			t.Errorf("--help lacks %s", name)
+		}
+	}
 }

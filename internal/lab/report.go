@@ -244,14 +244,31 @@ func (r *run) progressLoop(ctx context.Context) {
 }
 
 func (r *run) progressLine() string {
-	s, kw, conf := r.figures()
-	a := monitor.Summarize(s.Attach)
+	s := r.mon.Snapshot()
 	r.mu.Lock()
 	phase, nviol := r.phase, len(r.violations)
 	r.mu.Unlock()
-	return fmt.Sprintf("[%s %s] jobs %d  attaches %d  detaches %d  in flight %d  stuck %d  violations %d  attach p50 %.1fs p99 %.1fs  kubevirt writes %d  conflicts 409:%d 422:%d",
-		time.Since(r.start).Round(time.Second), phase, s.JobsSucceeded, s.Attaches, s.Detaches, s.Attaching+s.Detaching,
-		r.stuckCount(), nviol, a.P50, a.P99, kw.Total, conf["409"], conf["422"])
+	return progress{
+		elapsed: time.Since(r.start), phase: phase, jobs: s.JobsSucceeded, attaches: s.Attaches, detaches: s.Detaches,
+		inFlight: s.Attaching + s.Detaching, stuck: r.stuckCount(), violations: nviol, attach: monitor.Summarize(s.Attach),
+	}.String()
+}
+
+// progress is what the live progress line shows.
+type progress struct {
+	elapsed                               time.Duration
+	phase                                 string
+	jobs, attaches, detaches, inFlight    int
+	stuck, violations, writes, c409, c422 int
+	attach                                monitor.Percentiles
+}
+
+// String fits a terminal of 100 columns for runs of up to an hour with
+// four-digit counts; KubeVirt writes and conflicts are in the summary.
+func (p progress) String() string {
+	return fmt.Sprintf("[%s %s] jobs %d att/det %d/%d flight %d stuck %d viol %d attach p50/p99 %.1f/%.1fs",
+		p.elapsed.Round(time.Second), p.phase, p.jobs, p.attaches, p.detaches, p.inFlight, p.stuck, p.violations,
+		p.attach.P50, p.attach.P99)
 }
 
 // report writes report.json and summary.txt and returns the report.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/monitor"
 )
 
 // TestWebhookDenialsAreNotConflicts: answers in which an admission webhook
@@ -90,5 +91,14 @@ func TestPreflightNamesMissingTools(t *testing.T) {
 	err := preflight(c.neededTools(true), base)
 	if err == nil || !strings.Contains(err.Error(), "mkfs.xfs, xfs_growfs") || !strings.Contains(err.Error(), "xfsprogs") {
 		t.Errorf("XFS scenario without XFS tools: %v", err)
+	}
+}
+
+// The progress line fits 100 columns even late in a long, busy run.
+func TestProgressLineFits100Columns(t *testing.T) {
+	p := progress{elapsed: 59*time.Minute + 59*time.Second, phase: "workload", jobs: 9999, attaches: 9999, detaches: 9999,
+		inFlight: 999, stuck: 99, violations: 99, attach: monitor.Percentiles{P50: 99.9, P99: 999.9}}
+	if line := p.String(); len(line) > 100 {
+		t.Errorf("progress line is %d columns: %q", len(line), line)
 	}
 }
