@@ -54,6 +54,7 @@ type options struct {
 	nodeMonitor                                    bool
 	node                                           nodeFlags
 	showVersion                                    bool
+	logFormat, verbosity                           string
 }
 
 // newFlagSet defines the command line into o. Of klog's many flags only the
@@ -91,6 +92,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
 	klog.InitFlags(klogFlags)
 	fs.Var(klogFlags.Lookup("v").Value, "v", "log verbosity (0-10)")
+	fs.StringVar(&o.logFormat, "logging-format", logFormatText, "log format: text (klog) or json (as Kubernetes' components write it)")
 	return fs
 }
 
@@ -119,6 +121,10 @@ func parseFlags(args []string) (*options, error) {
 	fs.Visit(func(f *flag.Flag) { explicitV = explicitV || f.Name == "v" })
 	if o.debug && !explicitV {
 		_ = fs.Set("v", "4")
+	}
+	o.verbosity = fs.Lookup("v").Value.String()
+	if err := validLogFormat(o.logFormat); err != nil {
+		return nil, err
 	}
 	if o.detachGuardTimeout < 0 {
 		return nil, fmt.Errorf("invalid --detach-guard-timeout %s: want 0 (off) or more", o.detachGuardTimeout)
@@ -234,6 +240,10 @@ func main() {
 	if o == nil {
 		os.Exit(code)
 	}
+	if err := applyLogging(o.logFormat, o.verbosity); err != nil {
+		fmt.Fprintln(os.Stderr, "harvester-csi-driver:", err)
+		os.Exit(2)
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	logger := klog.Background()
@@ -273,7 +283,7 @@ func debugMux(reg *prometheus.Registry, controller *driver.Controller, profiles 
 
 func run(ctx context.Context, o *options) error {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), buildInfo(version, commit))
 	g, ctx := errgroup.WithContext(ctx)
 
 	var controller *driver.Controller
@@ -285,6 +295,13 @@ func run(ctx context.Context, o *options) error {
 			return err
 		}
 		hostClient = c
+	}
+	hostServer := ""
+	if hostClient != nil {
+		hostServer = serverHostPort(hostClient.Config.Host)
+	}
+	if err := registerAPIRequests(reg, hostServer); err != nil {
+		return err
 	}
 	if o.mode != "node" {
 		guestClient, err := guest.Load(o.guestKubeconfig, float32(o.kubeQPS), o.kubeBurst)

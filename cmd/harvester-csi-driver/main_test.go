@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"os"
@@ -77,6 +78,7 @@ func TestBadCommandLinesAreClearErrors(t *testing.T) {
 		"--batch-window=x":           "batch-window",
 		"--detach-guard-timeout=-1s": "invalid --detach-guard-timeout",
 		"--hotplug-backend=x":        "invalid --hotplug-backend",
+		"--logging-format=xml":       "invalid --logging-format",
 	} {
 		_, err := parseFlags([]string{args})
 		if err == nil || !strings.Contains(err.Error(), want) {
@@ -279,5 +281,31 @@ func TestKubeconfigFallsBackAndLogsTheFile(t *testing.T) {
 	got, logs = logged(given)
 	if got != given || !strings.Contains(logs, "--kubeconfig") {
 		t.Errorf("no file: resolved %q (want %q unchanged), log:\n%s", got, given, logs)
+	}
+}
+
+// --logging-format=json writes every line as the JSON Kubernetes'
+// components write, at the verbosity asked for.
+func TestJSONLogs(t *testing.T) {
+	if _, err := os.Stat(host.DefaultKubeconfig); err == nil {
+		t.Skipf("%s exists on this machine: the driver would use it", host.DefaultKubeconfig)
+	}
+	sock := filepath.Join(t.TempDir(), "csi.sock")
+	r := runDriver(t, "--logging-format=json", "--debug", "--mode=controller", "--endpoint=unix://"+sock, "--kubeconfig=/nonexistent/config")
+	lines := strings.Split(strings.TrimSpace(r.stderr), "\n")
+	if len(lines) < 2 {
+		t.Fatalf("too few log lines:\n%s", r.stderr)
+	}
+	for _, l := range lines {
+		var entry map[string]any
+		if err := json.Unmarshal([]byte(l), &entry); err != nil {
+			t.Fatalf("not a JSON log line: %q (%v)", l, err)
+		}
+		if _, ok := entry["msg"]; !ok {
+			t.Errorf("JSON line without msg: %q", l)
+		}
+	}
+	if !strings.Contains(r.stderr, `"msg":"Starting harvester-csi-driver"`) {
+		t.Errorf("no start line in:\n%s", r.stderr)
 	}
 }

@@ -148,10 +148,19 @@ func logCalls(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler 
 	ctx = klog.NewContext(ctx, logger)
 	logger.V(4).Info("call")
 	resp, err := handler(ctx, req)
-	if err != nil {
-		logger.Error(err, "call failed")
-	} else {
+	switch code := status.Code(err); {
+	case err == nil:
 		logger.V(4).Info("call done")
+	case code == codes.Aborted || code == codes.DeadlineExceeded:
+		// What the caller retries by design: a detach the guest still
+		// holds, a change KubeVirt is still making, a newer request.
+		logger.V(2).Info("call not done yet; the caller retries", "code", code, "reason", err.Error())
+	case code == codes.Unavailable:
+		// Not ready yet, a disk still arriving, or the host not answering:
+		// retried too, but an operator wants to see it at the default level.
+		logger.Info("call answered Unavailable; the caller retries", "reason", err.Error())
+	default:
+		logger.Error(err, "call failed", "code", code)
 	}
 	return resp, err
 }
