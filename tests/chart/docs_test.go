@@ -176,19 +176,35 @@ func normalizeNumber(v interface{}) interface{} {
 }
 
 // registeredMetrics are the metric names the driver registers: the literal
-// names in pkg/hotplug/metrics.go (Prometheus names are literals).
+// names (Prometheus names are literals) in the shipped code, pkg/ and the
+// command.
 func registeredMetrics(t *testing.T) []string {
 	t.Helper()
-	src := readDoc(t, filepath.Join("pkg", "hotplug", "metrics.go"))
 	var out []string
-	for _, m := range regexp.MustCompile(`(?:NewDesc\(|Name:\s*)"(harvester_csi_[a-z0-9_]+)"`).FindAllStringSubmatch(src, -1) {
-		out = append(out, m[1])
+	name := regexp.MustCompile(`(?:NewDesc\(|Name:\s*)"(harvester_csi_[a-z0-9_]+)"`)
+	for _, dir := range []string{"pkg", filepath.Join("cmd", "harvester-csi-driver")} {
+		err := filepath.WalkDir(filepath.Join(render.RepoRoot(), dir), func(p string, d os.DirEntry, err error) error {
+			if err != nil || d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
+				return err
+			}
+			src, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			for _, m := range name.FindAllStringSubmatch(string(src), -1) {
+				out = append(out, m[1])
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
 	}
 	if len(out) < 5 {
-		t.Fatalf("found only %v in pkg/hotplug/metrics.go", out)
+		t.Fatalf("found only %v in the driver's code", out)
 	}
 	sort.Strings(out)
-	return out
+	return slices.Compact(out)
 }
 
 // TestDocsNameRealMetrics: every harvester_csi_* metric a document names is one
