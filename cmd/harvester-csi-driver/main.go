@@ -299,6 +299,7 @@ func run(ctx context.Context, o *options) error {
 	hostServer := ""
 	if hostClient != nil {
 		hostServer = serverHostPort(hostClient.Config.Host)
+		reg.MustRegister(newTokenExpiry(hostClient.TokenExpiry))
 	}
 	if err := registerAPIRequests(reg, hostServer); err != nil {
 		return err

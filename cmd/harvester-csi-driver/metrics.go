@@ -94,3 +94,25 @@ func serverHostPort(server string) string {
 	}
 	return u.Host
 }
+
+// tokenExpiry exports when the host credentials' token expires, so an alert
+// can warn well before every hotplug starts failing with Unauthorized. The
+// series is absent when the credentials do not say (no token, or one without
+// an expiry).
+type tokenExpiry struct {
+	expiry func() (time.Time, bool)
+	desc   *prometheus.Desc
+}
+
+func newTokenExpiry(expiry func() (time.Time, bool)) *tokenExpiry {
+	return &tokenExpiry{expiry: expiry, desc: prometheus.NewDesc("harvester_csi_host_token_expiry_timestamp_seconds",
+		"When the token of the host (Harvester) kubeconfig expires, as Unix time; read again when the kubeconfig changes.", nil, nil)}
+}
+
+func (t *tokenExpiry) Describe(ch chan<- *prometheus.Desc) { ch <- t.desc }
+
+func (t *tokenExpiry) Collect(ch chan<- prometheus.Metric) {
+	if at, ok := t.expiry(); ok {
+		ch <- prometheus.MustNewConstMetric(t.desc, prometheus.GaugeValue, float64(at.Unix()))
+	}
+}

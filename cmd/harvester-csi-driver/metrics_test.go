@@ -50,3 +50,21 @@ func buildInfoLine() string {
 }
 
 func goVersion() string { return runtime.Version() }
+
+// The token's expiry is exported only while the credentials say it.
+func TestTokenExpirySeries(t *testing.T) {
+	var at time.Time
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(newTokenExpiry(func() (time.Time, bool) { return at, !at.IsZero() }))
+	if n, err := testutil.GatherAndCount(reg); err != nil || n != 0 {
+		t.Errorf("a token without expiry exports %d series (%v)", n, err)
+	}
+	at = time.Unix(1893456000, 0)
+	want := `# HELP harvester_csi_host_token_expiry_timestamp_seconds When the token of the host (Harvester) kubeconfig expires, as Unix time; read again when the kubeconfig changes.
+# TYPE harvester_csi_host_token_expiry_timestamp_seconds gauge
+harvester_csi_host_token_expiry_timestamp_seconds 1.893456e+09
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want)); err != nil {
+		t.Error(err)
+	}
+}

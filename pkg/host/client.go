@@ -34,6 +34,9 @@ type Client struct {
 	Kube      kubernetes.Interface
 	KubeVirt  kubevirt.Interface
 	Dynamic   dynamic.Interface
+	// token serves a kubeconfig's bearer token read again when the file
+	// changes; nil for other credentials.
+	token *kubeconfigToken
 }
 
 // ResolveKubeconfig picks the host kubeconfig file as upstream does: the
@@ -78,7 +81,25 @@ func Load(path string, qps float32, burst int) (*Client, error) {
 		return nil, fmt.Errorf("host kubeconfig %s: namespace: %w", path, err)
 	}
 	cfg.QPS, cfg.Burst = qps, burst
-	return NewForConfig(cfg, ns)
+	tok, err := reloadToken(cfg, path)
+	if err != nil {
+		return nil, err
+	}
+	c, err := NewForConfig(cfg, ns)
+	if err != nil {
+		return nil, err
+	}
+	c.token = tok
+	return c, nil
+}
+
+// TokenExpiry is when the host credentials' token expires, when the
+// kubeconfig holds a token that says so; ok is false otherwise.
+func (c *Client) TokenExpiry() (t time.Time, ok bool) {
+	if c.token == nil {
+		return time.Time{}, false
+	}
+	return c.token.Expiry()
 }
 
 // NewForConfig builds a Client for a namespace.
