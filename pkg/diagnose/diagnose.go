@@ -158,8 +158,10 @@ type hold struct {
 	status                                     *kubevirtv1.VolumeStatus
 }
 
-// held says the VM has the volume or is about to: what the guest must want.
-func (h *hold) held() bool { return h.inSpec || h.inVMISpec || h.addQueued }
+// held says the VM has the volume or is about to, and no removal is queued
+// (a stuck one is reported as stuck-volume-requests): what the guest must
+// want there.
+func (h *hold) held() bool { return (h.inSpec || h.inVMISpec || h.addQueued) && !h.removeQueued }
 
 // attachment is one guest VolumeAttachment of this driver, resolved.
 type attachment struct {
@@ -207,7 +209,7 @@ func look(in Input) *view {
 	return v
 }
 
-func (v *view) hold(vol, vm string) *hold {
+func (v *view) holdOf(vol, vm string) *hold {
 	if v.holds[vol] == nil {
 		v.holds[vol] = map[string]*hold{}
 	}
@@ -223,13 +225,13 @@ func (v *view) lookAtHost() {
 		v.vmis[vmi.Name] = vmi
 		for _, vol := range vmi.Spec.Volumes {
 			if isHotplugClaim(vol) {
-				v.hold(vol.Name, vmi.Name).inVMISpec = true
+				v.holdOf(vol.Name, vmi.Name).inVMISpec = true
 			}
 		}
 		for i := range vmi.Status.VolumeStatus {
 			st := &vmi.Status.VolumeStatus[i]
 			if st.HotplugVolume != nil {
-				v.hold(st.Name, vmi.Name).status = st
+				v.holdOf(st.Name, vmi.Name).status = st
 			}
 		}
 	}
@@ -237,16 +239,16 @@ func (v *view) lookAtHost() {
 		if vm.Spec.Template != nil {
 			for _, vol := range vm.Spec.Template.Spec.Volumes {
 				if isHotplugClaim(vol) {
-					v.hold(vol.Name, vm.Name).inSpec = true
+					v.holdOf(vol.Name, vm.Name).inSpec = true
 				}
 			}
 		}
 		for _, r := range vm.Status.VolumeRequests {
 			switch {
 			case r.AddVolumeOptions != nil:
-				v.hold(r.AddVolumeOptions.Name, vm.Name).addQueued = true
+				v.holdOf(r.AddVolumeOptions.Name, vm.Name).addQueued = true
 			case r.RemoveVolumeOptions != nil:
-				v.hold(r.RemoveVolumeOptions.Name, vm.Name).removeQueued = true
+				v.holdOf(r.RemoveVolumeOptions.Name, vm.Name).removeQueued = true
 			}
 		}
 	}
