@@ -19,8 +19,9 @@ import (
 
 // runDiagnose is `harvester-csi-driver diagnose`: a read-only cross-check of
 // the guest's VolumeAttachments, the host's VMs and VMIs and the controller's
-// queue. It prints one line per disagreement and exits 1 when there is any,
-// 0 when there is none and 2 when it could not look.
+// queue. It prints one line per finding and exits 1 when there is any
+// disagreement, 0 when there is none (informational findings do not count)
+// and 2 when it could not look.
 func runDiagnose(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("harvester-csi-driver diagnose", flag.ContinueOnError)
 	fs.SetOutput(io.Discard)
@@ -34,33 +35,33 @@ func runDiagnose(ctx context.Context, args []string, stdout, stderr io.Writer) i
 			fmt.Fprintln(stdout, "Usage: harvester-csi-driver diagnose [--kubeconfig F] [--guest-kubeconfig F] [--controller URL] [--slow-after D]")
 			fs.SetOutput(stdout)
 			fs.PrintDefaults()
-			return 0
+			return diagnose.ExitClean
 		}
 		fmt.Fprintf(stderr, "harvester-csi-driver diagnose: %v\n", err)
-		return 2
+		return diagnose.ExitCannotLook
 	}
 	path, _, err := host.ResolveKubeconfig(*kubeconfig, host.DefaultKubeconfig)
 	if err != nil {
 		fmt.Fprintf(stderr, "harvester-csi-driver diagnose: --kubeconfig: %v\n", err)
-		return 2
+		return diagnose.ExitCannotLook
 	}
 	hc, err := host.Load(path, 20, 40)
 	if err != nil {
 		fmt.Fprintf(stderr, "harvester-csi-driver diagnose: %v\n", err)
-		return 2
+		return diagnose.ExitCannotLook
 	}
 	src := diagnose.Sources{Host: hc, Controller: *controller, Driver: driver.Name}
 	notes := []string{}
 	switch cfg, err := guestConfig(*guestKubeconfig); {
 	case err != nil:
 		fmt.Fprintf(stderr, "harvester-csi-driver diagnose: --guest-kubeconfig: %v\n", err)
-		return 2
+		return diagnose.ExitCannotLook
 	case cfg == nil:
 		notes = append(notes, "no guest kubeconfig: VolumeAttachments not checked")
 	default:
 		if src.Guest, err = kubernetes.NewForConfig(cfg); err != nil {
 			fmt.Fprintf(stderr, "harvester-csi-driver diagnose: %v\n", err)
-			return 2
+			return diagnose.ExitCannotLook
 		}
 	}
 	if *controller == "" {
@@ -71,34 +72,11 @@ func runDiagnose(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	in, err := diagnose.Gather(ctx, src)
 	if err != nil {
 		fmt.Fprintf(stderr, "harvester-csi-driver diagnose: %v\n", err)
-		return 2
+		return diagnose.ExitCannotLook
 	}
 	in.SlowAfter = *slowAfter
-	findings := diagnose.Check(in)
-	fmt.Fprintf(stdout, "host namespace %s: %d VMs, %d VMIs; %d VolumeAttachments of %s; %d VMs in the queue\n",
-		hc.Namespace, len(in.VMs), len(in.VMIs), countAttachments(in), driver.Name, len(in.Queue))
-	for _, n := range notes {
-		fmt.Fprintln(stdout, "note:", n)
-	}
-	for _, f := range findings {
-		fmt.Fprintln(stdout, f)
-	}
-	if len(findings) == 0 {
-		fmt.Fprintln(stdout, "no disagreement found")
-		return 0
-	}
-	fmt.Fprintf(stdout, "%d disagreement(s) found; docs/troubleshooting.md says what each means and what to do\n", len(findings))
-	return 1
-}
-
-func countAttachments(in diagnose.Input) int {
-	n := 0
-	for _, va := range in.VolumeAttachments {
-		if va.Spec.Attacher == in.Driver {
-			n++
-		}
-	}
-	return n
+	in.Notes = append(notes, in.Notes...)
+	return diagnose.Report(stdout, in, diagnose.Check(in))
 }
 
 // guestConfig is the guest cluster's client config: the given kubeconfig,

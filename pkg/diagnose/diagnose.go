@@ -14,19 +14,30 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
 // Kinds of findings.
 const (
-	// GhostAttachment: a VM holds a volume of this driver that no guest
-	// VolumeAttachment wants on that VM, and the driver is not detaching it.
+	// GhostAttachment: a VM holds a volume of this driver that the guest's
+	// VolumeAttachments want on another VM, and the driver is not detaching
+	// it.
 	GhostAttachment = "ghost-attachment"
-	// LostAttachment: a VolumeAttachment says attached, but the VM's VMI does
-	// not have the volume Ready (harvester 10588: pods then wait forever).
+	// InVMWithoutAttachment: a VM that is a node of this guest cluster holds
+	// a volume of this driver that no guest VolumeAttachment asks for at all
+	// (an orphaned hot-plug), and the driver is not detaching it.
+	InVMWithoutAttachment = "in-vm-without-attachment"
+	// LostAttachment: a VolumeAttachment of a hot-plugged volume says
+	// attached, but the VM's VMI does not have the volume Ready (harvester
+	// 10588: pods then wait forever).
 	LostAttachment = "attached-but-lost"
+	// RWXExportNotEnabled: a VolumeAttachment of a ReadWriteMany volume says
+	// attached, but the volume's NetworkFilesystem export is not serving.
+	RWXExportNotEnabled = "rwx-export-not-enabled"
 	// TwoHolders: one volume is held by more than one VM.
 	TwoHolders = "held-by-two-vms"
 	// StuckRequests: legacy add/remove requests queued on a VM whose last
@@ -45,6 +56,12 @@ const (
 	SlowIntent = "slow-intent"
 	// FailingVM: the driver's attempts at the host for a VM are failing.
 	FailingVM = "host-refuses"
+	// NodePluginNotRegistered (informational): a guest Node with
+	// VolumeAttachments of hot-plugged volumes whose CSINode has no node ID
+	// of this driver (the node plugin is not registered, e.g. restarting),
+	// and whose providerID and name name no VM of the namespace either: its
+	// attachments are not judged.
+	NodePluginNotRegistered = "node-plugin-not-registered"
 )
 
 // Finding is one disagreement.
@@ -55,10 +72,16 @@ type Finding struct {
 	// Node is the guest node, where one is involved.
 	Node   string
 	Detail string
+	// Info marks a state worth knowing that is not a disagreement: it does
+	// not count towards diagnose's exit code.
+	Info bool
 }
 
 func (f Finding) String() string {
 	var b strings.Builder
+	if f.Info {
+		b.WriteString("info: ")
+	}
 	fmt.Fprintf(&b, "%-24s", f.Kind)
 	if f.Volume != "" {
 		fmt.Fprintf(&b, " volume=%s", f.Volume)
@@ -76,18 +99,57 @@ func (f Finding) String() string {
 type Input struct {
 	// Driver is the CSI driver name whose VolumeAttachments count.
 	Driver string
-	// Guest side (empty when the guest cluster is not reachable).
+	// Namespace is the host namespace of the guest's VMs, for the report.
+	Namespace string
+	// GuestRead says the guest side below was read; without it the checks
+	// that need the guest's view are left out. (A guest without any
+	// VolumeAttachment is read and has an empty list.)
+	GuestRead         bool
 	VolumeAttachments []storagev1.VolumeAttachment
 	PersistentVolumes []corev1.PersistentVolume
 	CSINodes          []storagev1.CSINode
+	Nodes             []corev1.Node
 	// Host side, the namespace of the guest's VMs.
 	VMs  []kubevirtv1.VirtualMachine
 	VMIs []kubevirtv1.VirtualMachineInstance
+	// HostClaims are the namespace's PVCs: a volume's Longhorn volume, whose
+	// NetworkFilesystem exports a ReadWriteMany volume.
+	HostClaims []corev1.PersistentVolumeClaim
+	// NetworkFilesystems are Harvester's NFS exports; NetworkFSRead says
+	// they could be read (else ReadWriteMany attachments are not judged).
+	NetworkFilesystems []host.NetworkFS
+	NetworkFSRead      bool
 	// Queue is the controller's hotplug state, if it could be read.
 	Queue []hotplug.VMState
 	// Now and SlowAfter judge the queue's waits.
 	Now       time.Time
 	SlowAfter time.Duration
+	// Notes say what was not looked at and why; Report prints them.
+	Notes []string
+}
+
+// Check names every disagreement in in, sorted by volume, VM and kind: each
+// VM's queued requests, each guest VolumeAttachment, the driver's queue, and
+// each volume a VM holds.
+func Check(in Input) []Finding {
+	v := look(in)
+	var r report
+	v.judgeRequests(&r)
+	v.judgeAttachments(&r)
+	v.judgeQueue(&r)
+	v.judgeHolds(&r)
+	return r.sorted()
+}
+
+type report struct{ out []Finding }
+
+func (r *report) add(f Finding) { r.out = append(r.out, f) }
+
+func (r *report) sorted() []Finding {
+	slices.SortStableFunc(r.out, func(a, b Finding) int {
+		return cmp.Or(cmp.Compare(a.Volume, b.Volume), cmp.Compare(a.VM, b.VM), cmp.Compare(a.Kind, b.Kind), cmp.Compare(a.Node, b.Node))
+	})
+	return r.out
 }
 
 // hold is how a VM holds a volume.
@@ -96,167 +158,382 @@ type hold struct {
 	status                                     *kubevirtv1.VolumeStatus
 }
 
-// Check names every disagreement in in, sorted by volume, VM and kind.
-func Check(in Input) []Finding {
-	var out []Finding
-	add := func(f Finding) { out = append(out, f) }
+// held says the VM has the volume or is about to, and no removal is queued
+// (a stuck one is reported as stuck-volume-requests): what the guest must
+// want there.
+func (h *hold) held() bool { return (h.inSpec || h.inVMISpec || h.addQueued) && !h.removeQueued }
 
-	holds := map[string]map[string]*hold{} // volume -> VM -> hold
-	get := func(vol, vm string) *hold {
-		if holds[vol] == nil {
-			holds[vol] = map[string]*hold{}
+// attachment is one guest VolumeAttachment of this driver, resolved.
+type attachment struct {
+	va  *storagev1.VolumeAttachment
+	vol string
+	// vm is the VM of the attachment's Node, "" when it cannot be told.
+	vm string
+	// rwx: a ReadWriteMany volume, served over NFS, never hot-plugged.
+	rwx bool
+}
+
+func (a attachment) deleting() bool { return a.va.DeletionTimestamp != nil }
+
+// view is Input indexed for the judgements; building it decides nothing.
+type view struct {
+	in    Input
+	holds map[string]map[string]*hold // volume -> VM -> hold
+	vmis  map[string]*kubevirtv1.VirtualMachineInstance
+	nodes nodeMap
+	// attachments are the guest's, and what they ask for per volume: wanted
+	// on a VM (not being deleted), detaching from one, asked for at all, and
+	// asked for on a Node whose VM is unknown.
+	attachments []attachment
+	wanted      map[string]map[string]bool
+	detaching   map[string]map[string]bool
+	asked       map[string]bool
+	unmapped    map[string]bool
+	pending     map[string]map[string]hotplug.Op // volume -> VM -> the driver's intent
+	claims      map[string]*corev1.PersistentVolumeClaim
+	exports     map[string]*host.NetworkFS // by name: the Longhorn volume's
+}
+
+func look(in Input) *view {
+	v := &view{in: in, holds: map[string]map[string]*hold{}, vmis: map[string]*kubevirtv1.VirtualMachineInstance{},
+		nodes: mapNodes(in), wanted: map[string]map[string]bool{}, detaching: map[string]map[string]bool{},
+		asked: map[string]bool{}, unmapped: map[string]bool{}, pending: map[string]map[string]hotplug.Op{},
+		claims: map[string]*corev1.PersistentVolumeClaim{}, exports: map[string]*host.NetworkFS{}}
+	v.lookAtHost()
+	v.lookAtGuest()
+	for _, st := range in.Queue {
+		for _, it := range st.Intents {
+			setIn(v.pending, it.Volume, st.VM, it.Op)
 		}
-		if holds[vol][vm] == nil {
-			holds[vol][vm] = &hold{}
-		}
-		return holds[vol][vm]
 	}
-	vmis := map[string]*kubevirtv1.VirtualMachineInstance{}
-	for i := range in.VMIs {
-		vmi := &in.VMIs[i]
-		vmis[vmi.Name] = vmi
-		for _, v := range vmi.Spec.Volumes {
-			if isHotplugClaim(v) {
-				get(v.Name, vmi.Name).inVMISpec = true
+	return v
+}
+
+func (v *view) holdOf(vol, vm string) *hold {
+	if v.holds[vol] == nil {
+		v.holds[vol] = map[string]*hold{}
+	}
+	if v.holds[vol][vm] == nil {
+		v.holds[vol][vm] = &hold{}
+	}
+	return v.holds[vol][vm]
+}
+
+func (v *view) lookAtHost() {
+	for i := range v.in.VMIs {
+		vmi := &v.in.VMIs[i]
+		v.vmis[vmi.Name] = vmi
+		for _, vol := range vmi.Spec.Volumes {
+			if isHotplugClaim(vol) {
+				v.holdOf(vol.Name, vmi.Name).inVMISpec = true
 			}
 		}
 		for i := range vmi.Status.VolumeStatus {
 			st := &vmi.Status.VolumeStatus[i]
 			if st.HotplugVolume != nil {
-				get(st.Name, vmi.Name).status = st
+				v.holdOf(st.Name, vmi.Name).status = st
 			}
 		}
 	}
-	for _, vm := range in.VMs {
+	for _, vm := range v.in.VMs {
 		if vm.Spec.Template != nil {
-			for _, v := range vm.Spec.Template.Spec.Volumes {
-				if isHotplugClaim(v) {
-					get(v.Name, vm.Name).inSpec = true
+			for _, vol := range vm.Spec.Template.Spec.Volumes {
+				if isHotplugClaim(vol) {
+					v.holdOf(vol.Name, vm.Name).inSpec = true
 				}
 			}
 		}
-		var reqs []string
 		for _, r := range vm.Status.VolumeRequests {
 			switch {
 			case r.AddVolumeOptions != nil:
-				get(r.AddVolumeOptions.Name, vm.Name).addQueued = true
-				reqs = append(reqs, "add "+r.AddVolumeOptions.Name)
+				v.holdOf(r.AddVolumeOptions.Name, vm.Name).addQueued = true
 			case r.RemoveVolumeOptions != nil:
-				get(r.RemoveVolumeOptions.Name, vm.Name).removeQueued = true
-				reqs = append(reqs, "remove "+r.RemoveVolumeOptions.Name)
-			}
-		}
-		if len(reqs) > 0 {
-			if msg := failure(&vm); msg != "" {
-				add(Finding{Kind: StuckRequests, VM: vm.Name, Detail: fmt.Sprintf("%d request(s) queued (%s) behind a failing update: %s",
-					len(reqs), strings.Join(reqs, ", "), msg)})
+				v.holdOf(r.RemoveVolumeOptions.Name, vm.Name).removeQueued = true
 			}
 		}
 	}
+	for i := range v.in.HostClaims {
+		v.claims[v.in.HostClaims[i].Name] = &v.in.HostClaims[i]
+	}
+	for i := range v.in.NetworkFilesystems {
+		v.exports[v.in.NetworkFilesystems[i].Name] = &v.in.NetworkFilesystems[i]
+	}
+}
 
-	// What the guest wants: volume -> VM it is attached (or attaching) to.
-	vmOfNode := map[string]string{}
-	for _, n := range in.CSINodes {
-		for _, d := range n.Spec.Drivers {
-			if d.Name == in.Driver && d.NodeID != "" {
-				vmOfNode[n.Name] = d.NodeID
-			}
+func (v *view) lookAtGuest() {
+	pvs := map[string]*corev1.PersistentVolume{}
+	for i := range v.in.PersistentVolumes {
+		pv := &v.in.PersistentVolumes[i]
+		if pv.Spec.CSI != nil && pv.Spec.CSI.Driver == v.in.Driver {
+			pvs[pv.Name] = pv
 		}
 	}
-	handleOfPV := map[string]string{}
-	for _, pv := range in.PersistentVolumes {
-		if pv.Spec.CSI != nil && pv.Spec.CSI.Driver == in.Driver {
-			handleOfPV[pv.Name] = pv.Spec.CSI.VolumeHandle
-		}
-	}
-	wanted := map[string]map[string]bool{} // volume -> VM
-	for _, va := range in.VolumeAttachments {
-		if va.Spec.Attacher != in.Driver || va.Spec.Source.PersistentVolumeName == nil {
+	for i := range v.in.VolumeAttachments {
+		va := &v.in.VolumeAttachments[i]
+		if va.Spec.Attacher != v.in.Driver || va.Spec.Source.PersistentVolumeName == nil {
 			continue
 		}
-		vol := handleOfPV[*va.Spec.Source.PersistentVolumeName]
-		if vol == "" {
-			vol = *va.Spec.Source.PersistentVolumeName
+		a := attachment{va: va, vol: *va.Spec.Source.PersistentVolumeName, vm: v.nodes.vm[va.Spec.NodeName]}
+		pv := pvs[a.vol]
+		if pv != nil {
+			a.vol = pv.Spec.CSI.VolumeHandle
 		}
-		vm := vmOfNode[va.Spec.NodeName]
-		if vm == "" {
-			vm = va.Spec.NodeName
-		}
-		if va.DeletionTimestamp == nil {
-			if wanted[vol] == nil {
-				wanted[vol] = map[string]bool{}
-			}
-			wanted[vol][vm] = true
-		}
+		a.rwx = v.isRWX(a.vol, pv)
+		v.attachments = append(v.attachments, a)
 		switch {
-		case va.Status.AttachError != nil:
-			add(Finding{Kind: StuckVolumeAttachment, Volume: vol, VM: vm, Node: va.Spec.NodeName,
-				Detail: fmt.Sprintf("VolumeAttachment %s: attach error: %s", va.Name, va.Status.AttachError.Message)})
-		case va.Status.DetachError != nil:
-			add(Finding{Kind: StuckVolumeAttachment, Volume: vol, VM: vm, Node: va.Spec.NodeName,
-				Detail: fmt.Sprintf("VolumeAttachment %s: detach error: %s", va.Name, va.Status.DetachError.Message)})
-		case va.DeletionTimestamp != nil && in.Now.Sub(va.DeletionTimestamp.Time) > in.SlowAfter:
-			add(Finding{Kind: StuckVolumeAttachment, Volume: vol, VM: vm, Node: va.Spec.NodeName,
-				Detail: fmt.Sprintf("VolumeAttachment %s has been detaching for %s", va.Name, in.Now.Sub(va.DeletionTimestamp.Time).Round(time.Second))})
+		case a.rwx:
+			continue // nothing of it is in a VM
+		case a.vm == "":
+			v.unmapped[a.vol] = true
+		case a.deleting():
+			setIn(v.detaching, a.vol, a.vm, true)
+		default:
+			setIn(v.wanted, a.vol, a.vm, true)
 		}
-		if va.Status.Attached && va.DeletionTimestamp == nil {
-			h := holds[vol][vm]
-			if h == nil || h.status == nil || h.status.Phase != kubevirtv1.VolumeReady || h.status.Target == "" {
-				add(Finding{Kind: LostAttachment, Volume: vol, VM: vm, Node: va.Spec.NodeName,
-					Detail: fmt.Sprintf("VolumeAttachment %s says attached, but the VMI shows %s", va.Name, describe(h, vmis[vm]))})
+		v.asked[a.vol] = true
+	}
+}
+
+// isRWX tells a volume served over NFS from a hot-plugged one as the
+// external-attacher does, by the guest PV's access modes (ReadWriteMany
+// becomes MULTI_NODE_MULTI_WRITER, which the driver serves through a
+// NetworkFilesystem); without a guest PV, by the host: the volume's Longhorn
+// volume has a NetworkFilesystem. A VM's disks never say it: an RWX volume
+// is in no VM.
+func (v *view) isRWX(vol string, pv *corev1.PersistentVolume) bool {
+	if pv != nil {
+		return slices.Contains(pv.Spec.AccessModes, corev1.ReadWriteMany)
+	}
+	pvc := v.claims[vol]
+	return pvc != nil && pvc.Spec.VolumeName != "" && v.exports[pvc.Spec.VolumeName] != nil
+}
+
+func (v *view) judgeRequests(r *report) {
+	for i := range v.in.VMs {
+		vm := &v.in.VMs[i]
+		var reqs []string
+		for _, rq := range vm.Status.VolumeRequests {
+			switch {
+			case rq.AddVolumeOptions != nil:
+				reqs = append(reqs, "add "+rq.AddVolumeOptions.Name)
+			case rq.RemoveVolumeOptions != nil:
+				reqs = append(reqs, "remove "+rq.RemoveVolumeOptions.Name)
 			}
+		}
+		if msg := failure(vm); len(reqs) > 0 && msg != "" {
+			r.add(Finding{Kind: StuckRequests, VM: vm.Name, Detail: fmt.Sprintf("%d request(s) queued (%s) behind a failing update: %s",
+				len(reqs), strings.Join(reqs, ", "), msg)})
 		}
 	}
+}
 
-	// What the driver is doing.
-	pending := map[string]map[string]hotplug.Op{} // volume -> VM -> op
-	for _, st := range in.Queue {
+// judgeAttachments judges each guest VolumeAttachment: its own errors, then,
+// once attached, whether what it says holds on the host: the export of a
+// ReadWriteMany volume, the VMI entry of a hot-plugged one.
+func (v *view) judgeAttachments(r *report) {
+	unjudged := map[string][]string{} // Node -> VolumeAttachments
+	for _, a := range v.attachments {
+		v.judgeAttachmentErrors(r, a)
+		switch {
+		case !a.va.Status.Attached || a.deleting():
+		case a.rwx:
+			v.judgeExport(r, a)
+		case a.vm == "":
+			unjudged[a.va.Spec.NodeName] = append(unjudged[a.va.Spec.NodeName], a.va.Name)
+		default:
+			v.judgeHotplugged(r, a)
+		}
+	}
+	for _, node := range sortedKeys(unjudged) {
+		r.add(Finding{Kind: NodePluginNotRegistered, Node: node, Info: true, Detail: fmt.Sprintf(
+			"its CSINode has no node ID of %s and neither its providerID nor its name names a VM of the namespace; VolumeAttachments not judged: %s",
+			v.in.Driver, strings.Join(unjudged[node], ", "))})
+	}
+}
+
+func (v *view) judgeAttachmentErrors(r *report, a attachment) {
+	f := Finding{Kind: StuckVolumeAttachment, Volume: a.vol, VM: a.vm, Node: a.va.Spec.NodeName}
+	switch st := a.va.Status; {
+	case st.AttachError != nil:
+		f.Detail = fmt.Sprintf("VolumeAttachment %s: attach error: %s", a.va.Name, st.AttachError.Message)
+	case st.DetachError != nil:
+		f.Detail = fmt.Sprintf("VolumeAttachment %s: detach error: %s", a.va.Name, st.DetachError.Message)
+	case a.deleting() && v.in.Now.Sub(a.va.DeletionTimestamp.Time) > v.in.SlowAfter:
+		f.Detail = fmt.Sprintf("VolumeAttachment %s has been detaching for %s", a.va.Name, v.in.Now.Sub(a.va.DeletionTimestamp.Time).Round(time.Second))
+	default:
+		return
+	}
+	r.add(f)
+}
+
+func (v *view) judgeHotplugged(r *report, a attachment) {
+	h := v.holds[a.vol][a.vm]
+	if h == nil || h.status == nil || h.status.Phase != kubevirtv1.VolumeReady || h.status.Target == "" {
+		r.add(Finding{Kind: LostAttachment, Volume: a.vol, VM: a.vm, Node: a.va.Spec.NodeName,
+			Detail: fmt.Sprintf("VolumeAttachment %s says attached, but the VMI shows %s", a.va.Name, describe(h, v.vmis[a.vm]))})
+	}
+}
+
+// judgeExport: an attached ReadWriteMany volume is healthy while its
+// NetworkFilesystem serves; nodes mount that export, no VM is involved.
+func (v *view) judgeExport(r *report, a attachment) {
+	if !v.in.NetworkFSRead {
+		return
+	}
+	if why := v.exportProblem(a.vol); why != "" {
+		r.add(Finding{Kind: RWXExportNotEnabled, Volume: a.vol, VM: a.vm, Node: a.va.Spec.NodeName,
+			Detail: fmt.Sprintf("VolumeAttachment %s of a ReadWriteMany volume says attached, but %s", a.va.Name, why)})
+	}
+}
+
+func (v *view) exportProblem(vol string) string {
+	pvc := v.claims[vol]
+	switch {
+	case pvc == nil:
+		return "its host PVC does not exist"
+	case pvc.Spec.VolumeName == "":
+		return "its host PVC has no Longhorn volume"
+	}
+	fs := v.exports[pvc.Spec.VolumeName]
+	switch {
+	case fs == nil:
+		return fmt.Sprintf("NetworkFilesystem %s/%s does not exist", host.NetworkFSNamespace, pvc.Spec.VolumeName)
+	case !fs.Serving():
+		return fs.Describe() + " is not serving"
+	}
+	return ""
+}
+
+func (v *view) judgeQueue(r *report) {
+	for _, st := range v.in.Queue {
 		if st.LastError != "" {
-			add(Finding{Kind: FailingVM, VM: st.VM, Detail: fmt.Sprintf("attempts failing since %s: %s",
+			r.add(Finding{Kind: FailingVM, VM: st.VM, Detail: fmt.Sprintf("attempts failing since %s: %s",
 				st.FailingSince.UTC().Format(time.RFC3339), st.LastError)})
 		}
 		for _, it := range st.Intents {
-			if pending[it.Volume] == nil {
-				pending[it.Volume] = map[string]hotplug.Op{}
-			}
-			pending[it.Volume][st.VM] = it.Op
-			if it.WaitingFor != "" && in.Now.Sub(it.WaitingSince) >= in.SlowAfter {
-				add(Finding{Kind: SlowIntent, Volume: it.Volume, VM: st.VM, Detail: fmt.Sprintf("%s %s for %s",
-					it.Op, it.WaitingFor, in.Now.Sub(it.WaitingSince).Round(time.Second))})
+			if it.WaitingFor != "" && v.in.Now.Sub(it.WaitingSince) >= v.in.SlowAfter {
+				r.add(Finding{Kind: SlowIntent, Volume: it.Volume, VM: st.VM, Detail: fmt.Sprintf("%s %s for %s",
+					it.Op, it.WaitingFor, v.in.Now.Sub(it.WaitingSince).Round(time.Second))})
 			}
 		}
 	}
+}
 
-	for _, vol := range sortedKeys(holds) {
-		var holders []string
-		for _, vm := range sortedKeys(holds[vol]) {
-			h := holds[vol][vm]
-			holders = append(holders, vm)
-			vmi := vmis[vm]
-			if h.status != nil && h.status.Phase != kubevirtv1.VolumeReady {
-				add(Finding{Kind: NotReady, Volume: vol, VM: vm, Detail: describe(h, vmi)})
-			}
-			running := vmi != nil && vmi.Status.Phase == kubevirtv1.Running
-			switch {
-			case h.inSpec && running && !h.inVMISpec && !h.addQueued && !h.removeQueued:
-				add(Finding{Kind: SpecVMIDrift, Volume: vol, VM: vm, Detail: "in the VM spec but not in its running VMI"})
-			case !h.inSpec && h.inVMISpec && !h.addQueued && !h.removeQueued && (h.status == nil || h.status.Phase != kubevirtv1.HotplugVolumeDetaching):
-				add(Finding{Kind: SpecVMIDrift, Volume: vol, VM: vm, Detail: "in the VMI but not in its VM's spec"})
-			}
-			if in.VolumeAttachments != nil && (h.inSpec || h.inVMISpec || h.addQueued) && !wanted[vol][vm] {
-				if op, ok := pending[vol][vm]; !ok || op != hotplug.Detach {
-					add(Finding{Kind: GhostAttachment, Volume: vol, VM: vm, Detail: "held by the VM (" + describe(h, vmi) + ") but no guest VolumeAttachment wants it there"})
-				}
-			}
+// judgeHolds judges each volume a VM holds: KubeVirt's own state of it, and
+// whether the guest asks for it there.
+func (v *view) judgeHolds(r *report) {
+	for _, vol := range sortedKeys(v.holds) {
+		holders := sortedKeys(v.holds[vol])
+		for _, vm := range holders {
+			h := v.holds[vol][vm]
+			v.judgeKubeVirt(r, vol, vm, h)
+			v.judgeWanted(r, vol, vm, h)
 		}
 		if len(holders) > 1 {
-			add(Finding{Kind: TwoHolders, Volume: vol, Detail: "held by " + strings.Join(holders, ", ")})
+			r.add(Finding{Kind: TwoHolders, Volume: vol, Detail: "held by " + strings.Join(holders, ", ")})
 		}
 	}
-	slices.SortStableFunc(out, func(a, b Finding) int {
-		return cmp.Or(cmp.Compare(a.Volume, b.Volume), cmp.Compare(a.VM, b.VM), cmp.Compare(a.Kind, b.Kind))
-	})
-	return out
+}
+
+func (v *view) judgeKubeVirt(r *report, vol, vm string, h *hold) {
+	vmi := v.vmis[vm]
+	if h.status != nil && h.status.Phase != kubevirtv1.VolumeReady {
+		r.add(Finding{Kind: NotReady, Volume: vol, VM: vm, Detail: describe(h, vmi)})
+	}
+	running := vmi != nil && vmi.Status.Phase == kubevirtv1.Running
+	switch {
+	case h.inSpec && running && !h.inVMISpec && !h.addQueued && !h.removeQueued:
+		r.add(Finding{Kind: SpecVMIDrift, Volume: vol, VM: vm, Detail: "in the VM spec but not in its running VMI"})
+	case !h.inSpec && h.inVMISpec && !h.addQueued && !h.removeQueued && (h.status == nil || h.status.Phase != kubevirtv1.HotplugVolumeDetaching):
+		r.add(Finding{Kind: SpecVMIDrift, Volume: vol, VM: vm, Detail: "in the VMI but not in its VM's spec"})
+	}
+}
+
+// judgeWanted reports a volume a VM holds that the guest does not ask for
+// there. Left alone: what the guest wants there or is detaching from there,
+// what the driver is detaching, and a volume with a VolumeAttachment on a
+// Node whose VM cannot be told (it may be this one). A volume the guest asks
+// for nowhere is judged only on this guest cluster's own VMs: another guest
+// cluster may share the namespace, and its volumes are its own business.
+func (v *view) judgeWanted(r *report, vol, vm string, h *hold) {
+	if !v.in.GuestRead || !h.held() || v.wanted[vol][vm] || v.detaching[vol][vm] || v.unmapped[vol] {
+		return
+	}
+	if op, ok := v.pending[vol][vm]; ok && op == hotplug.Detach {
+		return
+	}
+	switch {
+	case v.asked[vol]:
+		where := "elsewhere"
+		if vms := sortedKeys(v.wanted[vol]); len(vms) > 0 {
+			where = "on " + strings.Join(vms, ", ")
+		}
+		r.add(Finding{Kind: GhostAttachment, Volume: vol, VM: vm, Detail: "held by the VM (" + describe(h, v.vmis[vm]) +
+			") but the guest's VolumeAttachments want it " + where})
+	case v.nodes.ours[vm]:
+		r.add(Finding{Kind: InVMWithoutAttachment, Volume: vol, VM: vm, Detail: "held by the VM (" + describe(h, v.vmis[vm]) +
+			"), a node of this guest cluster, but no guest VolumeAttachment asks for the volume"})
+	}
+}
+
+// nodeMap says which VM each guest Node runs on, and which VMs are this
+// guest cluster's nodes.
+type nodeMap struct {
+	vm   map[string]string // guest Node -> VM
+	ours map[string]bool
+}
+
+// mapNodes maps a guest Node to its VM by its CSINode's node ID of this
+// driver, what the external-attacher sends the driver. A Node whose CSINode
+// lacks it (the node plugin restarts and registers again, or never did) is
+// mapped by its providerID, harvester://<VM UID> as Harvester's cloud
+// provider sets it, else by a VM of its name (upstream requires guest
+// hostnames to match VM names): its attachments are still those of that VM.
+func mapNodes(in Input) nodeMap {
+	m := nodeMap{vm: map[string]string{}, ours: map[string]bool{}}
+	for _, cn := range in.CSINodes {
+		for _, d := range cn.Spec.Drivers {
+			if d.Name == in.Driver && d.NodeID != "" {
+				m.vm[cn.Name] = d.NodeID
+				m.ours[d.NodeID] = true
+			}
+		}
+	}
+	byUID := map[types.UID]string{}
+	byName := map[string]bool{}
+	for _, vm := range in.VMs {
+		byUID[vm.UID] = vm.Name
+		byName[vm.Name] = true
+	}
+	for _, n := range in.Nodes {
+		if _, ok := m.vm[n.Name]; ok {
+			continue
+		}
+		vm := ""
+		if uid, ok := strings.CutPrefix(n.Spec.ProviderID, harvesterProviderPrefix); ok {
+			vm = byUID[types.UID(uid)]
+		}
+		if vm == "" && byName[n.Name] {
+			vm = n.Name
+		}
+		if vm != "" {
+			m.vm[n.Name] = vm
+			m.ours[vm] = true
+		}
+	}
+	return m
+}
+
+// harvesterProviderPrefix starts the providerID Harvester's cloud provider
+// gives a guest Node (harvester-cloud-provider v0.2.4
+// pkg/cloud-controller-manager/instance.go: "harvester://" + the VM's UID).
+const harvesterProviderPrefix = "harvester://"
+
+func setIn[V any](m map[string]map[string]V, a, b string, val V) {
+	if m[a] == nil {
+		m[a] = map[string]V{}
+	}
+	m[a][b] = val
 }
 
 // isHotplugClaim reports a hot-plugged PVC volume named after its claim, as

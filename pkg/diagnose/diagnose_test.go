@@ -1,6 +1,7 @@
 package diagnose
 
 import (
+	"io"
 	"slices"
 	"strings"
 	"testing"
@@ -9,8 +10,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
@@ -59,6 +62,42 @@ func csiNode(node, vm string) storagev1.CSINode {
 	return storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: node}, Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: drv, NodeID: vm}}}}
 }
 
+// reregistering is the CSINode of a Node whose node plugin restarts: kubelet
+// took the driver out and has not put it back yet.
+func reregistering(node string) storagev1.CSINode {
+	return storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: node}}
+}
+
+func node(name, providerID string) corev1.Node {
+	return corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: corev1.NodeSpec{ProviderID: providerID}}
+}
+
+func withUID(v kubevirtv1.VirtualMachine, uid string) kubevirtv1.VirtualMachine {
+	v.UID = types.UID(uid)
+	return v
+}
+
+// rwxPV is the guest PV of a ReadWriteMany volume.
+func rwxPV(name, handle string) corev1.PersistentVolume {
+	p := pv(name, handle)
+	p.Spec.AccessModes = []corev1.PersistentVolumeAccessMode{corev1.ReadWriteMany}
+	return p
+}
+
+// hostClaim is a bound host PVC whose Longhorn volume is lhVolume.
+func hostClaim(name, lhVolume string) corev1.PersistentVolumeClaim {
+	return corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: corev1.PersistentVolumeClaimSpec{VolumeName: lhVolume}}
+}
+
+func export(name, state string) host.NetworkFS {
+	fs := host.NetworkFS{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: host.NetworkFSNamespace},
+		Spec: host.NetworkFSSpec{NetworkFSName: name, DesiredState: state}, Status: host.NetworkFSStatus{State: state}}
+	if state == host.NetworkFSEnabled {
+		fs.Status.Endpoint, fs.Status.Status = "10.0.0.9", host.EndpointReady
+	}
+	return fs
+}
+
 func kinds(fs []Finding) []string {
 	var out []string
 	for _, f := range fs {
@@ -67,16 +106,29 @@ func kinds(fs []Finding) []string {
 	return out
 }
 
+// TestAHealthyClusterHasNoFindings: a hot-plugged volume Ready on its VM,
+// a ReadWriteMany volume whose export serves (nothing of it is in a VM), and
+// the volumes of two Nodes whose node plugin is registering again (no node ID
+// in their CSINode): one found through its providerID, one named like its VM.
 func TestAHealthyClusterHasNoFindings(t *testing.T) {
-	in := Input{Driver: drv, Now: time.Now(), SlowAfter: time.Minute,
-		VMs:               []kubevirtv1.VirtualMachine{vm("vm-a", []string{"pvc-1"})},
-		VMIs:              []kubevirtv1.VirtualMachineInstance{vmi("vm-a", map[string]kubevirtv1.VolumePhase{"pvc-1": kubevirtv1.VolumeReady})},
-		VolumeAttachments: []storagev1.VolumeAttachment{va("csi-1", "pv-1", "node-a", true)},
-		PersistentVolumes: []corev1.PersistentVolume{pv("pv-1", "pvc-1")},
-		CSINodes:          []storagev1.CSINode{csiNode("node-a", "vm-a")},
+	in := Input{Driver: drv, Now: time.Now(), SlowAfter: time.Minute, GuestRead: true, NetworkFSRead: true,
+		VMs: []kubevirtv1.VirtualMachine{vm("vm-a", []string{"pvc-1"}), withUID(vm("vm-b", []string{"pvc-3"}), "uid-b"), vm("vm-c", []string{"pvc-4"})},
+		VMIs: []kubevirtv1.VirtualMachineInstance{vmi("vm-a", map[string]kubevirtv1.VolumePhase{"pvc-1": kubevirtv1.VolumeReady}),
+			vmi("vm-b", map[string]kubevirtv1.VolumePhase{"pvc-3": kubevirtv1.VolumeReady}), vmi("vm-c", map[string]kubevirtv1.VolumePhase{"pvc-4": kubevirtv1.VolumeReady})},
+		VolumeAttachments: []storagev1.VolumeAttachment{va("csi-1", "pv-1", "node-a", true), va("csi-2a", "pv-2", "node-a", true),
+			va("csi-2b", "pv-2", "node-b", true), va("csi-3", "pv-3", "node-b", true), va("csi-4", "pv-4", "vm-c", true)},
+		PersistentVolumes:  []corev1.PersistentVolume{pv("pv-1", "pvc-1"), rwxPV("pv-2", "pvc-2"), pv("pv-3", "pvc-3"), pv("pv-4", "pvc-4")},
+		CSINodes:           []storagev1.CSINode{csiNode("node-a", "vm-a"), reregistering("node-b")},
+		Nodes:              []corev1.Node{node("node-a", ""), node("node-b", "harvester://uid-b"), node("vm-c", "")},
+		HostClaims:         []corev1.PersistentVolumeClaim{hostClaim("pvc-2", "lh-2")},
+		NetworkFilesystems: []host.NetworkFS{export("lh-2", host.NetworkFSEnabled)},
 	}
-	if got := Check(in); len(got) != 0 {
+	got := Check(in)
+	if len(got) != 0 {
 		t.Fatalf("findings on a healthy cluster: %v", got)
+	}
+	if code := Report(io.Discard, in, got); code != ExitClean {
+		t.Errorf("exit code %d on a healthy cluster, want %d", code, ExitClean)
 	}
 }
 
@@ -89,28 +141,40 @@ func TestEveryDisagreementIsNamed(t *testing.T) {
 	detaching.DeletionTimestamp = &metav1.Time{Time: now.Add(-10 * time.Minute)}
 	errored := va("csi-7", "pv-7", "node-a", false)
 	errored.Status.AttachError = &storagev1.VolumeError{Message: "rpc error: code = FailedPrecondition"}
-	in := Input{Driver: drv, Now: now, SlowAfter: time.Minute,
+	in := Input{Driver: drv, Now: now, SlowAfter: time.Minute, GuestRead: true, NetworkFSRead: true,
 		VMs: []kubevirtv1.VirtualMachine{
 			vm("vm-a", []string{"pvc-1", "pvc-2", "pvc-3"}),
-			vm("vm-b", []string{"pvc-3"}),
+			vm("vm-b", []string{"pvc-3", "pvc-8"}),
 			failing,
 		},
 		VMIs: []kubevirtv1.VirtualMachineInstance{
-			// pvc-1 Ready, nobody wants it: ghost. pvc-2: in the VM spec, not in the VMI: drift.
-			// pvc-4: the VMI lost it while its VA says attached.
+			// pvc-1 Ready, nobody asks for it: orphaned. pvc-2: in the VM spec, not in the VMI: drift.
+			// pvc-4: the VMI lost it while its VA says attached. pvc-8: on vm-b, wanted on vm-a: ghost.
 			vmi("vm-a", map[string]kubevirtv1.VolumePhase{"pvc-1": kubevirtv1.VolumeReady, "pvc-3": kubevirtv1.VolumeReady}),
-			vmi("vm-b", map[string]kubevirtv1.VolumePhase{"pvc-3": kubevirtv1.HotplugVolumeAttachedToNode}),
+			vmi("vm-b", map[string]kubevirtv1.VolumePhase{"pvc-3": kubevirtv1.HotplugVolumeAttachedToNode, "pvc-8": kubevirtv1.VolumeReady}),
 		},
+		// pvc-9 and pvc-10 are ReadWriteMany: the export of one is disabled, the other has none.
+		// pvc-11 is attached on a Node whose plugin is not registered and whose VM cannot be told.
 		VolumeAttachments: []storagev1.VolumeAttachment{va("csi-2", "pv-2", "node-a", false), va("csi-3", "pv-3", "node-a", true),
-			va("csi-3b", "pv-3", "node-b", false), va("csi-4", "pv-4", "node-a", true), detaching, errored},
-		PersistentVolumes: []corev1.PersistentVolume{pv("pv-1", "pvc-1"), pv("pv-2", "pvc-2"), pv("pv-3", "pvc-3"), pv("pv-4", "pvc-4"), pv("pv-5", "pvc-5"), pv("pv-7", "pvc-7")},
-		CSINodes:          []storagev1.CSINode{csiNode("node-a", "vm-a"), csiNode("node-b", "vm-b")},
+			va("csi-3b", "pv-3", "node-b", false), va("csi-4", "pv-4", "node-a", true), detaching, errored, va("csi-8", "pv-8", "node-a", false),
+			va("csi-9", "pv-9", "node-b", true), va("csi-10", "pv-10", "node-a", true), va("csi-11", "pv-11", "node-x", true)},
+		PersistentVolumes: []corev1.PersistentVolume{pv("pv-1", "pvc-1"), pv("pv-2", "pvc-2"), pv("pv-3", "pvc-3"), pv("pv-4", "pvc-4"), pv("pv-5", "pvc-5"), pv("pv-7", "pvc-7"),
+			pv("pv-8", "pvc-8"), rwxPV("pv-9", "pvc-9"), rwxPV("pv-10", "pvc-10"), pv("pv-11", "pvc-11")},
+		CSINodes:           []storagev1.CSINode{csiNode("node-a", "vm-a"), csiNode("node-b", "vm-b"), reregistering("node-x")},
+		Nodes:              []corev1.Node{node("node-a", ""), node("node-b", ""), node("node-x", "harvester://no-such-uid")},
+		HostClaims:         []corev1.PersistentVolumeClaim{hostClaim("pvc-9", "lh-9"), hostClaim("pvc-10", "lh-10")},
+		NetworkFilesystems: []host.NetworkFS{export("lh-9", host.NetworkFSDisabled)},
 		Queue: []hotplug.VMState{{VM: "vm-c", LastError: "forbidden", FailingSince: now.Add(-time.Hour),
 			Intents: []hotplug.IntentState{{Volume: "pvc-6", Op: hotplug.Attach, Since: now.Add(-time.Hour), WaitingFor: "waiting for KubeVirt's VM controller", WaitingSince: now.Add(-time.Hour)}}}},
 	}
-	got := kinds(Check(in))
+	findings := Check(in)
+	got := kinds(findings)
 	for _, want := range []string{
-		GhostAttachment + "/pvc-1/vm-a",
+		InVMWithoutAttachment + "/pvc-1/vm-a",
+		GhostAttachment + "/pvc-8/vm-b",
+		RWXExportNotEnabled + "/pvc-9/vm-b",
+		RWXExportNotEnabled + "/pvc-10/vm-a",
+		NodePluginNotRegistered + "//",
 		SpecVMIDrift + "/pvc-2/vm-a",
 		TwoHolders + "/pvc-3/",
 		NotReady + "/pvc-3/vm-b",
@@ -128,20 +192,67 @@ func TestEveryDisagreementIsNamed(t *testing.T) {
 	if slices.Contains(got, GhostAttachment+"/pvc-3/vm-a") {
 		t.Errorf("pvc-3 is wanted on vm-a and must not be a ghost there: %v", got)
 	}
+	for _, f := range findings {
+		if (f.Volume == "pvc-9" || f.Volume == "pvc-10" || f.Volume == "pvc-11") && f.Kind != RWXExportNotEnabled {
+			t.Errorf("an RWX volume, or one on a Node whose VM is unknown, judged as hot-plugged: %s", f)
+		}
+		if f.Kind == NodePluginNotRegistered && (!f.Info || f.Node != "node-x" || !strings.Contains(f.Detail, "csi-11")) {
+			t.Errorf("the unregistered node must be informational, name the Node and its VolumeAttachment: %+v", f)
+		}
+	}
+	if code := Report(io.Discard, in, findings); code != ExitFindings {
+		t.Errorf("exit code %d with disagreements, want %d", code, ExitFindings)
+	}
+}
+
+// TestOnlyThisGuestsVMsHaveOrphans: another guest cluster's VM in the same
+// namespace holds volumes this guest never asks for; they are not this
+// guest's orphans. A volume this guest does ask for is its business on any
+// VM.
+func TestOnlyThisGuestsVMsHaveOrphans(t *testing.T) {
+	in := Input{Driver: drv, Now: time.Now(), SlowAfter: time.Minute, GuestRead: true, NetworkFSRead: true,
+		VMs: []kubevirtv1.VirtualMachine{vm("vm-a", []string{"pvc-1"}), vm("other-1", []string{"pvc-x", "pvc-2"})},
+		VMIs: []kubevirtv1.VirtualMachineInstance{vmi("vm-a", map[string]kubevirtv1.VolumePhase{"pvc-1": kubevirtv1.VolumeReady}),
+			vmi("other-1", map[string]kubevirtv1.VolumePhase{"pvc-x": kubevirtv1.VolumeReady, "pvc-2": kubevirtv1.VolumeReady})},
+		VolumeAttachments: []storagev1.VolumeAttachment{va("csi-1", "pv-1", "node-a", true), va("csi-2", "pv-2", "node-a", false)},
+		PersistentVolumes: []corev1.PersistentVolume{pv("pv-1", "pvc-1"), pv("pv-2", "pvc-2")},
+		CSINodes:          []storagev1.CSINode{csiNode("node-a", "vm-a")},
+		Nodes:             []corev1.Node{node("node-a", "")},
+	}
+	got := kinds(Check(in))
+	if want := []string{GhostAttachment + "/pvc-2/other-1"}; !slices.Equal(got, want) {
+		t.Errorf("got %v, want %v", got, want)
+	}
+}
+
+// TestAnInformationalFindingExitsClean: diagnose fails only on
+// disagreements.
+func TestAnInformationalFindingExitsClean(t *testing.T) {
+	var out strings.Builder
+	info := Finding{Kind: NodePluginNotRegistered, Node: "node-x", Info: true, Detail: "not judged"}
+	if code := Report(&out, Input{Driver: drv}, []Finding{info}); code != ExitClean {
+		t.Errorf("exit code %d for an informational finding, want %d", code, ExitClean)
+	}
+	if !strings.Contains(out.String(), "info: "+NodePluginNotRegistered) {
+		t.Errorf("the informational finding is not printed as such:\n%s", out.String())
+	}
+	if code := Report(io.Discard, Input{Driver: drv}, []Finding{info, {Kind: GhostAttachment, Volume: "v", VM: "vm"}}); code != ExitFindings {
+		t.Errorf("exit code %d with a disagreement, want %d", code, ExitFindings)
+	}
 }
 
 func TestADetachInProgressIsNoGhost(t *testing.T) {
-	in := Input{Driver: drv, Now: time.Now(), SlowAfter: time.Minute,
-		VMs:               []kubevirtv1.VirtualMachine{vm("vm-a", []string{"pvc-1"})},
-		VMIs:              []kubevirtv1.VirtualMachineInstance{vmi("vm-a", map[string]kubevirtv1.VolumePhase{"pvc-1": kubevirtv1.VolumeReady})},
-		VolumeAttachments: []storagev1.VolumeAttachment{},
-		Queue:             []hotplug.VMState{{VM: "vm-a", Intents: []hotplug.IntentState{{Volume: "pvc-1", Op: hotplug.Detach, Since: time.Now()}}}},
+	in := Input{Driver: drv, Now: time.Now(), SlowAfter: time.Minute, GuestRead: true,
+		VMs:      []kubevirtv1.VirtualMachine{vm("vm-a", []string{"pvc-1"})},
+		VMIs:     []kubevirtv1.VirtualMachineInstance{vmi("vm-a", map[string]kubevirtv1.VolumePhase{"pvc-1": kubevirtv1.VolumeReady})},
+		CSINodes: []storagev1.CSINode{csiNode("node-a", "vm-a")},
+		Queue:    []hotplug.VMState{{VM: "vm-a", Intents: []hotplug.IntentState{{Volume: "pvc-1", Op: hotplug.Detach, Since: time.Now()}}}},
 	}
 	if got := Check(in); len(got) != 0 {
 		t.Fatalf("a volume the driver is detaching is reported: %v", got)
 	}
 	in.Queue = nil
-	if got := Check(in); len(got) != 1 || got[0].Kind != GhostAttachment || !strings.Contains(got[0].String(), "vm=vm-a") {
-		t.Fatalf("without the detach the volume is a ghost: %v", got)
+	if got := Check(in); len(got) != 1 || got[0].Kind != InVMWithoutAttachment || !strings.Contains(got[0].String(), "vm=vm-a") {
+		t.Fatalf("without the detach the volume is an orphan: %v", got)
 	}
 }

@@ -7,7 +7,9 @@ import (
 	"net/http"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
@@ -30,35 +32,87 @@ type Sources struct {
 
 // Gather reads everything Check needs.
 func Gather(ctx context.Context, src Sources) (Input, error) {
-	in := Input{Driver: src.Driver, Now: time.Now()}
-	var err error
-	if in.VMs, err = src.Host.ListVMs(ctx); err != nil {
-		return in, fmt.Errorf("list host VMs: %w", err)
-	}
-	if in.VMIs, err = src.Host.ListVMIs(ctx); err != nil {
-		return in, fmt.Errorf("list host VMIs: %w", err)
+	in := Input{Driver: src.Driver, Namespace: src.Host.Namespace, Now: time.Now()}
+	if err := gatherHost(ctx, src.Host, &in); err != nil {
+		return in, err
 	}
 	if src.Guest != nil {
-		vas, err := src.Guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return in, fmt.Errorf("list guest VolumeAttachments: %w", err)
+		if err := gatherGuest(ctx, src.Guest, &in); err != nil {
+			return in, err
 		}
-		pvs, err := src.Guest.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return in, fmt.Errorf("list guest PersistentVolumes: %w", err)
-		}
-		nodes, err := src.Guest.StorageV1().CSINodes().List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return in, fmt.Errorf("list guest CSINodes: %w", err)
-		}
-		in.VolumeAttachments, in.PersistentVolumes, in.CSINodes = vas.Items, pvs.Items, nodes.Items
 	}
 	if src.Controller != "" {
+		var err error
 		if in.Queue, err = queueState(ctx, src.Controller); err != nil {
 			return in, err
 		}
 	}
 	return in, nil
+}
+
+func gatherHost(ctx context.Context, hc *host.Client, in *Input) error {
+	var err error
+	if in.VMs, err = hc.ListVMs(ctx); err != nil {
+		return fmt.Errorf("list host VMs: %w", err)
+	}
+	if in.VMIs, err = hc.ListVMIs(ctx); err != nil {
+		return fmt.Errorf("list host VMIs: %w", err)
+	}
+	claims, err := hc.Kube.CoreV1().PersistentVolumeClaims(hc.Namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("list host PVCs: %w", err)
+	}
+	in.HostClaims = claims.Items
+	return gatherNetworkFS(ctx, hc, in)
+}
+
+// gatherNetworkFS reads Harvester's NFS exports. A host without the kind
+// (no networkfs-manager) has none; an identity that may not read them (one
+// made before ReadWriteMany volumes were served) leaves ReadWriteMany
+// attachments unjudged, said in a note, rather than failing the whole look.
+func gatherNetworkFS(ctx context.Context, hc *host.Client, in *Input) error {
+	list, err := hc.Dynamic.Resource(host.NetworkFSResource).Namespace(host.NetworkFSNamespace).List(ctx, metav1.ListOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		in.NetworkFSRead = true
+		return nil
+	case apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err):
+		in.Notes = append(in.Notes, "NetworkFilesystems not readable ("+err.Error()+"): ReadWriteMany attachments not checked")
+		return nil
+	case err != nil:
+		return fmt.Errorf("list NetworkFilesystems in %s: %w", host.NetworkFSNamespace, err)
+	}
+	for i := range list.Items {
+		var fs host.NetworkFS
+		if err := runtime.DefaultUnstructuredConverter.FromUnstructured(list.Items[i].Object, &fs); err != nil {
+			return fmt.Errorf("NetworkFilesystem %s: %w", list.Items[i].GetName(), err)
+		}
+		in.NetworkFilesystems = append(in.NetworkFilesystems, fs)
+	}
+	in.NetworkFSRead = true
+	return nil
+}
+
+func gatherGuest(ctx context.Context, guest kubernetes.Interface, in *Input) error {
+	vas, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("list guest VolumeAttachments: %w", err)
+	}
+	pvs, err := guest.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("list guest PersistentVolumes: %w", err)
+	}
+	csiNodes, err := guest.StorageV1().CSINodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("list guest CSINodes: %w", err)
+	}
+	nodes, err := guest.CoreV1().Nodes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return fmt.Errorf("list guest Nodes: %w", err)
+	}
+	in.VolumeAttachments, in.PersistentVolumes, in.CSINodes, in.Nodes = vas.Items, pvs.Items, csiNodes.Items, nodes.Items
+	in.GuestRead = true
+	return nil
 }
 
 func queueState(ctx context.Context, base string) ([]hotplug.VMState, error) {

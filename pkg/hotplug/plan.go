@@ -84,7 +84,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 			case o.attached(vol):
 				p.resolve = append(p.resolve, resolution{it: it})
 			case o.vm == nil && f.vmGone:
-				p.resolve = append(p.resolve, resolution{it: it, err: ErrVMNotFound})
+				p.resolve = append(p.resolve, resolution{it: it, err: &VMNotFoundError{VM: it.vm, Volume: it.volume, Namespace: cfg.Namespace}})
 			case o.vm == nil:
 				p.hold = "VM not in the informer yet"
 				p.waits[vol] = "waiting for the VM to appear in the driver's cache"

@@ -359,7 +359,7 @@ func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Chan
 		case VMGone:
 			delete(w.expect, c.Volume)
 			if it != nil && it.op == Attach {
-				q.finishLocked(w, it, ErrVMNotFound)
+				q.finishLocked(w, it, &VMNotFoundError{VM: key.Name, Volume: c.Volume, Namespace: key.Namespace})
 			}
 		case Failed:
 			if refused(o.Err) {

@@ -117,8 +117,25 @@ type Reader interface {
 	ListVMIs(ctx context.Context) ([]kubevirtv1.VirtualMachineInstance, error)
 }
 
-// ErrVMNotFound is returned to attach callers when the VM does not exist.
+// ErrVMNotFound is what a VMNotFoundError matches (errors.Is): an attach to
+// a VM that does not exist.
 var ErrVMNotFound = errors.New("virtual machine not found")
+
+// VMNotFoundError answers an attach to a VM the host API server says does
+// not exist. It names the VM, the volume and the namespace because its text
+// is all an operator sees (the VolumeAttachment's attachError): a bare "not
+// found" does not tell a deleted VM from a node ID pointing at the wrong
+// namespace.
+type VMNotFoundError struct {
+	VM, Volume, Namespace string
+}
+
+func (e *VMNotFoundError) Error() string {
+	return fmt.Sprintf("VM %s of volume %s not found in host namespace %s", e.VM, e.Volume, e.Namespace)
+}
+
+// Is makes errors.Is(err, ErrVMNotFound) hold.
+func (e *VMNotFoundError) Is(target error) bool { return target == ErrVMNotFound }
 
 // HeldError says an exclusive volume is attached, attaching or still
 // detaching on another VM.

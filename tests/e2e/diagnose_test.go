@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http/httptest"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -27,7 +28,8 @@ import (
 )
 
 // TestDiagnoseNamesFabricatedDisagreements builds, on real API servers, each
-// disagreement diagnose is there to find (a ghost attachment, a
+// disagreement diagnose is there to find (a volume in a VM that no guest
+// VolumeAttachment asks for, a
 // VolumeAttachment whose volume KubeVirt lost, a volume in two VMs, legacy
 // requests stuck behind a refused update, a VolumeAttachment with a detach
 // error) next to a healthy volume, and checks that diagnose names each one,
@@ -35,7 +37,7 @@ import (
 func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_6_3, Scale: 0.05, BindClasslessPVCs: true})
 	h.CreateVMs(t, "dg-a", "dg-b")
-	// dg-00 healthy, 01 ghost, 02 lost, 03 two VMs, 04 refused, 05 detach
+	// dg-00 healthy, 01 orphaned, 02 lost, 03 two VMs, 04 refused, 05 detach
 	// error, 06 stuck in its attachment pod (not Ready, and a slow intent).
 	vols := h.CreateVolumes(t, "dg", 7)
 	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 50 * time.Millisecond, MaxHold: 1500 * time.Millisecond}})
@@ -86,7 +88,7 @@ func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 
 	publish(vols[0])
 	attachVA(vols[0], true, "")
-	publish(vols[1]) // ghost: nobody in the guest wants it
+	publish(vols[1]) // orphaned: nobody in the guest asks for it
 	publish(vols[2])
 	attachVA(vols[2], true, "")
 	if err := viaAPI.KubevirtV1().VirtualMachines(h.Namespace).RemoveVolume(ctx, "dg-a", &kubevirtv1.RemoveVolumeOptions{Name: vols[2]}); err != nil {
@@ -137,7 +139,7 @@ func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []string{
-		diagnose.GhostAttachment + "/" + vols[1] + "/dg-a",
+		diagnose.InVMWithoutAttachment + "/" + vols[1] + "/dg-a",
 		diagnose.LostAttachment + "/" + vols[2] + "/dg-a",
 		diagnose.TwoHolders + "/" + vols[3] + "/",
 		diagnose.StuckRequests + "//dg-b",
@@ -168,4 +170,138 @@ func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 			t.Errorf("the healthy volume is reported: %s", g)
 		}
 	}
+}
+
+// TestDiagnoseOrphansExportsAndReregisteringNodes fabricates on real API
+// servers what diagnose used to get wrong, in three steps on one guest:
+//
+//  1. a volume in a VM of this guest while the guest has no VolumeAttachment
+//     at all: an orphaned hot-plug, exit 1;
+//  2. a healthy guest: that volume now attached, a ReadWriteMany volume
+//     attached on two Nodes with its export serving, and a volume attached
+//     on a Node whose CSINode lacks the driver (its node plugin registers
+//     again) but whose providerID names its VM: no finding, exit 0;
+//  3. a ReadWriteMany volume attached while its export is disabled, and an
+//     attachment on an unregistered Node that maps to no VM: the export is a
+//     finding, the Node an informational one.
+func TestDiagnoseOrphansExportsAndReregisteringNodes(t *testing.T) {
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0, Scale: 0.05, BindClasslessPVCs: true})
+	h.CreateVMs(t, "dr-a", "dr-c")
+	vols := h.CreateVolumes(t, "dr", 3)
+	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 50 * time.Millisecond, MaxHold: 1500 * time.Millisecond}})
+	if !ctrl.Driver.RWXEnabled() {
+		t.Fatal("the simulator lists NetworkFilesystems, but the controller does not serve RWX volumes")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	g := framework.StartGuest(t)
+	hc, err := host.NewForConfig(h.Env.Config, h.Namespace)
+	if err != nil {
+		t.Fatal(err)
+	}
+	look := func(step string, want []string, wantCode int) {
+		t.Helper()
+		in, err := diagnose.Gather(ctx, diagnose.Sources{Host: hc, Guest: g.Kube, Driver: driver.Name})
+		if err != nil {
+			t.Fatal(err)
+		}
+		in.SlowAfter = time.Minute
+		findings := diagnose.Check(in)
+		var got []string
+		for _, f := range findings {
+			got = append(got, f.Kind+"/"+f.Volume+"/"+f.VM+"/"+f.Node)
+		}
+		slices.Sort(got)
+		if !slices.Equal(got, want) {
+			t.Errorf("%s: findings %v, want %v", step, findings, want)
+		}
+		var out strings.Builder
+		if code := diagnose.Report(&out, in, findings); code != wantCode {
+			t.Errorf("%s: exit code %d, want %d:\n%s", step, code, wantCode, out.String())
+		}
+	}
+	node := func(name, providerID, nodeID string) {
+		t.Helper()
+		mustCreate(t, func() error {
+			_, err := g.Kube.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: name}, Spec: corev1.NodeSpec{ProviderID: providerID}}, metav1.CreateOptions{})
+			return err
+		})
+		cn := &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: name}}
+		if nodeID != "" {
+			cn.Spec.Drivers = []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: nodeID}}
+		}
+		mustCreate(t, func() error {
+			_, err := g.Kube.StorageV1().CSINodes().Create(ctx, cn, metav1.CreateOptions{})
+			return err
+		})
+	}
+	attached := func(vol, nodeName string, rwx bool) {
+		t.Helper()
+		pv := guestPV(vol)
+		if rwx {
+			pv.Spec.AccessModes = []corev1.PersistentVolumeAccessMode{corev1.ReadWriteMany}
+		}
+		mustCreate(t, func() error {
+			_, err := g.Kube.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{})
+			return err
+		})
+		va := &storagev1.VolumeAttachment{ObjectMeta: metav1.ObjectMeta{Name: "csi-" + vol + "-" + nodeName},
+			Spec: storagev1.VolumeAttachmentSpec{Attacher: driver.Name, NodeName: nodeName, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol}}}
+		va, err := g.Kube.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		va.Status.Attached = true
+		if _, err := g.Kube.StorageV1().VolumeAttachments().UpdateStatus(ctx, va, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rwoCap := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}
+	rwxCap := &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}},
+		AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER}}
+	publish := func(vol, vm string, c *csi.VolumeCapability) {
+		t.Helper()
+		if _, err := ctrl.Client.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol, NodeId: vm, VolumeCapability: c}); err != nil {
+			t.Fatalf("publish %s to %s: %v", vol, vm, err)
+		}
+	}
+	createRWX := func(name string) string {
+		t.Helper()
+		resp, err := ctrl.Client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: []*csi.VolumeCapability{rwxCap},
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30}, Parameters: map[string]string{"hostStorageClass": kubevirtsim.DefaultStorageClass}})
+		if err != nil {
+			t.Fatalf("create RWX volume %s: %v", name, err)
+		}
+		return resp.GetVolume().GetVolumeId()
+	}
+
+	node("node-a", "", "dr-a")
+	publish(vols[0], "dr-a", rwoCap)
+	look("a volume in this guest's VM and no VolumeAttachment at all",
+		[]string{diagnose.InVMWithoutAttachment + "/" + vols[0] + "/dr-a/"}, diagnose.ExitFindings)
+
+	attached(vols[0], "node-a", false)
+	vmC, err := kubevirt.NewForConfigOrDie(h.Env.Config).KubevirtV1().VirtualMachines(h.Namespace).Get(ctx, "dr-c", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	node("node-c", "harvester://"+string(vmC.UID), "")
+	publish(vols[1], "dr-c", rwoCap)
+	attached(vols[1], "node-c", false)
+	shared := createRWX("pvc-dr-shared")
+	publish(shared, "dr-a", rwxCap)
+	publish(shared, "dr-c", rwxCap)
+	attached(shared, "node-a", true)
+	attached(shared, "node-c", true)
+	look("healthy: attached, RWX exported, a Node whose plugin registers again", nil, diagnose.ExitClean)
+
+	unexported := createRWX("pvc-dr-unexported")
+	attached(unexported, "node-a", true)
+	node("node-x", "", "")
+	attached(vols[2], "node-x", false)
+	look("an RWX volume without its export, a Node that maps to no VM", []string{
+		diagnose.NodePluginNotRegistered + "///node-x",
+		diagnose.RWXExportNotEnabled + "/" + unexported + "/dr-a/node-a",
+	}, diagnose.ExitFindings)
 }
