@@ -51,7 +51,7 @@ func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 	}
 
 	client := asUser(t, ctx, env.Config, "system:serviceaccount:kube-system:harvester-csi-driver", rulesFor(t, "controller"))
-	claims, err := driver.NewGuestClaims(client, driver.Name)
+	claims, err := driver.NewGuestClaims(client, driver.Name, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
