@@ -61,7 +61,10 @@ func TestBackups(t *testing.T) {
 // call wins, the other answers AlreadyExists, and only the winner's object
 // stays on the host (no host snapshot a backup would take for its own).
 func (s *backupSuite) nameRace(t *testing.T) {
-	ctx := s.ctx(t)
+	// A backup that loses waits for the host snapshot to withdraw first,
+	// up to its bound, in some rounds.
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	defer cancel()
 	vol, err := s.createVolume(ctx, t, "pvc-name-race", 32<<20, "")
 	if err != nil {
 		t.Fatal(err)
