@@ -96,6 +96,7 @@ func (s *backupSuite) nameRace(t *testing.T) {
 		if okSnap == okBackup || (!okSnap && status.Code(snapErr) != codes.AlreadyExists) || (!okBackup && status.Code(backupErr) != codes.AlreadyExists) {
 			t.Fatalf("round %d: host snapshot answered %v, backup answered %v; want exactly one OK and the other AlreadyExists", i, snapErr, backupErr)
 		}
+		t.Logf("round %d (snapshot through controller %d, backup through %d): snapshot %v, backup %v", i, i%2, (i/2)%2, status.Code(snapErr), status.Code(backupErr))
 		vs, vsErr := s.dyn.Resource(volumeSnapshots).Namespace(s.h.Namespace).Get(ctx, name, metav1.GetOptions{})
 		vrb, vrbErr := s.dyn.Resource(host.BackupResource).Namespace(s.h.Namespace).Get(ctx, name, metav1.GetOptions{})
 		liveBackup := vrbErr == nil && vrb.GetDeletionTimestamp() == nil
