@@ -98,9 +98,19 @@ type ControllerOptions struct {
 	// ClaimUsers, when set, tells whether guest pods still use a volume; an
 	// RWX unpublish disables the export only when none does (nil: never).
 	ClaimUsers ClaimUsers
+	// Attachments, when set, lists the guest's VolumeAttachments of a
+	// volume: the nodes an RWX volume is published to (nil: unknown).
+	Attachments GuestAttachments
+	// VMs, when set, says whether a node ID names a VM of the host.
+	VMs VMs
 	// Claims, when set, lets a first publish skip reading a host claim that
 	// a cache already shows Bound (pkg/host.ClaimCache).
 	Claims ClaimCache
+}
+
+// VMs says whether the host has a VM (the queue's cache, else a read).
+type VMs interface {
+	VMExists(ctx context.Context, vm string) (bool, error)
 }
 
 // ClaimCache says whether a cache of the host's PVCs shows a claim Bound;
@@ -121,6 +131,8 @@ type controllerService struct {
 	hotplug Hotplug
 	volumes HostVolumes
 	rwx     rwxLocks
+	// snapNames serializes CreateSnapshot calls of one name.
+	snapNames nameLocks
 }
 
 // NewControllerService returns the CSI controller service.
@@ -215,6 +227,14 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 		return nil, status.Error(codes.AlreadyExists, err.Error())
 	case err != nil:
 		return nil, apiStatus(err, "create host PVC %s", spec.Name)
+	}
+	if spec.Mode == corev1.PersistentVolumeFilesystem {
+		if shared, err := s.sharedVolume(ctx, pvc); err != nil || shared {
+			if err == nil {
+				err = status.Errorf(codes.AlreadyExists, "volume %s already exists as a ReadWriteMany volume (host PVC %s, served over NFS), not a single-node one", spec.Name, spec.Name)
+			}
+			return nil, err
+		}
 	}
 	// Give the host a moment to bind, so a publish right after creation
 	// does not start with an Aborted round trip; an unbound PVC is still a

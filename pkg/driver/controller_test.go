@@ -43,7 +43,7 @@ func (f *fakeVolumes) CreateVolume(_ context.Context, spec host.VolumeSpec) (*co
 		}
 		return p, nil
 	}
-	p := &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: spec.Name}}
+	p := &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: spec.Name, Annotations: spec.Annotations}}
 	p.Spec.Resources.Requests = corev1.ResourceList{corev1.ResourceStorage: *resource.NewQuantity(spec.Bytes, resource.BinarySI)}
 	p.Status.Phase = corev1.ClaimBound
 	f.pvcs[spec.Name] = p

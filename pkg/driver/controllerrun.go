@@ -93,6 +93,10 @@ func NewController(cfg ControllerConfig) *Controller {
 	}
 	if c.claims != nil {
 		opts.ClaimUsers = c.claims
+		opts.Attachments = c.claims
+	}
+	if cfg.Host != nil {
+		opts.VMs = c
 	}
 	c.service = NewControllerService(opts, c, cfg.Host)
 	return c
@@ -109,7 +113,7 @@ func (c *Controller) buildGuest() error {
 		return err
 	}
 	c.guestNodes = nodes
-	if c.claims, err = NewGuestClaims(c.cfg.Guest, Name); err != nil {
+	if c.claims, err = NewGuestClaims(c.cfg.Guest, Name, nodes.VMOfNode); err != nil {
 		return err
 	}
 	c.attachmentEvents = guest.NewAttachmentEvents(c.cfg.Guest, nodes, Name)
@@ -284,6 +288,16 @@ func (c *Controller) Lost(volume string) []string {
 		return q.Lost(volume)
 	}
 	return nil
+}
+
+// VMExists says whether the host has the VM: the queue's VM cache when it
+// shows it, else a read of the API server (a VM created a moment ago may not
+// be in the cache yet).
+func (c *Controller) VMExists(ctx context.Context, vm string) (bool, error) {
+	if q := c.queue.Load(); q != nil && q.Ready() && q.View(vm).Exists {
+		return true, nil
+	}
+	return c.cfg.Host.VMExists(ctx, vm)
 }
 
 // ClaimUsers names the guest pods the controller's cache sees using the

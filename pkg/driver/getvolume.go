@@ -14,7 +14,8 @@ import (
 )
 
 // ControllerGetVolume reports one volume: the VMs it is attached to (by the
-// same test a finished publish passes, as ListVolumes does) and whether it is
+// same test a finished publish passes, as ListVolumes does; an RWX volume as
+// rwxPublished says) and whether it is
 // healthy (volumeCondition). A volume whose host PVC does not exist and that
 // no VM holds is NotFound.
 func (s *controllerService) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
@@ -38,14 +39,26 @@ func (s *controllerService) ControllerGetVolume(ctx context.Context, req *csi.Co
 		return nil, apiStatus(err, "get host PVC %s", id)
 	}
 	vol := &csi.Volume{VolumeId: id}
+	published := slices.Clone(s.hotplug.Published()[id])
 	if pvc != nil {
 		capacity := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
 		vol.CapacityBytes = capacity.Value()
+		readCtx, cancel := context.WithTimeout(ctx, hostCallTimeout)
+		fs, err := s.networkFSOf(readCtx, pvc)
+		cancel()
+		if err != nil {
+			return nil, err
+		}
+		if fs != nil {
+			if published, err = s.rwxPublished(ctx, id, fs); err != nil {
+				return nil, err
+			}
+		}
 	}
 	return &csi.ControllerGetVolumeResponse{
 		Volume: vol,
 		Status: &csi.ControllerGetVolumeResponse_VolumeStatus{
-			PublishedNodeIds: slices.Clone(s.hotplug.Published()[id]),
+			PublishedNodeIds: published,
 			VolumeCondition:  s.condition(id, pvc),
 		},
 	}, nil

@@ -39,6 +39,7 @@ const rwxBindWait = time.Minute
 // NetworkFilesystems is what RWX volumes need of the host (pkg/host.Client).
 type NetworkFilesystems interface {
 	GetNetworkFS(ctx context.Context, name string) (*host.NetworkFS, error)
+	ListNetworkFS(ctx context.Context) ([]host.NetworkFS, error)
 	CreateNetworkFS(ctx context.Context, name, desired string) (*host.NetworkFS, error)
 	SetNetworkFSState(ctx context.Context, name, desired string) (*host.NetworkFS, error)
 	WaitNetworkFS(ctx context.Context, name string, done func(*host.NetworkFS) bool) (*host.NetworkFS, error)
@@ -53,6 +54,14 @@ type ClaimUsers interface {
 	// and use the claim bound to the volume's guest PV. fresh asks the API
 	// server instead of the cache, for the last look before a decision.
 	Users(ctx context.Context, volume string, fresh bool) ([]string, error)
+}
+
+// GuestAttachments lists the guest's VolumeAttachments of a volume
+// (rwxpods.go): the record of which nodes an RWX volume is published to.
+type GuestAttachments interface {
+	// Attachments are this driver's VolumeAttachments of the volume's guest
+	// PV. fresh asks the API server instead of the cache.
+	Attachments(ctx context.Context, volume string, fresh bool) ([]Attachment, error)
 }
 
 // rwxLocks serializes the read-decide-write of one volume's export between
@@ -103,7 +112,8 @@ func (s *controllerService) createRWX(ctx context.Context, req *csi.CreateVolume
 		return nil, err
 	}
 	params := req.GetParameters()
-	spec := host.VolumeSpec{Name: name, Bytes: bytes, Mode: corev1.PersistentVolumeFilesystem, StorageClass: params[paramHostStorageClass]}
+	spec := host.VolumeSpec{Name: name, Bytes: bytes, Mode: corev1.PersistentVolumeFilesystem, StorageClass: params[paramHostStorageClass],
+		Annotations: map[string]string{host.AccessModeAnnotation: host.AccessModeShared}}
 	if spec.StorageClass == "" {
 		spec.StorageClass = s.opts.HostStorageClass
 	}
@@ -126,6 +136,12 @@ func (s *controllerService) createRWX(ctx context.Context, req *csi.CreateVolume
 		return nil, status.Error(codes.AlreadyExists, err.Error())
 	case err != nil:
 		return nil, apiStatus(err, "create host PVC %s", name)
+	}
+	if shared, err := s.sharedVolume(ctx, pvc); err != nil || !shared {
+		if err == nil {
+			err = status.Errorf(codes.AlreadyExists, "volume %s already exists as a single-node volume: host PVC %s was not created ReadWriteMany and has no NetworkFilesystem", name, name)
+		}
+		return nil, err
 	}
 	if pvc.Spec.VolumeName == "" {
 		waitCtx, cancel := context.WithTimeout(ctx, rwxBindWait)
@@ -154,6 +170,21 @@ func (s *controllerService) createRWX(ctx context.Context, req *csi.CreateVolume
 	}}, nil
 }
 
+// sharedVolume says whether a host PVC is a ReadWriteMany volume: created
+// so by this driver (the annotation), or with a NetworkFilesystem for its
+// Longhorn volume, which is how a volume of the upstream driver (no
+// annotation) shows it. On the host both kinds are Filesystem PVCs with the
+// same access modes, so nothing else tells them apart.
+func (s *controllerService) sharedVolume(ctx context.Context, pvc *corev1.PersistentVolumeClaim) (bool, error) {
+	if pvc.Annotations[host.AccessModeAnnotation] == host.AccessModeShared {
+		return true, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, hostCallTimeout)
+	defer cancel()
+	fs, err := s.networkFSOf(ctx, pvc)
+	return fs != nil, err
+}
+
 // publishRWX enables the volume's export and answers once networkfs-manager
 // reports an endpoint: the node mounts what the publish context says. Not
 // yet serving is Aborted (the attacher retries); the request stays written.
@@ -166,6 +197,9 @@ func (s *controllerService) publishRWX(ctx context.Context, vol, vm string, pvc 
 	}
 	if pvc.DeletionTimestamp != nil {
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s: host PVC %s is being deleted", vol, vol)
+	}
+	if err := s.checkVM(ctx, vol, vm); err != nil {
+		return nil, err
 	}
 	fsName := pvc.Spec.VolumeName
 	logger := klog.FromContext(ctx).WithValues("volume", vol, "vm", vm, "networkFilesystem", fsName)
@@ -193,6 +227,25 @@ func (s *controllerService) publishRWX(ctx context.Context, vol, vm string, pvc 
 		nfsExportKey:   "/" + fsName,
 		nfsOptionsKey:  fs.Status.MountOpts,
 	}}, nil
+}
+
+// checkVM answers NotFound when the node ID names no VM of the host: nothing
+// is hot-plugged for an RWX volume, so no VM write would notice it, and an
+// export enabled for a node that does not exist would serve nobody.
+func (s *controllerService) checkVM(ctx context.Context, vol, vm string) error {
+	if s.opts.VMs == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, hostCallTimeout)
+	defer cancel()
+	exists, err := s.opts.VMs.VMExists(ctx, vm)
+	switch {
+	case err != nil:
+		return apiStatus(err, "volume %s: read VM %s", vol, vm)
+	case !exists:
+		return status.Errorf(codes.NotFound, "volume %s: node ID %s names no VM in the host namespace", vol, vm)
+	}
+	return nil
 }
 
 // enableRWX writes desiredState Enabled, creating the NetworkFilesystem when
@@ -236,17 +289,72 @@ func (s *controllerService) rwxFor(ctx context.Context, vol string) (*corev1.Per
 		return nil, nil, nil
 	case err != nil:
 		return nil, nil, apiStatus(err, "get host PVC %s", vol)
-	case pvc.Spec.VolumeName == "" || (pvc.Spec.VolumeMode != nil && *pvc.Spec.VolumeMode == corev1.PersistentVolumeBlock):
-		return nil, nil, nil
+	}
+	fs, err := s.networkFSOf(ctx, pvc)
+	if err != nil || fs == nil {
+		return nil, nil, err
+	}
+	return pvc, fs, nil
+}
+
+// networkFSOf reads the NetworkFilesystem of a host PVC; nil when the PVC
+// cannot have one (block, not bound) or has none.
+func (s *controllerService) networkFSOf(ctx context.Context, pvc *corev1.PersistentVolumeClaim) (*host.NetworkFS, error) {
+	if s.opts.NetworkFS == nil || s.opts.RWX == nil || !s.opts.RWX() ||
+		pvc.Spec.VolumeName == "" || (pvc.Spec.VolumeMode != nil && *pvc.Spec.VolumeMode == corev1.PersistentVolumeBlock) {
+		return nil, nil
 	}
 	fs, err := s.opts.NetworkFS.GetNetworkFS(ctx, pvc.Spec.VolumeName)
 	switch {
 	case apierrors.IsNotFound(err):
-		return nil, nil, nil
+		return nil, nil
 	case err != nil:
-		return nil, nil, apiStatus(err, "volume %s: read NetworkFilesystem %s/%s", vol, host.NetworkFSNamespace, pvc.Spec.VolumeName)
+		return nil, apiStatus(err, "volume %s: read NetworkFilesystem %s/%s", pvc.Name, host.NetworkFSNamespace, pvc.Spec.VolumeName)
 	}
-	return pvc, fs, nil
+	return fs, nil
+}
+
+// rwxPublished names the VMs an NFS-served volume is published to: those of
+// its attached guest VolumeAttachments while its export is Enabled. A
+// disabled export is published nowhere, whatever the guest says: reporting
+// none makes the external-attacher's reconciler publish its attachments
+// again, and the publish enables the export. Without a guest client the
+// driver cannot tell, and reports none.
+func (s *controllerService) rwxPublished(ctx context.Context, vol string, fs *host.NetworkFS) ([]string, error) {
+	if fs.Spec.DesiredState != host.NetworkFSEnabled || s.opts.Attachments == nil {
+		return nil, nil
+	}
+	atts, err := s.opts.Attachments.Attachments(ctx, vol, false)
+	if err != nil {
+		return nil, status.Errorf(codes.Unavailable, "volume %s: cannot read the guest's VolumeAttachments: %v", vol, err)
+	}
+	var vms []string
+	for _, a := range atts {
+		if a.Attached && !slices.Contains(vms, a.VM) {
+			vms = append(vms, a.VM)
+		}
+	}
+	slices.Sort(vms)
+	return vms, nil
+}
+
+// otherAttachments are the VolumeAttachments of a volume that keep its
+// export needed by a node other than vm's: not being deleted (Kubernetes
+// deletes one only once its Node no longer uses the volume, or after
+// maxWaitForUnmountDuration, when a pod still there is counted as a user),
+// attached or being attached.
+func (s *controllerService) otherAttachments(ctx context.Context, vol, vm string, fresh bool) ([]string, error) {
+	atts, err := s.opts.Attachments.Attachments(ctx, vol, fresh)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, a := range atts {
+		if !a.Deleting && a.VM != vm {
+			out = append(out, a.String())
+		}
+	}
+	return out, nil
 }
 
 // unpublishRWX handles ControllerUnpublishVolume of an NFS-served volume
@@ -281,6 +389,20 @@ func (s *controllerService) unpublishRWX(ctx context.Context, vol, vm string) (h
 			logger.Info("ReadWriteMany volume unpublished; export left enabled for the pods still using it", "pods", strings.Join(users, ", "))
 			return true, nil
 		}
+		// Kubelet stages a volume from its Node's VolumeAttachment, with no
+		// new publish: another node's attachment needs the export even
+		// when no pod there uses the claim yet.
+		if s.opts.Attachments == nil {
+			continue
+		}
+		others, err := s.otherAttachments(ctx, vol, vm, fresh)
+		if err != nil {
+			return true, status.Errorf(codes.Unavailable, "volume %s: cannot tell whether other nodes still have it attached, so NetworkFilesystem %s/%s stays enabled: %v", vol, host.NetworkFSNamespace, fs.Name, err)
+		}
+		if len(others) > 0 {
+			logger.Info("ReadWriteMany volume unpublished; export left enabled for the other nodes it is attached to", "volumeAttachments", strings.Join(others, ", "))
+			return true, nil
+		}
 	}
 	wctx, cancel := context.WithTimeout(ctx, hostCallTimeout)
 	defer cancel()
@@ -301,11 +423,45 @@ func (s *controllerService) deleteRWX(ctx context.Context, vol string) error {
 	if err != nil || fs == nil {
 		return err
 	}
+	if err := s.rwxStillPublished(ctx, vol, fs); err != nil {
+		return err
+	}
 	ctx, cancel := context.WithTimeout(ctx, hostCallTimeout)
 	defer cancel()
 	if err := s.opts.NetworkFS.DeleteNetworkFS(ctx, fs.Name); err != nil {
 		return apiStatus(err, "volume %s: delete NetworkFilesystem %s/%s", vol, host.NetworkFSNamespace, fs.Name)
 	}
 	klog.FromContext(ctx).Info("NetworkFilesystem deleted", "volume", vol, "networkFilesystem", fs.Name)
+	return nil
+}
+
+// rwxStillPublished answers FailedPrecondition while an NFS-served volume is
+// published (CSI allows it for DeleteVolume): a guest VolumeAttachment of it
+// exists, or its export is enabled and guest pods use its claim. Deleting
+// the export would cut off nodes that mount it. Without a guest client the
+// driver cannot tell, and deletes.
+func (s *controllerService) rwxStillPublished(ctx context.Context, vol string, fs *host.NetworkFS) error {
+	if s.opts.Attachments != nil {
+		atts, err := s.opts.Attachments.Attachments(ctx, vol, true)
+		if err != nil {
+			return status.Errorf(codes.Unavailable, "volume %s: cannot read the guest's VolumeAttachments before deleting NetworkFilesystem %s/%s: %v", vol, host.NetworkFSNamespace, fs.Name, err)
+		}
+		if len(atts) > 0 {
+			names := make([]string, len(atts))
+			for i, a := range atts {
+				names[i] = a.String()
+			}
+			return status.Errorf(codes.FailedPrecondition, "volume %s is still published: guest VolumeAttachments %s", vol, strings.Join(names, ", "))
+		}
+	}
+	if s.opts.ClaimUsers != nil && fs.Spec.DesiredState == host.NetworkFSEnabled {
+		users, err := s.opts.ClaimUsers.Users(ctx, vol, true)
+		if err != nil {
+			return status.Errorf(codes.Unavailable, "volume %s: cannot tell whether guest pods still use it before deleting NetworkFilesystem %s/%s: %v", vol, host.NetworkFSNamespace, fs.Name, err)
+		}
+		if len(users) > 0 {
+			return status.Errorf(codes.FailedPrecondition, "volume %s is still published: its export is enabled and guest pods %s use it", vol, strings.Join(users, ", "))
+		}
+	}
 	return nil
 }

@@ -7,6 +7,7 @@ import (
 	"sort"
 
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/informers"
@@ -15,23 +16,47 @@ import (
 )
 
 // GuestClaims watches the guest cluster's pods to tell which still use the
-// claim of a ReadWriteMany volume (ClaimUsers). It runs on every controller
-// replica, since whichever replica the attacher reaches answers the
-// unpublish; it is started only when RWX volumes are served.
+// claim of a ReadWriteMany volume (ClaimUsers), and the guest's
+// VolumeAttachments to tell which nodes the volume is published to
+// (GuestAttachments). It runs on every controller replica, since whichever
+// replica the attacher reaches answers the unpublish; it is started only
+// when RWX volumes are served.
 type GuestClaims struct {
-	client  kubernetes.Interface
-	driver  string
-	factory informers.SharedInformerFactory
-	pods    cache.SharedIndexInformer
-	started chan struct{}
+	client      kubernetes.Interface
+	driver      string
+	vmOf        func(node string) string
+	factory     informers.SharedInformerFactory
+	pods        cache.SharedIndexInformer
+	attachments cache.SharedIndexInformer
+	started     chan struct{}
 }
 
-const indexPodClaim = "claim"
+const (
+	indexPodClaim = "claim"
+	indexVAPV     = "pv"
+)
 
-// NewGuestClaims builds the pod cache; Start runs it.
-func NewGuestClaims(client kubernetes.Interface, driverName string) (*GuestClaims, error) {
+// NewGuestClaims builds the pod and VolumeAttachment caches; Start runs
+// them. vmOf names the VM (node ID) of a guest Node (pkg/guest.Nodes.VMOfNode;
+// nil: the Node's name, as upstream assumes).
+func NewGuestClaims(client kubernetes.Interface, driverName string, vmOf func(node string) string) (*GuestClaims, error) {
+	if vmOf == nil {
+		vmOf = func(node string) string { return node }
+	}
 	f := informers.NewSharedInformerFactory(client, 0)
-	g := &GuestClaims{client: client, driver: driverName, factory: f, pods: f.Core().V1().Pods().Informer(), started: make(chan struct{})}
+	g := &GuestClaims{client: client, driver: driverName, vmOf: vmOf, factory: f, pods: f.Core().V1().Pods().Informer(),
+		attachments: f.Storage().V1().VolumeAttachments().Informer(), started: make(chan struct{})}
+	if err := g.attachments.SetTransform(trimAttachment); err != nil {
+		return nil, err
+	}
+	if err := g.attachments.AddIndexers(cache.Indexers{indexVAPV: func(obj any) ([]string, error) {
+		if va, ok := obj.(*storagev1.VolumeAttachment); ok && va.Spec.Attacher == driverName && va.Spec.Source.PersistentVolumeName != nil {
+			return []string{*va.Spec.Source.PersistentVolumeName}, nil
+		}
+		return nil, nil
+	}}); err != nil {
+		return nil, err
+	}
 	// Every pod of the guest stays in memory: keep only what the decision
 	// reads.
 	if err := g.pods.SetTransform(trimPod); err != nil {
@@ -59,14 +84,71 @@ func (g *GuestClaims) Start(stop <-chan struct{}) {
 	close(g.started)
 }
 
-// Synced reports whether the pod cache has listed once.
+// Synced reports whether the pod and VolumeAttachment caches have listed
+// once.
 func (g *GuestClaims) Synced() bool {
 	select {
 	case <-g.started:
-		return g.pods.HasSynced()
+		return g.pods.HasSynced() && g.attachments.HasSynced()
 	default:
 		return false
 	}
+}
+
+// Attachment is one of this driver's guest VolumeAttachments of a volume.
+type Attachment struct {
+	Name, Node string
+	// VM is the node ID of the Node: the VM it runs on.
+	VM       string
+	Attached bool
+	// Deleting: the attach/detach controller detaches it, which it does
+	// only once the Node no longer uses the volume (or gave up waiting).
+	Deleting bool
+}
+
+func (a Attachment) String() string {
+	return fmt.Sprintf("%s (node %s, VM %s, attached %t)", a.Name, a.Node, a.VM, a.Attached)
+}
+
+// Attachments implements GuestAttachments: this driver's VolumeAttachments
+// of the volume's guest PV, sorted by name. fresh lists them from the API
+// server instead of the cache.
+func (g *GuestClaims) Attachments(ctx context.Context, volume string, fresh bool) ([]Attachment, error) {
+	if !fresh && !g.Synced() {
+		return nil, errors.New("the guest pod and VolumeAttachment caches have not synced (the controller needs list and watch on pods and volumeattachments)")
+	}
+	pv, err := g.guestPV(ctx, volume)
+	if err != nil || pv == nil {
+		return nil, err // no guest PV: nothing can be attached
+	}
+	var vas []*storagev1.VolumeAttachment
+	if fresh {
+		list, err := g.client.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return nil, fmt.Errorf("list guest VolumeAttachments: %w", err)
+		}
+		for i := range list.Items {
+			vas = append(vas, &list.Items[i])
+		}
+	} else {
+		objs, err := g.attachments.GetIndexer().ByIndex(indexVAPV, pv.Name)
+		if err != nil {
+			return nil, err
+		}
+		for _, o := range objs {
+			vas = append(vas, o.(*storagev1.VolumeAttachment))
+		}
+	}
+	var out []Attachment
+	for _, va := range vas {
+		if va.Spec.Attacher != g.driver || va.Spec.Source.PersistentVolumeName == nil || *va.Spec.Source.PersistentVolumeName != pv.Name {
+			continue
+		}
+		out = append(out, Attachment{Name: va.Name, Node: va.Spec.NodeName, VM: g.vmOf(va.Spec.NodeName),
+			Attached: va.Status.Attached, Deleting: va.DeletionTimestamp != nil})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out, nil
 }
 
 // Users implements ClaimUsers.
@@ -179,4 +261,18 @@ func trimPod(obj any) (any, error) {
 		}
 	}
 	return out, nil
+}
+
+// trimAttachment keeps what Attachments reads of a VolumeAttachment.
+func trimAttachment(obj any) (any, error) {
+	va, ok := obj.(*storagev1.VolumeAttachment)
+	if !ok {
+		return obj, nil
+	}
+	return &storagev1.VolumeAttachment{
+		ObjectMeta: metav1.ObjectMeta{Name: va.Name, UID: va.UID, ResourceVersion: va.ResourceVersion, DeletionTimestamp: va.DeletionTimestamp},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: va.Spec.Attacher, NodeName: va.Spec.NodeName,
+			Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: va.Spec.Source.PersistentVolumeName}},
+		Status: storagev1.VolumeAttachmentStatus{Attached: va.Status.Attached},
+	}, nil
 }

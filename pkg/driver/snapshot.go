@@ -32,12 +32,21 @@ func (s *controllerService) CreateSnapshot(ctx context.Context, req *csi.CreateS
 	if !validObjectName(req.GetSourceVolumeId()) {
 		return nil, notAVolume(req.GetSourceVolumeId())
 	}
-	switch t := req.GetParameters()[paramSnapshotType]; t {
-	case "", "snapshot":
-	case snapshotTypeBackup:
-		return s.createBackup(ctx, req)
-	default:
+	t := req.GetParameters()[paramSnapshotType]
+	if t != "" && t != "snapshot" && t != snapshotTypeBackup {
 		return nil, status.Errorf(codes.InvalidArgument, "snapshot class parameter type %q is not supported: use %q for a Harvester backup, or leave it unset for a host snapshot", t, snapshotTypeBackup)
+	}
+	// A host snapshot and a backup share one name space on the host: calls
+	// of this process for one name go one at a time, so the second sees
+	// what the first made (another process is settled on the host, see
+	// pkg/host CreateBackup).
+	release, err := s.snapNames.lock(ctx, hostPVCName(req.GetName()))
+	if err != nil {
+		return nil, status.Errorf(codes.Aborted, "snapshot %s: another call for that name is still in progress: %v", req.GetName(), err)
+	}
+	defer release()
+	if t == snapshotTypeBackup {
+		return s.createBackup(ctx, req)
 	}
 	snap, err := s.volumes.CreateSnapshot(ctx, hostPVCName(req.GetName()), req.GetSourceVolumeId())
 	var mismatch *host.SnapshotMismatchError

@@ -2,6 +2,7 @@ package host
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/validation"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/util/retry"
 )
 
@@ -106,7 +108,8 @@ func (e *NotServedError) Unwrap() error { return e.Err }
 // returns the existing one when it backs up the same volume: the snapshotter
 // calls again until the backup is complete. The name must not be taken by a
 // host VolumeSnapshot of this driver either: Harvester's backup controller
-// takes its snapshot under the backup's name and would adopt that one.
+// takes its snapshot under the backup's name and would adopt that one
+// (settleNameRace says how a concurrent one is settled).
 func (c *Client) CreateBackup(ctx context.Context, name, volume string) (*Backup, error) {
 	backups := c.Dynamic.Resource(BackupResource).Namespace(c.Namespace)
 	existing, err := backups.Get(ctx, name, metav1.GetOptions{})
@@ -120,11 +123,10 @@ func (c *Client) CreateBackup(ctx context.Context, name, volume string) (*Backup
 	case !apierrors.IsNotFound(err):
 		return nil, err
 	}
-	snap, err := c.Dynamic.Resource(snapshotResource).Namespace(c.Namespace).Get(ctx, name, metav1.GetOptions{})
-	switch {
-	case err == nil && !ownedBy(snap, BackupKind, name):
-		return nil, &BackupMismatchError{Kind: BackupKind, Name: name, Why: "a host snapshot (not a backup) has that name"}
-	case err != nil && !apierrors.IsNotFound(err):
+	if taken, err := c.foreignSnapshot(ctx, name); err != nil || taken {
+		if err == nil {
+			err = &BackupMismatchError{Kind: BackupKind, Name: name, Why: "a host snapshot (not a backup) has that name"}
+		}
 		return nil, err
 	}
 	if _, err := c.GetVolume(ctx, volume); err != nil {
@@ -152,7 +154,102 @@ func (c *Client) CreateBackup(ctx context.Context, name, volume string) (*Backup
 	if err != nil {
 		return nil, err
 	}
+	if err := c.settleNameRace(ctx, name, created); err != nil {
+		return nil, err
+	}
 	return backupFrom(created), nil
+}
+
+// nameRaceWait bounds how long a new backup waits for a host snapshot of the
+// same name, created at the same time, to withdraw (settleNameRace).
+const nameRaceWait = 10 * time.Second
+
+// settleNameRace is the backup side's second check. A host snapshot and a
+// backup share one namespace of names
+// (Harvester's backup controller takes the VolumeSnapshot named after the
+// backup for the backup's own: harvester/harvester pkg/volumeremotebackup/
+// longhorn/backup.go, getVolumeSnapshotForRemoteBackup reads it by name and
+// checks no owner). Two calls for one name, possibly from two controller
+// processes, each check the other kind before creating their object and
+// again after; the second check settles the race:
+//
+//   - the host snapshot side withdraws (deletes its snapshot, AlreadyExists)
+//     whenever it sees a backup;
+//   - the backup side, seeing a host snapshot, waits up to nameRaceWait for
+//     it to withdraw; if it does not, it withdraws itself.
+//
+// Whichever of the two creates came first, exactly one object stays: if the
+// snapshot side saw the backup, it withdraws, and the backup side sees that;
+// if it did not, its check came before the backup existed, so it has
+// answered already and its snapshot stays, and the backup side withdraws.
+// Creation timestamps (whole seconds) cannot order two creates in one second,
+// so they are not used. Only the call that created the object checks after
+// creating; a retry that finds it keeps it. The snapshot side never waits,
+// so the foreign snapshot a backup might be shown lasts as short as possible.
+func (c *Client) settleNameRace(ctx context.Context, name string, created *unstructured.Unstructured) error {
+	taken, err := c.foreignSnapshot(ctx, name)
+	if err == nil && taken {
+		waitCtx, cancel := context.WithTimeout(ctx, nameRaceWait)
+		err = wait.PollUntilContextCancel(waitCtx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+			taken, err := c.foreignSnapshot(ctx, name)
+			return !taken, err
+		})
+		cancel()
+		if err == nil {
+			return nil // the snapshot withdrew
+		}
+		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+			err = nil // it stays: this backup withdraws
+		}
+	}
+	if err == nil && !taken {
+		return nil
+	}
+	if derr := c.deleteOwn(ctx, BackupResource, created); derr != nil {
+		return fmt.Errorf("backup %s/%s lost its name to a host snapshot and could not be deleted: %w", c.Namespace, name, derr)
+	}
+	if err != nil {
+		return err
+	}
+	return &BackupMismatchError{Kind: BackupKind, Name: name, Why: "a host snapshot (not a backup) was created with that name at the same time"}
+}
+
+// foreignSnapshot reports whether a host VolumeSnapshot name exists that is
+// not Harvester's for the backup of that name, and is not being deleted.
+func (c *Client) foreignSnapshot(ctx context.Context, name string) (bool, error) {
+	snap, err := c.Dynamic.Resource(snapshotResource).Namespace(c.Namespace).Get(ctx, name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return false, nil
+	case err != nil:
+		return false, err
+	}
+	return snap.GetDeletionTimestamp() == nil && !ownedBy(snap, BackupKind, name), nil
+}
+
+// liveBackup reports whether a VolumeRemoteBackup name exists and is not
+// being deleted. A host without the kind, or an identity that may not read
+// it, has none of this driver's.
+func (c *Client) liveBackup(ctx context.Context, name string) (bool, error) {
+	b, err := c.Dynamic.Resource(BackupResource).Namespace(c.Namespace).Get(ctx, name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err), apierrors.IsForbidden(err):
+		return false, nil
+	case err != nil:
+		return false, err
+	}
+	return b.GetDeletionTimestamp() == nil, nil
+}
+
+// deleteOwn deletes the object this call created, and no other of its name
+// (a UID precondition).
+func (c *Client) deleteOwn(ctx context.Context, gvr schema.GroupVersionResource, obj *unstructured.Unstructured) error {
+	uid := obj.GetUID()
+	err := c.Dynamic.Resource(gvr).Namespace(obj.GetNamespace()).Delete(ctx, obj.GetName(), metav1.DeleteOptions{Preconditions: &metav1.Preconditions{UID: &uid}})
+	if apierrors.IsNotFound(err) || apierrors.IsConflict(err) {
+		return nil
+	}
+	return err
 }
 
 // GetBackup returns a VolumeRemoteBackup of any namespace (a restore may

@@ -64,3 +64,67 @@ func TestBackupStatus(t *testing.T) {
 		}
 	}
 }
+
+// nameRaceHost is a host with the volume pvc-a and both kinds served.
+func nameRaceHost() (*Client, *dynfake.FakeDynamicClient) {
+	kube := kubefake.NewClientset(&corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "pvc-a", Namespace: "guests"}})
+	dyn := dynfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schema.GroupVersionResource]string{
+		BackupResource: "VolumeRemoteBackupList", snapshotResource: "VolumeSnapshotList", settingResource: "SettingList",
+	})
+	return &Client{Namespace: "guests", Kube: kube, Dynamic: dyn}, dyn
+}
+
+func raceObject(gvr schema.GroupVersionResource, kind, name string) *unstructured.Unstructured {
+	return &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": gvr.GroupVersion().String(), "kind": kind,
+		"metadata": map[string]any{"name": name, "namespace": "guests"},
+		"spec":     map[string]any{"source": map[string]any{"persistentVolumeClaimName": "pvc-a"}},
+	}}
+}
+
+// A backup of the name created between the host snapshot's two checks wins:
+// the snapshot side deletes its own snapshot and answers that the name is
+// taken.
+func TestHostSnapshotWithdrawsForABackupOfItsName(t *testing.T) {
+	c, dyn := nameRaceHost()
+	dyn.PrependReactor("create", snapshotResource.Resource, func(k8stesting.Action) (bool, runtime.Object, error) {
+		// Another controller's backup lands right after this create.
+		err := dyn.Tracker().Create(BackupResource, raceObject(BackupResource, BackupKind, "snap-1"), "guests")
+		return false, nil, err
+	})
+	_, err := c.CreateSnapshot(context.Background(), "snap-1", "pvc-a")
+	var taken *BackupMismatchError
+	if !errors.As(err, &taken) {
+		t.Fatalf("CreateSnapshot with a backup of its name created meanwhile: %v, want a BackupMismatchError", err)
+	}
+	if _, err := dyn.Resource(snapshotResource).Namespace("guests").Get(context.Background(), "snap-1", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the host snapshot that lost its name is still there: %v", err)
+	}
+	if _, err := dyn.Resource(BackupResource).Namespace("guests").Get(context.Background(), "snap-1", metav1.GetOptions{}); err != nil {
+		t.Errorf("the backup that won is gone: %v", err)
+	}
+}
+
+// A host snapshot of the name created between the backup's two checks, that
+// then withdraws (its side saw the backup), leaves the backup the winner.
+func TestBackupWinsWhenTheHostSnapshotWithdraws(t *testing.T) {
+	c, dyn := nameRaceHost()
+	dyn.PrependReactor("create", BackupResource.Resource, func(k8stesting.Action) (bool, runtime.Object, error) {
+		err := dyn.Tracker().Create(snapshotResource, raceObject(snapshotResource, "VolumeSnapshot", "snap-2"), "guests")
+		return false, nil, err
+	})
+	gets := 0
+	dyn.PrependReactor("get", snapshotResource.Resource, func(k8stesting.Action) (bool, runtime.Object, error) {
+		if gets++; gets == 3 { // the snapshot side withdraws while the backup waits
+			return false, nil, dyn.Tracker().Delete(snapshotResource, "guests", "snap-2")
+		}
+		return false, nil, nil
+	})
+	b, err := c.CreateBackup(context.Background(), "snap-2", "pvc-a")
+	if err != nil || b.Name != "snap-2" {
+		t.Fatalf("CreateBackup whose rival host snapshot withdrew: %v, %v; want the backup", b, err)
+	}
+	if _, err := dyn.Resource(BackupResource).Namespace("guests").Get(context.Background(), "snap-2", metav1.GetOptions{}); err != nil {
+		t.Errorf("the backup that won is gone: %v", err)
+	}
+}

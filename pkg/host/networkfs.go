@@ -277,3 +277,21 @@ func (c *Client) StorageClassProvisioner(ctx context.Context, name string) (prov
 	}
 	return sc.Provisioner, true, nil
 }
+
+// ListNetworkFS lists the NetworkFilesystems (all of networkfs-manager's
+// namespace: one per Longhorn volume).
+func (c *Client) ListNetworkFS(ctx context.Context) ([]NetworkFS, error) {
+	list, err := c.Dynamic.Resource(NetworkFSResource).Namespace(NetworkFSNamespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]NetworkFS, 0, len(list.Items))
+	for i := range list.Items {
+		n, err := networkFSFrom(&list.Items[i])
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, *n)
+	}
+	return out, nil
+}

@@ -52,7 +52,9 @@ func (e *SnapshotMismatchError) Error() string {
 
 // CreateSnapshot creates the host VolumeSnapshot of a volume's host PVC, or
 // returns the existing one of that name when it has the same source: the
-// snapshotter retries CreateSnapshot until the snapshot is ready.
+// snapshotter retries CreateSnapshot until the snapshot is ready. The name
+// must not be a backup's (settleNameRace in backup.go says how a concurrent
+// one is settled).
 func (c *Client) CreateSnapshot(ctx context.Context, name, volume string) (*Snapshot, error) {
 	snaps := c.Dynamic.Resource(snapshotResource).Namespace(c.Namespace)
 	if existing, err := snaps.Get(ctx, name, metav1.GetOptions{}); err == nil {
@@ -66,6 +68,12 @@ func (c *Client) CreateSnapshot(ctx context.Context, name, volume string) (*Snap
 		}
 		return s, nil
 	} else if !apierrors.IsNotFound(err) {
+		return nil, err
+	}
+	if taken, err := c.liveBackup(ctx, name); err != nil || taken {
+		if err == nil {
+			err = &BackupMismatchError{Kind: "host snapshot", Name: name, Why: "a backup " + c.Namespace + "/" + name + " has that name"}
+		}
 		return nil, err
 	}
 	pvc, err := c.GetVolume(ctx, volume)
@@ -100,6 +108,18 @@ func (c *Client) CreateSnapshot(ctx context.Context, name, volume string) (*Snap
 		return c.CreateSnapshot(ctx, name, volume) // lost a race with a retry of ourselves
 	}
 	if err != nil {
+		return nil, err
+	}
+	// A backup of the same name created since the check above wins: its
+	// side may already have answered, and Harvester's backup controller
+	// would take this snapshot for the backup's own.
+	if taken, err := c.liveBackup(ctx, name); err != nil || taken {
+		if derr := c.deleteOwn(ctx, snapshotResource, created); derr != nil {
+			return nil, fmt.Errorf("host snapshot %s lost its name to a backup and could not be deleted: %w", name, derr)
+		}
+		if err == nil {
+			err = &BackupMismatchError{Kind: "host snapshot", Name: name, Why: "a backup " + c.Namespace + "/" + name + " was created with that name at the same time"}
+		}
 		return nil, err
 	}
 	return snapshotFrom(created), nil

@@ -19,6 +19,14 @@ const (
 	VolumeLabelValue = "driver.harvesterhci.io"
 )
 
+// AccessModeAnnotation on a host PVC says the guest volume was created
+// ReadWriteMany (AccessModeShared): on the host both kinds are ReadWriteMany
+// PVCs, and a shared one has its NetworkFilesystem only once it is bound.
+const (
+	AccessModeAnnotation = "driver.harvesterhci.io/access-mode"
+	AccessModeShared     = "ReadWriteMany"
+)
+
 // VolumeSpec is the shape of a host PVC backing one guest volume.
 type VolumeSpec struct {
 	Name         string

@@ -3,8 +3,10 @@ package integration
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -15,6 +17,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/utils/ptr"
 
@@ -27,10 +30,14 @@ import (
 
 var backupParams = map[string]string{"type": "backup"}
 
+var volumeSnapshots = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}
+
 type backupSuite struct {
 	h   *framework.Host
 	c   csi.ControllerClient
 	dyn dynamic.Interface
+	// c2 is a second controller process on the same host.
+	c2 csi.ControllerClient
 }
 
 // TestBackups runs backup snapshots and restores from them against the
@@ -39,11 +46,68 @@ func TestBackups(t *testing.T) {
 	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_7_0, Scale: scale})
 	ctrl := h.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig(),
 		Driver: driver.ControllerOptions{HostStorageClass: kubevirtsim.DefaultStorageClass}})
-	s := &backupSuite{h: h, c: ctrl.Client, dyn: dynamic.NewForConfigOrDie(h.Env.Config)}
+	ctrl2 := h.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig(),
+		Driver: driver.ControllerOptions{HostStorageClass: kubevirtsim.DefaultStorageClass}})
+	s := &backupSuite{h: h, c: ctrl.Client, c2: ctrl2.Client, dyn: dynamic.NewForConfigOrDie(h.Env.Config)}
 	t.Run("BackupRestoreDelete", s.lifecycle)
 	t.Run("Idempotency", s.idempotency)
 	t.Run("BadInput", s.badInput)
 	t.Run("NotReadyIsRetryable", s.notReady)
+	t.Run("OneNameAsBackupAndSnapshotAtOnce", s.nameRace)
+}
+
+// nameRace asks for one name as a host snapshot and as a backup at the same
+// time, through one controller and through two, many rounds: exactly one
+// call wins, the other answers AlreadyExists, and only the winner's object
+// stays on the host (no host snapshot a backup would take for its own).
+func (s *backupSuite) nameRace(t *testing.T) {
+	// A backup that loses waits for the host snapshot to withdraw first,
+	// up to its bound, in some rounds.
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	defer cancel()
+	vol, err := s.createVolume(ctx, t, "pvc-name-race", 32<<20, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	clients := []csi.ControllerClient{s.c, s.c2}
+	const rounds = 12
+	for i := range rounds {
+		name := fmt.Sprintf("snapshot-race-%d", i)
+		// Rounds alternate between one process and two, and which side
+		// goes through which.
+		snapC, backupC := clients[i%2], clients[(i/2)%2]
+		var wg sync.WaitGroup
+		var snapErr, backupErr error
+		start := make(chan struct{})
+		call := func(c csi.ControllerClient, params map[string]string, out *error) {
+			defer wg.Done()
+			<-start
+			_, *out = untilFinal(ctx, t, func(ctx context.Context) error {
+				_, err := c.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: name, SourceVolumeId: vol.GetVolumeId(), Parameters: params})
+				return err
+			})
+		}
+		wg.Add(2)
+		go call(snapC, nil, &snapErr)
+		go call(backupC, backupParams, &backupErr)
+		close(start)
+		wg.Wait()
+		okSnap, okBackup := snapErr == nil, backupErr == nil
+		if okSnap == okBackup || (!okSnap && status.Code(snapErr) != codes.AlreadyExists) || (!okBackup && status.Code(backupErr) != codes.AlreadyExists) {
+			t.Fatalf("round %d: host snapshot answered %v, backup answered %v; want exactly one OK and the other AlreadyExists", i, snapErr, backupErr)
+		}
+		t.Logf("round %d (snapshot through controller %d, backup through %d): snapshot %v, backup %v", i, i%2, (i/2)%2, status.Code(snapErr), status.Code(backupErr))
+		vs, vsErr := s.dyn.Resource(volumeSnapshots).Namespace(s.h.Namespace).Get(ctx, name, metav1.GetOptions{})
+		vrb, vrbErr := s.dyn.Resource(host.BackupResource).Namespace(s.h.Namespace).Get(ctx, name, metav1.GetOptions{})
+		liveBackup := vrbErr == nil && vrb.GetDeletionTimestamp() == nil
+		foreignSnap := vsErr == nil && vs.GetDeletionTimestamp() == nil && metav1.GetControllerOf(vs) == nil
+		if okBackup && (!liveBackup || foreignSnap) {
+			t.Fatalf("round %d: the backup won, but on the host: backup %v (live %t), a host snapshot not the backup's: %t", i, vrbErr, liveBackup, foreignSnap)
+		}
+		if okSnap && (liveBackup || !foreignSnap) {
+			t.Fatalf("round %d: the host snapshot won, but on the host: backup live %t, host snapshot %v (live %t)", i, liveBackup, vsErr, foreignSnap)
+		}
+	}
 }
 
 func (s *backupSuite) ctx(t *testing.T) context.Context {

@@ -2,6 +2,8 @@ package integration
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -14,9 +16,11 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -62,6 +66,233 @@ func TestRWX(t *testing.T) {
 	h.CreateVMs(t, "vm-a", "vm-b")
 	t.Run("CreatePublishUnpublishDelete", s.lifecycle)
 	t.Run("BadInput", s.badInput)
+	t.Run("NameOfTheOtherKind", s.nameOfTheOtherKind)
+	t.Run("AttachmentsOfOtherNodesKeepTheExport", s.attachmentsKeepTheExport)
+	t.Run("PublishedNodesAreTheAttachedOnes", s.publishedNodes)
+}
+
+// nameOfTheOtherKind: a name taken by a single-node filesystem volume is
+// not made ReadWriteMany, nor the other way round, also for a shared volume
+// the upstream driver made (no annotation of this driver: judged by its
+// NetworkFilesystem).
+func (s *rwxSuite) nameOfTheOtherKind(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	single := func(name string) error {
+		_, err := s.ctrl.Client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name,
+			VolumeCapabilities: []*csi.VolumeCapability{rwxCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, false)},
+			CapacityRange:      &csi.CapacityRange{RequiredBytes: 1 << 30},
+			Parameters:         map[string]string{"hostStorageClass": kubevirtsim.DefaultStorageClass, "hostVolumeMode": "filesystem"}})
+		return err
+	}
+	expect := func(what string, err error, name string) {
+		t.Helper()
+		if status.Code(err) != codes.AlreadyExists || !strings.Contains(status.Convert(err).Message(), name) {
+			t.Errorf("%s: %v, want AlreadyExists naming %s", what, err, name)
+		}
+	}
+
+	if err := single("pvc-kind-single"); err != nil {
+		t.Fatal(err)
+	}
+	pvc, err := s.host.Kube.CoreV1().PersistentVolumeClaims(s.host.Namespace).Get(ctx, "pvc-kind-single", metav1.GetOptions{})
+	if err != nil || pvc.Spec.VolumeName == "" {
+		t.Fatalf("single-node host PVC: %v, %v; want bound", pvc, err)
+	}
+	_, err = s.ctrl.Client.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-kind-single", VolumeCapabilities: []*csi.VolumeCapability{rwxMount},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30}, Parameters: map[string]string{"hostStorageClass": kubevirtsim.DefaultStorageClass}})
+	expect("RWX under a single-node volume's name", err, "pvc-kind-single")
+	if _, err := s.hc.GetNetworkFS(ctx, pvc.Spec.VolumeName); !apierrors.IsNotFound(err) {
+		t.Errorf("the single-node volume got a NetworkFilesystem: %v", err)
+	}
+
+	vol, _ := s.create(ctx, t, "pvc-kind-shared")
+	expect("single-node under an RWX volume's name", single(vol), vol)
+
+	// As the upstream driver leaves it: no annotation, a NetworkFilesystem.
+	up, _ := s.create(ctx, t, "pvc-kind-upstream")
+	patch := []byte(`{"metadata":{"annotations":{"` + host.AccessModeAnnotation + `":null}}}`)
+	if _, err := s.host.Kube.CoreV1().PersistentVolumeClaims(s.host.Namespace).Patch(ctx, up, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	expect("single-node under an upstream RWX volume's name", single(up), up)
+	if again, _ := s.create(ctx, t, "pvc-kind-upstream"); again != up {
+		t.Errorf("RWX again under the upstream RWX volume's name answered %s, want %s", again, up)
+	}
+}
+
+// guestAttachment writes a VolumeAttachment of this driver for the
+// volume's guest PV on node, attached or not, as the attach/detach
+// controller and the external-attacher would. A finalizer keeps it while
+// it is deleted.
+func (s *rwxSuite) guestAttachment(ctx context.Context, t *testing.T, vol, node string, attached bool) *storagev1.VolumeAttachment {
+	t.Helper()
+	pv := vol
+	va := &storagev1.VolumeAttachment{
+		ObjectMeta: metav1.ObjectMeta{Name: "csi-" + vol + "-" + node, Finalizers: []string{"external-attacher/driver-harvesterhci-io"}},
+		Spec:       storagev1.VolumeAttachmentSpec{Attacher: driver.Name, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pv}},
+	}
+	va, err := s.guest.Kube.StorageV1().VolumeAttachments().Create(ctx, va, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if attached {
+		va.Status.Attached = true
+		if va, err = s.guest.Kube.StorageV1().VolumeAttachments().UpdateStatus(ctx, va, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return va
+}
+
+// removeAttachment deletes a VolumeAttachment and drops its finalizer, as
+// the external-attacher does after the unpublish.
+func (s *rwxSuite) removeAttachment(ctx context.Context, t *testing.T, name string) {
+	t.Helper()
+	vas := s.guest.Kube.StorageV1().VolumeAttachments()
+	if err := vas.Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+	if _, err := vas.Patch(ctx, name, types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`), metav1.PatchOptions{}); err != nil && !apierrors.IsNotFound(err) {
+		t.Fatal(err)
+	}
+}
+
+// guestNode registers a guest Node's CSINode with this driver's node ID,
+// the VM it runs on.
+func (s *rwxSuite) guestNode(ctx context.Context, t *testing.T, node, vm string) {
+	t.Helper()
+	cn := &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: node},
+		Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: vm}}}}
+	if _, err := s.guest.Kube.StorageV1().CSINodes().Create(ctx, cn, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		t.Fatal(err)
+	}
+}
+
+// attachmentsKeepTheExport: unpublishing one VM while another node's
+// VolumeAttachment is attached, and no pod uses the claim, leaves the
+// export enabled (kubelet there stages from its attachment without a new
+// publish); the VolumeAttachment of the node being unpublished, being
+// deleted, does not count; once the other one goes, the export is disabled.
+func (s *rwxSuite) attachmentsKeepTheExport(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	s.guestNode(ctx, t, "node-a", "vm-a")
+	s.guestNode(ctx, t, "node-b", "vm-b")
+	vol, pvc := s.create(ctx, t, "pvc-rwx-vas")
+	s.guestClaim(ctx, t, vol, "vas")
+	for _, vm := range []string{"vm-a", "vm-b"} {
+		if _, err := s.publish(ctx, vm, vol); err != nil {
+			t.Fatalf("publish to %s: %v", vm, err)
+		}
+	}
+	vaA := s.guestAttachment(ctx, t, vol, "node-a", true)
+	vaB := s.guestAttachment(ctx, t, vol, "node-b", true)
+	// node-a's pod is gone and its attachment is being deleted: the
+	// attach/detach controller unpublishes vm-a.
+	if err := s.guest.Kube.StorageV1().VolumeAttachments().Delete(ctx, vaA.Name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.ctrl.Client.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: vol, NodeId: "vm-a"}); err != nil {
+		t.Fatalf("unpublish vm-a: %v", err)
+	}
+	if fs, _ := s.hc.GetNetworkFS(ctx, pvc.Spec.VolumeName); fs.Spec.DesiredState != host.NetworkFSEnabled {
+		t.Fatalf("unpublish of vm-a while node-b's VolumeAttachment is attached disabled the export: %s", fs.Describe())
+	}
+	s.removeAttachment(ctx, t, vaA.Name)
+	s.removeAttachment(ctx, t, vaB.Name)
+	if _, err := s.ctrl.Client.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: vol, NodeId: "vm-b"}); err != nil {
+		t.Fatalf("unpublish vm-b: %v", err)
+	}
+	if fs, _ := s.hc.GetNetworkFS(ctx, pvc.Spec.VolumeName); fs.Spec.DesiredState != host.NetworkFSDisabled {
+		t.Fatalf("the last unpublish, with no attachment and no pod left, kept the export: %s", fs.Describe())
+	}
+}
+
+// publishedNodes: ListVolumes and ControllerGetVolume report an RWX volume
+// published to the VMs of its attached VolumeAttachments while its export
+// is enabled, and to none when it is not; a publish to a node ID that names
+// no VM is NotFound; DeleteVolume while a VolumeAttachment exists is
+// FailedPrecondition.
+func (s *rwxSuite) publishedNodes(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	s.guestNode(ctx, t, "node-a", "vm-a")
+	s.guestNode(ctx, t, "node-b", "vm-b")
+	vol, pvc := s.create(ctx, t, "pvc-rwx-list")
+	s.guestClaim(ctx, t, vol, "list")
+
+	_, err := s.ctrl.Client.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol, NodeId: "vm-none", VolumeCapability: rwxMount})
+	if status.Code(err) != codes.NotFound || !strings.Contains(status.Convert(err).Message(), "vm-none") || !strings.Contains(status.Convert(err).Message(), vol) {
+		t.Errorf("publish to a node ID that names no VM: %v, want NotFound naming vm-none and %s", err, vol)
+	}
+	if fs, _ := s.hc.GetNetworkFS(ctx, pvc.Spec.VolumeName); fs.Spec.DesiredState != host.NetworkFSDisabled {
+		t.Errorf("a publish to no VM enabled the export: %s", fs.Describe())
+	}
+
+	for _, vm := range []string{"vm-a", "vm-b"} {
+		if _, err := s.publish(ctx, vm, vol); err != nil {
+			t.Fatalf("publish to %s: %v", vm, err)
+		}
+	}
+	vaA := s.guestAttachment(ctx, t, vol, "node-a", true)
+	vaB := s.guestAttachment(ctx, t, vol, "node-b", false) // still attaching: not published yet
+	reported := func() (list, get []string, err error) {
+		l, err := s.ctrl.Client.ListVolumes(ctx, &csi.ListVolumesRequest{})
+		if err != nil {
+			return nil, nil, err
+		}
+		for _, e := range l.GetEntries() {
+			if e.GetVolume().GetVolumeId() == vol {
+				list = e.GetStatus().GetPublishedNodeIds()
+			}
+		}
+		g, err := s.ctrl.Client.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: vol})
+		return list, g.GetStatus().GetPublishedNodeIds(), err
+	}
+	waitReported := func(what string, want ...string) {
+		t.Helper()
+		testwait.Until(ctx, t, what, func() (bool, string) {
+			list, get, err := reported()
+			return err == nil && slices.Equal(list, want) && slices.Equal(get, want),
+				fmt.Sprintf("ListVolumes %v, ControllerGetVolume %v, err %v; want %v", list, get, err, want)
+		})
+	}
+	waitReported("published to vm-a, whose attachment is attached", "vm-a")
+
+	_, err = s.ctrl.Client.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vol})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(status.Convert(err).Message(), vaA.Name) {
+		t.Errorf("delete while published: %v, want FailedPrecondition naming %s", err, vaA.Name)
+	}
+	if fs, err := s.hc.GetNetworkFS(ctx, pvc.Spec.VolumeName); err != nil || fs.Spec.DesiredState != host.NetworkFSEnabled {
+		t.Errorf("delete while published touched the export: %v, %v", fs, err)
+	}
+
+	vaB.Status.Attached = true
+	if _, err := s.guest.Kube.StorageV1().VolumeAttachments().UpdateStatus(ctx, vaB, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitReported("published to both VMs", "vm-a", "vm-b")
+
+	// The export disabled behind the driver's back: published nowhere, so
+	// that the attacher publishes again.
+	if _, err := s.hc.SetNetworkFSState(ctx, pvc.Spec.VolumeName, host.NetworkFSDisabled); err != nil {
+		t.Fatal(err)
+	}
+	waitReported("published nowhere while the export is disabled")
+	if _, err := s.publish(ctx, "vm-a", vol); err != nil {
+		t.Fatalf("publish again: %v", err)
+	}
+	waitReported("published to both VMs once enabled again", "vm-a", "vm-b")
+
+	s.removeAttachment(ctx, t, vaA.Name)
+	s.removeAttachment(ctx, t, vaB.Name)
+	if _, err := s.ctrl.Client.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: vol}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.ctrl.Client.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vol}); err != nil {
+		t.Errorf("delete once unpublished: %v", err)
+	}
 }
 
 func (s *rwxSuite) create(ctx context.Context, t *testing.T, name string) (string, *corev1.PersistentVolumeClaim) {

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -50,15 +51,24 @@ func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 		}
 	}
 
+	pvName := "pvc-rwx"
+	if _, err := admin.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
+		ObjectMeta: metav1.ObjectMeta{Name: "csi-pvc-rwx-worker-1"},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: driver.Name, NodeName: "rke2-worker-1",
+			Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pvName}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
 	client := asUser(t, ctx, env.Config, "system:serviceaccount:kube-system:harvester-csi-driver", rulesFor(t, "controller"))
-	claims, err := driver.NewGuestClaims(client, driver.Name)
+	claims, err := driver.NewGuestClaims(client, driver.Name, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	claims.Start(ctx.Done())
 	for deadline := time.Now().Add(time.Minute); !claims.Synced(); time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatal("the guest pod cache did not sync with the listed permissions (list/watch of pods refused)")
+			t.Fatal("the guest pod and VolumeAttachment caches did not sync with the listed permissions (list/watch of pods or volumeattachments refused)")
 		}
 	}
 	for _, c := range []struct{ volume, want string }{{"pvc-rwx", "default/app-1 on rke2-worker-1"}, {"vol-other", "default/app-2 on rke2-worker-1"}} {
@@ -67,6 +77,14 @@ func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 			if err != nil || len(users) != 1 || users[0] != c.want {
 				t.Errorf("users of %s (fresh %t) with the listed permissions: %v, %v; want [%s]", c.volume, fresh, users, err, c.want)
 			}
+		}
+	}
+	// Where an RWX volume is published: its VolumeAttachments, cached and
+	// listed afresh.
+	for _, fresh := range []bool{false, true} {
+		atts, err := claims.Attachments(ctx, "pvc-rwx", fresh)
+		if err != nil || len(atts) != 1 || atts[0].Node != "rke2-worker-1" {
+			t.Errorf("attachments of pvc-rwx (fresh %t) with the listed permissions: %v, %v; want the one on rke2-worker-1", fresh, atts, err)
 		}
 	}
 }
