@@ -248,3 +248,40 @@ func TestMonitorDeposedNeverWrites(t *testing.T) {
 		t.Errorf("volumes %v removed after the Lease named replica-b", vms.detached)
 	}
 }
+
+// The end of one term does not undo the start of the next: a term that
+// outlives its successor's start (client-go starts the next term while the
+// last one's workers are still stopping) leaves the successor's queue and
+// leadership in place.
+func TestMonitorTermEndKeepsTheNextTerm(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	nodes, client := startNodes(t, readyNode("worker-1", corev1.ConditionTrue, false), csiNode("worker-1", "vm-1"))
+	vms := &fakeVMs{views: map[string]hotplug.VMView{"vm-1": {Exists: true, Running: true, Guest: hotplug.GuestRunning}}}
+	m, err := NewMonitor(MonitorConfig{Identity: "replica-a"}, client, nodes, vms, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	startTerm := func() (context.CancelFunc, <-chan struct{}) {
+		tctx, end := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); m.lead(tctx, func(error) {}) }()
+		return end, done
+	}
+	end1, done1 := startTerm()
+	testwait.Until(ctx, t, "the first term", testwait.Bool(m.Leading))
+	first := m.current.Load()
+	end2, done2 := startTerm()
+	defer func() { end2(); <-done2 }()
+	testwait.Until(ctx, t, "the second term", func() (bool, string) { return m.current.Load() != first, "first term current" })
+	second := m.current.Load()
+	end1()
+	<-done1
+	if m.current.Load() != second || !m.Leading() {
+		t.Fatalf("the first term's end cleared the second: current %p, want %p, leading %v", m.current.Load(), second, m.Leading())
+	}
+	if second.queue.ShuttingDown() {
+		t.Error("the first term's end shut the second term's queue down")
+	}
+}
