@@ -308,6 +308,8 @@ func (m *Monitor) sync(t *term, name string) error {
 	case view.Guest != hotplug.GuestAbsent && view.Guest != hotplug.GuestEnded:
 		logger.V(3).Info("guest node NotReady, but its guest may be running: left alone", "guest", view.Guest.String())
 		return nil
+	case tainted && len(view.Volumes) == 0:
+		return nil // fenced, and nothing left to release
 	}
 	stopped, why, err := m.vms.GuestStopped(ctx, vm)
 	if err != nil {
@@ -346,14 +348,14 @@ func (m *Monitor) hostReadFailed(ctx context.Context, err error) error {
 // written with this process's own clock, and no other replica takes the
 // lease before it has seen that renewal unchanged for the lease duration.
 // Another holder ends the term.
-func (m *Monitor) confirm(t *term) (time.Time, error) {
-	lease, err := m.client.CoordinationV1().Leases(m.cfg.LeaseNamespace).Get(t.ctx, m.cfg.LeaseName, metav1.GetOptions{})
+func (m *Monitor) confirm(ctx context.Context, t *term) (time.Time, error) {
+	lease, err := m.client.CoordinationV1().Leases(m.cfg.LeaseNamespace).Get(ctx, m.cfg.LeaseName, metav1.GetOptions{})
 	if err != nil {
 		return time.Time{}, fmt.Errorf("confirm the lease before writing: %w", err)
 	}
 	if holder := ptr.Deref(lease.Spec.HolderIdentity, ""); holder != m.cfg.Identity {
 		err := fmt.Errorf("lease %s/%s held by %q: %w", m.cfg.LeaseNamespace, m.cfg.LeaseName, holder, errDeposed)
-		klog.FromContext(t.ctx).Info("guest node monitor: deposed, term ended before writing", "holder", holder)
+		klog.FromContext(ctx).Info("guest node monitor: deposed, term ended before writing", "holder", holder)
 		t.end(err)
 		return time.Time{}, err
 	}
@@ -371,7 +373,7 @@ func (m *Monitor) confirm(t *term) (time.Time, error) {
 // updateNode writes the Node after confirming the lease, with the lease's
 // end as the request's deadline.
 func (m *Monitor) updateNode(ctx context.Context, t *term, node *corev1.Node) error {
-	until, err := m.confirm(t)
+	until, err := m.confirm(ctx, t)
 	if err != nil {
 		return err
 	}
@@ -427,7 +429,7 @@ func (m *Monitor) release(ctx context.Context, t *term, node *corev1.Node, vm st
 	if len(volumes) == 0 {
 		return nil
 	}
-	until, err := m.confirm(t)
+	until, err := m.confirm(ctx, t)
 	if err != nil {
 		return err
 	}
