@@ -329,10 +329,14 @@ func controllerFlows(ctx context.Context, t *testing.T, h *framework.Host, ctrl 
 
 	rwxFlow(ctx, t, c, vm, prefix)
 
-	// The guest node monitor's fresh read before it fences a Node: the VMI
-	// and the VM's virt-launcher pods (the simulator runs none).
+	// The guest node monitor's fresh read before it fences a Node: the VMI,
+	// and for a VMI that is gone or ended the VM's virt-launcher pods (the
+	// simulator runs none).
 	if stopped, why, err := hc.GuestStopped(ctx, vm); err != nil || stopped {
 		t.Errorf("guest node monitor: GuestStopped(%s) = %v (%s), %v; want a running guest read without refusal", vm, stopped, why, err)
+	}
+	if pods, err := hc.LiveLauncherPods(ctx, vm); err != nil || len(pods) != 0 {
+		t.Errorf("guest node monitor: launcher pods of %s: %v, %v; want none, read without refusal", vm, pods, err)
 	}
 
 	// The node plugin finds its VM with the same identity.
