@@ -238,10 +238,13 @@ func TestNodeMonitorSparesALiveLauncher(t *testing.T) {
 	}
 	g.SetReady(t, node, corev1.ConditionUnknown)
 	// The monitor lists the launcher pods only for a NotReady Node whose VMI
-	// it does not see running: once it has, it has decided.
-	testwait.Until(ctx, t, "the monitor's read of the launcher pods", func() (bool, string) {
+	// it does not see running: once it has, it has decided. A monitor that
+	// does not ask fences or unplugs instead.
+	testwait.Until(ctx, t, "the monitor's read of the launcher pods (or a fence)", func() (bool, string) {
 		st := h.Sim.Stats()
-		return st.Answers[kubevirtsim.RequestKey{Verb: "list", Resource: "pods"}][200] > 0, fmt.Sprint(st.Answers)
+		n, err := g.Kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		fenced := err == nil && hasOutOfServiceTaint(n) || len(s.attachedTo(vols[0], vm)) == 0
+		return fenced || st.Answers[kubevirtsim.RequestKey{Verb: "list", Resource: "pods"}][200] > 0, fmt.Sprint(st.Answers)
 	})
 	if n, err := g.Kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{}); err != nil || hasOutOfServiceTaint(n) {
 		t.Fatalf("node with a running launcher pod was fenced: %v %+v", err, n.Spec.Taints)
