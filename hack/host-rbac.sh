@@ -94,6 +94,7 @@ ns      subresources.kubevirt.io  virtualmachines/addvolume            update   
 ns      subresources.kubevirt.io  virtualmachines/removevolume         update                 -
 ns      subresources.kubevirt.io  virtualmachineinstances/removevolume update                 -
 ns      ""                        persistentvolumeclaims               get,list,watch,create,update,delete -
+ns      ""                        pods                                 list                   -
 ns      snapshot.storage.k8s.io   volumesnapshots                      get,list,create,delete -
 ns      harvesterhci.io           volumeremotebackups                  get,list,create,delete -
 ns      harvesterhci.io           volumeremoterestores                 get,create,delete      -

@@ -246,8 +246,18 @@ func (m monitorVMs) View(vm string) hotplug.VMView {
 	return hotplug.VMView{}
 }
 
-func (m monitorVMs) Detach(ctx context.Context, vm, volume string) error {
-	return m.c.Detach(ctx, vm, volume)
+func (m monitorVMs) GuestStopped(ctx context.Context, vm string) (bool, string, error) {
+	ctx, cancel := context.WithTimeout(ctx, hostCallTimeout)
+	defer cancel()
+	return m.c.cfg.Host.GuestStopped(ctx, vm)
+}
+
+func (m monitorVMs) DetachBefore(ctx context.Context, vm, volume string, deadline time.Time) error {
+	q := m.c.queue.Load()
+	if q == nil {
+		return hotplug.ErrNotReady
+	}
+	return q.DetachBefore(ctx, vm, volume, deadline)
 }
 
 // The controller service reaches the queue through these, so that it can be

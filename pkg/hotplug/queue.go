@@ -156,8 +156,12 @@ type intent struct {
 	// host (zero: never). It splits an intent's time into the queue's hold
 	// and KubeVirt's own work.
 	written time.Time
-	done    chan struct{} // closed when err is final
-	err     error
+	// until, when set, is the deadline of the only callers that want this
+	// detach (DetachBefore): it is written only before then, and dropped
+	// at the first attempt after. A caller without a deadline clears it.
+	until time.Time
+	done  chan struct{} // closed when err is final
+	err   error
 }
 
 const indexClaim = "claim"
@@ -353,6 +357,24 @@ func (q *Queue) Attach(ctx context.Context, vm, volume string, exclusive bool) e
 // Detach blocks until the volume is observed gone from the VM and its VMI, the
 // intent is superseded or rejected, or ctx ends (the intent stays queued).
 func (q *Queue) Detach(ctx context.Context, vm, volume string) error {
+	return q.detach(ctx, vm, volume, time.Time{})
+}
+
+// DetachBefore is Detach for a caller whose right to detach ends at deadline
+// (the guest node monitor, whose lease may pass to another replica then).
+// The change goes to the host only before deadline: it is checked right
+// before each attempt, and the attempt's requests carry the deadline. After
+// it, unless a caller without a deadline joined, the intent is dropped and its
+// callers get an ExpiredError; a caller gone on ctx's end leaves the intent
+// queued until then, never longer.
+func (q *Queue) DetachBefore(ctx context.Context, vm, volume string, deadline time.Time) error {
+	if deadline.IsZero() {
+		return errors.New("hotplug: DetachBefore needs a deadline")
+	}
+	return q.detach(ctx, vm, volume, deadline)
+}
+
+func (q *Queue) detach(ctx context.Context, vm, volume string, until time.Time) error {
 	if !q.Ready() {
 		return ErrNotReady
 	}
@@ -371,7 +393,15 @@ func (q *Queue) Detach(ctx context.Context, vm, volume string) error {
 		q.mu.Unlock()
 		return nil
 	}
+	prev := w.intents[volume]
+	joined := prev != nil && prev.op == Detach
 	it := q.setIntentLocked(ctx, w, key, volume, Detach)
+	switch {
+	case until.IsZero():
+		it.until = time.Time{}
+	case !joined, !it.until.IsZero() && it.until.Before(until):
+		it.until = until
+	}
 	failed := w.failed
 	q.mu.Unlock()
 	return q.await(ctx, key, it, failed)

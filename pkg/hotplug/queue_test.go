@@ -641,3 +641,42 @@ func TestSplitOfAnIntentsTime(t *testing.T) {
 		t.Errorf("written after 2s: held %v host %v, want 2s and 3s", held, host)
 	}
 }
+
+// A DetachBefore whose deadline passed before the batch is never written: its
+// caller gets an ExpiredError and the volume stays. A caller without a
+// deadline that wants the same detach is not held back by it.
+func TestDetachBeforeIsNotWrittenAfterItsDeadline(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, vol := range []string{"pvc-a", "pvc-b"} {
+		if err := q.Attach(ctx, "vm1", vol, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+	applies, _, _ := f.stats()
+	var expired *ExpiredError
+	if err := q.DetachBefore(ctx, "vm1", "pvc-a", time.Now().Add(-time.Millisecond)); !errors.As(err, &expired) {
+		t.Fatalf("detach after its deadline answered %v, want an ExpiredError", err)
+	}
+	if got, _, _ := f.stats(); got != applies {
+		t.Errorf("backend called %d more times for an expired detach, want 0", got-applies)
+	}
+	if !q.observe(q.key("vm1")).attached("pvc-a") {
+		t.Error("pvc-a left the VM after its detach expired")
+	}
+
+	plain := make(chan error, 1)
+	go func() { plain <- q.Detach(ctx, "vm1", "pvc-b") }()
+	waitPending(t, q, "vm1", 1)
+	if err := q.DetachBefore(ctx, "vm1", "pvc-b", time.Now().Add(-time.Millisecond)); err != nil {
+		t.Errorf("expired detach joining a plain one answered %v, want nil", err)
+	}
+	if err := <-plain; err != nil {
+		t.Errorf("plain detach: %v", err)
+	}
+	if q.observe(q.key("vm1")).attached("pvc-b") {
+		t.Error("pvc-b is still on the VM")
+	}
+}

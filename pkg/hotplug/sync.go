@@ -159,6 +159,7 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 	for attempt := 0; ; attempt++ {
 		q.mu.Lock()
 		pending = q.confirmLocked(ctx, key, pending, live, claims)
+		until := q.untilLocked(key, pending)
 		q.mu.Unlock()
 		if len(pending) == 0 {
 			return nil
@@ -166,7 +167,7 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 		q.metrics.batchSize.Observe(float64(len(pending)))
 		logger.V(2).Info("applying hotplug changes", "backend", q.backend.Name(), "changes", fmtChanges(pending), "attempt", attempt)
 		start := q.now()
-		actx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
+		actx, cancel := q.attemptContext(ctx, until)
 		outs := q.backend.Apply(actx, key.Name, pending)
 		cancel()
 		q.metrics.applyDuration.Observe(q.now().Sub(start).Seconds())
@@ -287,6 +288,12 @@ func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes
 			delete(w.expect, c.Volume)
 			continue
 		}
+		if !it.until.IsZero() && !now.Before(it.until) {
+			klog.FromContext(ctx).Info("detach dropped before writing it: its caller's deadline passed", "volume", c.Volume, "deadline", it.until)
+			delete(w.expect, c.Volume)
+			q.finishLocked(w, it, &ExpiredError{Volume: c.Volume, VM: key.Name, Deadline: it.until})
+			continue
+		}
 		if cl, ok := claims[c.Volume]; c.Op == Attach && ok && (!cl.exists || cl.phase != corev1.ClaimBound) {
 			err := &ClaimNotReadyError{Volume: c.Volume, VM: key.Name}
 			if cl.exists {
@@ -319,6 +326,34 @@ func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes
 	}
 	q.dropIfIdleLocked(key)
 	return out
+}
+
+// attemptContext bounds one attempt by the request timeout and by until, the
+// earliest DetachBefore deadline of its changes: no request of the attempt
+// leaves this process after that.
+func (q *Queue) attemptContext(ctx context.Context, until time.Time) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
+	if until.IsZero() {
+		return ctx, cancel
+	}
+	ctx, cancelUntil := context.WithDeadline(ctx, until)
+	return ctx, func() { cancelUntil(); cancel() }
+}
+
+// untilLocked is the earliest deadline of the intents behind changes (zero:
+// none has one).
+func (q *Queue) untilLocked(key cache.ObjectName, changes []Change) time.Time {
+	var until time.Time
+	w := q.work[key]
+	if w == nil {
+		return until
+	}
+	for _, c := range changes {
+		if it := w.intents[c.Volume]; it != nil && !it.until.IsZero() && (until.IsZero() || it.until.Before(until)) {
+			until = it.until
+		}
+	}
+	return until
 }
 
 // record books the backend's outcomes: expectations for what was (or may

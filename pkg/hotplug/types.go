@@ -173,6 +173,18 @@ func (e *RejectedError) Error() string {
 
 func (e *RejectedError) Unwrap() error { return e.Err }
 
+// ExpiredError answers the callers of a DetachBefore whose deadline passed
+// before the detach was written; nothing of it reached the host.
+type ExpiredError struct {
+	Volume, VM string
+	Deadline   time.Time
+}
+
+func (e *ExpiredError) Error() string {
+	return fmt.Sprintf("detach of volume %s from VM %s dropped: its deadline %s passed before it was written",
+		e.Volume, e.VM, e.Deadline.UTC().Format(time.RFC3339Nano))
+}
+
 // ClaimNotReadyError refuses to hot-plug a claim that is gone or not Bound:
 // KubeVirt would put it into the VM's attachment pod anyway, the pod would
 // never start, and no other new volume of that VM would get attached.

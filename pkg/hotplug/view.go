@@ -14,8 +14,11 @@ type VMView struct {
 	// Exists says the VM object is in the cache.
 	Exists bool
 	// Running says the VM's VMI runs: phase Running, not being deleted
-	// and not paused. A guest OS can only be alive then.
+	// and not paused.
 	Running bool
+	// Guest is what the VMI in the cache says of the guest behind the VM;
+	// only GuestAbsent and GuestEnded can turn out to be a stopped guest.
+	Guest GuestState
 	// Volumes lists the volumes of this driver (hot-plugged claims named
 	// after their claim) that the VM spec, a queued legacy request, the
 	// VMI spec or the VMI status still has, sorted.
@@ -25,7 +28,7 @@ type VMView struct {
 // View reads one VM from the informers.
 func (q *Queue) View(vm string) VMView {
 	o := q.observe(q.key(vm))
-	v := VMView{Exists: o.vm != nil, Running: o.running()}
+	v := VMView{Exists: o.vm != nil, Running: o.running(), Guest: GuestStateOf(o.vmi)}
 	seen := map[string]bool{}
 	add := func(name string, claim *kubevirtv1.PersistentVolumeClaimVolumeSource) {
 		if claim != nil && claim.Hotpluggable && claim.ClaimName == name && !seen[name] {
@@ -61,6 +64,58 @@ func (q *Queue) View(vm string) VMView {
 	}
 	slices.Sort(v.Volumes)
 	return v
+}
+
+// GuestState sorts a VMI by whether its guest may still run.
+type GuestState int
+
+const (
+	// GuestAbsent: there is no VMI. KubeVirt keeps a VMI (its finalizer)
+	// until every pod it controls is deleted (kubevirt v1.7.0
+	// pkg/virt-controller/watch/vmi/lifecycle.go, allPodsDeleted), so no
+	// guest runs unless someone removed that finalizer by hand.
+	GuestAbsent GuestState = iota
+	// GuestRunning: phase Running, not paused, not being deleted.
+	GuestRunning
+	// GuestMayRun: the guest may be alive or about to be: phase Unknown
+	// (the host lost contact with the VMI's node, the guest may still
+	// run there), paused (it resumes where it stopped), or not yet
+	// running (Pending, Scheduling, Scheduled, WaitingForSync, unset).
+	GuestMayRun
+	// GuestEnded: phase Succeeded or Failed, or the VMI is being deleted:
+	// the guest is stopped once the VMI's virt-launcher pod is gone too.
+	GuestEnded
+)
+
+func (s GuestState) String() string {
+	switch s {
+	case GuestAbsent:
+		return "no VMI"
+	case GuestRunning:
+		return "running"
+	case GuestMayRun:
+		return "may be running"
+	default:
+		return "ended"
+	}
+}
+
+// GuestStateOf sorts a VMI (nil: none). Unknown wins over a deletion: a VMI
+// whose node the host lost keeps its launcher pod object until that node is
+// dealt with, and the guest may run on behind it.
+func GuestStateOf(vmi *kubevirtv1.VirtualMachineInstance) GuestState {
+	switch {
+	case vmi == nil:
+		return GuestAbsent
+	case vmi.Status.Phase == kubevirtv1.Unknown:
+		return GuestMayRun
+	case vmi.DeletionTimestamp != nil || vmi.IsFinal():
+		return GuestEnded
+	case (observed{vmi: vmi}).running():
+		return GuestRunning
+	default:
+		return GuestMayRun
+	}
 }
 
 // Lost lists the VMs whose spec holds the volume as a finished hotplug while

@@ -2,10 +2,12 @@ package hotplug
 
 import (
 	"context"
+	"fmt"
 	"reflect"
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -25,7 +27,7 @@ func TestViewFollowsTheInformers(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if got, want := q.View("vm1"), (VMView{Exists: true, Running: true, Volumes: []string{"pvc-a", "pvc-b"}}); !reflect.DeepEqual(got, want) {
+	if got, want := q.View("vm1"), (VMView{Exists: true, Running: true, Guest: GuestRunning, Volumes: []string{"pvc-a", "pvc-b"}}); !reflect.DeepEqual(got, want) {
 		t.Errorf("view %+v, want %+v", got, want)
 	}
 	// The VMI goes away (the VM stopped): not running, and the volumes are
@@ -33,9 +35,51 @@ func TestViewFollowsTheInformers(t *testing.T) {
 	if err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Delete(ctx, "vm1", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	testwait.For(t, "VMI gone", 5*time.Second, func() bool { return !q.View("vm1").Running })
+	testwait.For(t, "VMI gone", 5*time.Second, func() bool { v := q.View("vm1"); return !v.Running && v.Guest == GuestAbsent })
 	if got := q.View("vm1").Volumes; !reflect.DeepEqual(got, []string{"pvc-a", "pvc-b"}) {
 		t.Errorf("volumes of the stopped VM: %v", got)
+	}
+}
+
+// Only a VMI that ended (or is being deleted) or no VMI at all can turn out
+// to be a stopped guest; Unknown, paused and starting ones may run.
+func TestGuestStateOf(t *testing.T) {
+	vmi := func(phase kubevirtv1.VirtualMachineInstancePhase, deleting, paused bool) *kubevirtv1.VirtualMachineInstance {
+		v := &kubevirtv1.VirtualMachineInstance{Status: kubevirtv1.VirtualMachineInstanceStatus{Phase: phase}}
+		if deleting {
+			v.DeletionTimestamp = &metav1.Time{}
+		}
+		if paused {
+			v.Status.Conditions = []kubevirtv1.VirtualMachineInstanceCondition{{Type: kubevirtv1.VirtualMachineInstancePaused, Status: corev1.ConditionTrue}}
+		}
+		return v
+	}
+	for _, tc := range []struct {
+		vmi  *kubevirtv1.VirtualMachineInstance
+		want GuestState
+	}{
+		{nil, GuestAbsent},
+		{vmi(kubevirtv1.Running, false, false), GuestRunning},
+		{vmi(kubevirtv1.Running, false, true), GuestMayRun},
+		{vmi(kubevirtv1.Unknown, false, false), GuestMayRun},
+		{vmi(kubevirtv1.Unknown, true, false), GuestMayRun},
+		{vmi(kubevirtv1.Pending, false, false), GuestMayRun},
+		{vmi(kubevirtv1.Scheduling, false, false), GuestMayRun},
+		{vmi(kubevirtv1.Scheduled, false, false), GuestMayRun},
+		{vmi(kubevirtv1.WaitingForSync, false, false), GuestMayRun},
+		{vmi("", false, false), GuestMayRun},
+		{vmi(kubevirtv1.Succeeded, false, false), GuestEnded},
+		{vmi(kubevirtv1.Failed, false, false), GuestEnded},
+		{vmi(kubevirtv1.Running, true, false), GuestEnded},
+		{vmi(kubevirtv1.Running, true, true), GuestEnded},
+	} {
+		name := "none"
+		if tc.vmi != nil {
+			name = fmt.Sprintf("%q deleting=%v paused=%v", tc.vmi.Status.Phase, tc.vmi.DeletionTimestamp != nil, len(tc.vmi.Status.Conditions) > 0)
+		}
+		if got := GuestStateOf(tc.vmi); got != tc.want {
+			t.Errorf("%s: %v, want %v", name, got, tc.want)
+		}
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
@@ -184,4 +185,86 @@ func detachesDone(t *testing.T, c *framework.Controller) uint64 {
 		}
 	}
 	return 0
+}
+
+// TestNodeMonitorSparesALiveLauncher: a VM whose VMI is gone while a
+// virt-launcher pod of it still runs on the host (KubeVirt keeps the VMI until
+// its pods are gone, so this is a VMI whose finalizer was removed by hand) is
+// not known to be stopped: its NotReady Node keeps its pods and its volumes.
+// Once the pod has ended, the Node is fenced and its volumes leave the VM.
+func TestNodeMonitorSparesALiveLauncher(t *testing.T) {
+	f := flavor{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, host.BackendDeclarative, false}
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
+	s := &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}
+	g := framework.StartGuest(t)
+	vm, node := "nl-vm-1", "rke2-nl-1"
+	vols := s.scene(t, "nl", 1, vm)
+	g.AddNode(t, node, vm)
+	ctrl := h.StartController(t, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig(),
+		Guest: g.Env.Config, DetachGuardTimeout: time.Hour, NodeMonitor: true,
+		Monitor: guest.MonitorConfig{Identity: "replica-a", LeaseDuration: 4 * time.Second, RenewDeadline: 3 * time.Second, RetryPeriod: 200 * time.Millisecond}})
+	s.ctrl = ctrl
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	waitLeader(ctx, t, g, map[string]*framework.Controller{"replica-a": ctrl})
+	if err := newAttacher(s.client).publish(ctx, vm, vols[0]); err != nil {
+		t.Fatal(err)
+	}
+
+	vmi, err := s.kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pods := h.Kube.CoreV1().Pods(h.Namespace)
+	pod, err := pods.Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: "virt-launcher-" + vm + "-abcde", Labels: map[string]string{kubevirtv1.AppLabel: "virt-launcher", kubevirtv1.CreatedByLabel: string(vmi.UID)},
+			OwnerReferences: []metav1.OwnerReference{*metav1.NewControllerRef(vmi, kubevirtv1.VirtualMachineInstanceGroupVersionKind)}},
+		Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "compute", Image: "virt-launcher"}}},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pod.Status.Phase = corev1.PodRunning
+	if pod, err = pods.UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	h.Sim.ResetStats()
+	if err := h.Sim.StopVM(ctx, h.Namespace, vm); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Sim.Wait(ctx, h.Namespace, vm, func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool { return vmi == nil }); err != nil {
+		t.Fatal(err)
+	}
+	g.SetReady(t, node, corev1.ConditionUnknown)
+	// The monitor lists the launcher pods only for a NotReady Node whose VMI
+	// it does not see running: once it has, it has decided. A monitor that
+	// does not ask fences or unplugs instead.
+	testwait.Until(ctx, t, "the monitor's read of the launcher pods (or a fence)", func() (bool, string) {
+		st := h.Sim.Stats()
+		n, err := g.Kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		fenced := err == nil && hasOutOfServiceTaint(n) || len(s.attachedTo(vols[0], vm)) == 0
+		return fenced || st.Answers[kubevirtsim.RequestKey{Verb: "list", Resource: "pods"}][200] > 0, fmt.Sprint(st.Answers)
+	})
+	if n, err := g.Kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{}); err != nil || hasOutOfServiceTaint(n) {
+		t.Fatalf("node with a running launcher pod was fenced: %v %+v", err, n.Spec.Taints)
+	}
+	if got := s.attachedTo(vols[0], vm); len(got) == 0 {
+		t.Fatalf("%s left the VM while its launcher pod runs", vols[0])
+	}
+
+	// The launcher ends; the next look at the VM (any change of it) fences.
+	pod.Status.Phase = corev1.PodSucceeded
+	if _, err := pods.UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	touch := []byte(`{"metadata":{"annotations":{"test/touched":"yes"}}}`)
+	if _, err := s.kv.KubevirtV1().VirtualMachines(h.Namespace).Patch(ctx, vm, types.MergePatchType, touch, metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitNode(ctx, t, g, node, "tainted out of service", hasOutOfServiceTaint)
+	testwait.Until(ctx, t, vols[0]+" off the fenced node's VM", func() (bool, string) {
+		got := s.attachedTo(vols[0], vm)
+		return len(got) == 0, fmt.Sprint(got)
+	})
 }

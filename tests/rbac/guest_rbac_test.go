@@ -262,4 +262,8 @@ func (stoppedVM) Synced() bool { return true }
 
 func (stoppedVM) View(string) hotplug.VMView { return hotplug.VMView{Exists: true} }
 
-func (stoppedVM) Detach(context.Context, string, string) error { return nil }
+func (stoppedVM) GuestStopped(context.Context, string) (bool, string, error) {
+	return true, "no VMI and no virt-launcher pod", nil
+}
+
+func (stoppedVM) DetachBefore(context.Context, string, string, time.Time) error { return nil }

@@ -329,6 +329,16 @@ func controllerFlows(ctx context.Context, t *testing.T, h *framework.Host, ctrl 
 
 	rwxFlow(ctx, t, c, vm, prefix)
 
+	// The guest node monitor's fresh read before it fences a Node: the VMI,
+	// and for a VMI that is gone or ended the VM's virt-launcher pods (the
+	// simulator runs none).
+	if stopped, why, err := hc.GuestStopped(ctx, vm); err != nil || stopped {
+		t.Errorf("guest node monitor: GuestStopped(%s) = %v (%s), %v; want a running guest read without refusal", vm, stopped, why, err)
+	}
+	if pods, err := hc.LiveLauncherPods(ctx, vm); err != nil || len(pods) != 0 {
+		t.Errorf("guest node monitor: launcher pods of %s: %v, %v; want none, read without refusal", vm, pods, err)
+	}
+
 	// The node plugin finds its VM with the same identity.
 	src := nodeid.KubeVirtSource(hc.KubeVirt.KubevirtV1().VirtualMachineInstances(hc.Namespace))
 	if vmi, err := src.GetVMI(ctx, vm); err != nil || vmi == nil {
@@ -615,7 +625,10 @@ func checkConfined(ctx context.Context, t *testing.T, h *framework.Host, hc *hos
 		{authzv1.ResourceAttributes{Namespace: other, Verb: "create", Resource: "persistentvolumeclaims"}, false},
 		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "delete", Group: "kubevirt.io", Resource: "virtualmachines"}, false},
 		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "get", Resource: "secrets"}, false},
-		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "list", Resource: "pods"}, false},
+		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "list", Resource: "pods"}, true},
+		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "get", Resource: "pods"}, false},
+		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "watch", Resource: "pods"}, false},
+		{authzv1.ResourceAttributes{Namespace: other, Verb: "list", Resource: "pods"}, false},
 		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "patch", Resource: "persistentvolumeclaims"}, false},
 		{authzv1.ResourceAttributes{Namespace: hc.Namespace, Verb: "create", Group: "harvesterhci.io", Resource: "volumeremotebackups"}, true},
 		{authzv1.ResourceAttributes{Namespace: other, Verb: "get", Group: "harvesterhci.io", Resource: "volumeremotebackups"}, false},
