@@ -319,13 +319,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		}
 		rep.DriverBreakdown = bd
 	}
-	rep.Components = map[string]string{
-		"kubernetes (guest and host control planes, kubelet, scheduler)": "v1.35.4",
-		"csi-attacher":    "external-attacher v4.13.0",
-		"csi-provisioner": "external-provisioner v5.3.0",
-		"csi-resizer":     "external-resizer v1.14.0",
-		"kubevirt":        "simulated (" + r.c.KubeVirt + ")",
-	}
+	rep.Components = components(filepath.Dir(filepath.Dir(r.c.Manifests)), r.c.KubeVirt)
 	if outcome == "done" {
 		rep.WorkloadFailures = workloadFailures(r.c, rep, unstarted)
 	}

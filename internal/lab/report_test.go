@@ -2,7 +2,9 @@ package lab
 
 import (
 	"maps"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -100,5 +102,27 @@ func TestProgressLineFits100Columns(t *testing.T) {
 		inFlight: 999, stuck: 99, violations: 99, attach: monitor.Percentiles{P50: 99.9, P99: 999.9}}
 	if line := p.String(); len(line) > 100 {
 		t.Errorf("progress line is %d columns: %q", len(line), line)
+	}
+}
+
+// The report names the versions tools/ pins, read from this repository.
+func TestComponentsAreThePinnedVersions(t *testing.T) {
+	repo, err := filepath.Abs(filepath.Join("..", ".."))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := components(repo, KubeVirtDeclarative)
+	for name, v := range got {
+		if strings.Contains(v, "unknown") {
+			t.Errorf("%s: %s", name, v)
+		}
+	}
+	mod, err := os.ReadFile(filepath.Join(repo, "tools", "attacher", "go.mod"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ver := strings.TrimPrefix(got["csi-attacher"], "external-attacher ")
+	if !strings.Contains(string(mod), " "+ver) {
+		t.Errorf("csi-attacher %s is not what tools/attacher pins", ver)
 	}
 }

@@ -1,0 +1,31 @@
+package lab
+
+import (
+	"os"
+	"path/filepath"
+	"regexp"
+)
+
+// components names what the lab ran, with the versions tools/ pins (what
+// hack/tools.sh built): read, not written down twice, so the report cannot
+// drift from the binaries.
+func components(repo, kubevirt string) map[string]string {
+	pinned := func(dir, module string) string {
+		data, err := os.ReadFile(filepath.Join(repo, "tools", dir, "go.mod"))
+		if err != nil {
+			return "unknown"
+		}
+		m := regexp.MustCompile(`(?m)^\s*(?:require\s+)?` + regexp.QuoteMeta(module) + `(?:/v\d+)?\s+(v\S+)`).FindSubmatch(data)
+		if m == nil {
+			return "unknown"
+		}
+		return string(m[1])
+	}
+	return map[string]string{
+		"kubernetes (guest and host control planes, kubelet, scheduler)": pinned("kube", "k8s.io/kubernetes"),
+		"csi-attacher":    "external-attacher " + pinned("attacher", "github.com/kubernetes-csi/external-attacher"),
+		"csi-provisioner": "external-provisioner " + pinned("provisioner", "github.com/kubernetes-csi/external-provisioner"),
+		"csi-resizer":     "external-resizer " + pinned("resizer", "github.com/kubernetes-csi/external-resizer"),
+		"kubevirt":        "simulated (" + kubevirt + ")",
+	}
+}
