@@ -134,6 +134,69 @@ func TestNodesOfVM(t *testing.T) {
 	}
 }
 
+// TestNodesOfVMBeyondTheCSINode: the mappings that outlive the node
+// plugin's registration find a VM's Node too: the node ID the
+// external-attacher recorded on a VolumeAttachment, the providerID
+// Harvester's cloud provider writes, and the last CSINode mapping seen.
+// A Node whose CSINode names another VM now is not that VM's.
+func TestNodesOfVMBeyondTheCSINode(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	byProvider := guestNode("rke2-pool-abc")
+	byProvider.Spec.ProviderID = ProviderIDPrefix + "uid-vm-p"
+	moved := attachment("pvc-x", "rke2-moved", "vm-old") // a stale record
+	nodes, client := startNodes(t,
+		guestNode("rke2-va"), attachment("pvc-a", "rke2-va", "vm-va"),
+		byProvider,
+		guestNode("rke2-seen"), csiNode("rke2-seen", "vm-seen"),
+		guestNode("rke2-moved"), csiNode("rke2-moved", "vm-new"), moved,
+		guestNode("vm-named"), // named like a VM, but last registered as another
+		csiNode("vm-named", "vm-other"),
+	)
+	nodes.SetVMUIDs(func(vm string) (types.UID, bool) { return types.UID("uid-" + vm), vm == "vm-p" })
+	for _, name := range []string{"rke2-seen", "vm-named"} {
+		cn := csiNode(name, "")
+		cn.Spec.Drivers = cn.Spec.Drivers[:1]
+		if _, err := client.StorageV1().CSINodes().Update(ctx, cn, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testwait.For(t, "the cache to show the driver unregistered", 10*time.Second, func() bool {
+		return nodes.nodeID("rke2-seen") == "" && nodes.nodeID("vm-named") == ""
+	})
+	for vm, want := range map[string]string{"vm-va": "rke2-va", "vm-p": "rke2-pool-abc", "vm-seen": "rke2-seen", "vm-old": "", "vm-new": "rke2-moved", "vm-named": "", "vm-other": "vm-named"} {
+		var got []string
+		for _, n := range nodes.NodesOfVM(vm) {
+			got = append(got, n.Name)
+		}
+		if strings.Join(got, ",") != want {
+			t.Errorf("nodes of %s = %v, want %q", vm, got, want)
+		}
+	}
+	if got := nodes.VMOfNode("rke2-seen"); got != "vm-seen" {
+		t.Errorf("VM of rke2-seen after its registration went = %s, want vm-seen (last seen)", got)
+	}
+	// A deleted Node takes its last mapping along.
+	if err := client.CoreV1().Nodes().Delete(ctx, "rke2-seen", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.For(t, "the deleted Node's mapping forgotten", 10*time.Second, func() bool { return nodes.VMOfNode("rke2-seen") == "rke2-seen" })
+}
+
+func TestNodesUsing(t *testing.T) {
+	other := guestNode("worker-3")
+	other.Status.VolumesInUse = append(other.Status.VolumesInUse, UniqueVolumeName("other.csi", "pvc-a"))
+	nodes, _ := startNodes(t, guestNode("worker-2", "pvc-a", "pvc-b"), awaiting(guestNode("worker-1"), "pvc-a"), other)
+	for vol, want := range map[string]string{"pvc-a": "worker-1,worker-2", "pvc-b": "worker-2", "pvc-c": ""} {
+		var got []string
+		for _, n := range nodes.NodesUsing(vol) {
+			got = append(got, n.Name)
+		}
+		if strings.Join(got, ",") != want {
+			t.Errorf("nodes using %s = %v, want %q", vol, got, want)
+		}
+	}
+}
+
 func TestGuardRefusesWhileInUseThenForces(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	nodes, _ := startNodes(t, guestNode("worker-1", "pvc-a"), csiNode("worker-1", "vm-1"))
