@@ -223,6 +223,16 @@ func (n *Nodes) Node(name string) (*corev1.Node, bool) {
 	return node, ok
 }
 
+// Attachment returns the cached VolumeAttachment of that name.
+func (n *Nodes) Attachment(name string) (*storagev1.VolumeAttachment, bool) {
+	obj, ok, _ := n.vas.GetStore().GetByKey(name)
+	if !ok {
+		return nil, false
+	}
+	va, ok := obj.(*storagev1.VolumeAttachment)
+	return va, ok
+}
+
 // NodesOfVM returns the guest Nodes that run on VM vm: those whose CSINode
 // gives this driver that node ID, whose VolumeAttachments of this driver
 // record it, whose providerID names the VM's UID, or whose CSINode gave it
@@ -347,10 +357,8 @@ func (n *Nodes) DetachRequested(vm, volumeID string, nodes []string) (time.Time,
 		consider(va)
 	}
 	for _, node := range nodes {
-		if obj, ok, _ := n.vas.GetStore().GetByKey(AttachmentName(volumeID, n.driver, node)); ok {
-			if va, ok := obj.(*storagev1.VolumeAttachment); ok {
-				consider(va)
-			}
+		if va, ok := n.Attachment(AttachmentName(volumeID, n.driver, node)); ok {
+			consider(va)
 		}
 	}
 	return since, !since.IsZero()
