@@ -22,7 +22,7 @@ const DefaultDetachGuardTimeout = 6 * time.Minute
 
 // ErrNotSynced answers while the guest caches are not filled yet: the guard
 // cannot tell whether the guest still uses the volume.
-var ErrNotSynced = errors.New("the guest Node and CSINode caches have not synced yet")
+var ErrNotSynced = errors.New("the guest Node, CSINode and VolumeAttachment caches have not synced yet")
 
 // InUseError refuses an unplug while the guest still lists the volume as in
 // use: kubelet has not unmounted it (the attach/detach controller can call
@@ -85,10 +85,12 @@ func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 	// guest refuses) cannot say the volume is free, but they must not keep
 	// it on the VM for ever either: they count toward the same timeout.
 	synced := g.nodes.HasSynced()
-	var own, users []*corev1.Node
+	var users []*corev1.Node
+	var requested time.Time
 	if synced {
-		own = g.nodes.NodesOfVM(vm)
+		own := g.nodes.NodesOfVM(vm)
 		users = g.users(ctx, vm, volume, own)
+		requested = g.detachRequested(vm, volume, slices.Concat(own, users))
 	}
 	key := refusalKey{vm, volume}
 	now := g.now()
@@ -105,7 +107,10 @@ func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 		g.refused[key] = r
 	}
 	r.last = now
-	since := g.since(vm, volume, r.first, own, users, synced)
+	since := r.first
+	if !requested.IsZero() && requested.Before(since) {
+		since = requested
+	}
 	until := since.Add(g.timeout)
 	// Once forced, an unplug stays let through: its VolumeAttachment may
 	// be gone by the caller's retry.
@@ -142,23 +147,18 @@ func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 	return nil
 }
 
-// since is where the count of an unplug's wait starts: the deletion of the
-// volume's VolumeAttachment on vm when one is being deleted (the guest API
-// server keeps it across controller restarts and leader changes), else
-// first, the first refusal in this process (an unpublish the attach/detach
-// controller did not ask for, or caches that cannot tell).
-func (g *Guard) since(vm, volume string, first time.Time, own, users []*corev1.Node, synced bool) time.Time {
-	if !synced {
-		return first
+// detachRequested is where the count of an unplug's wait starts: the
+// deletion of the volume's VolumeAttachment on vm when one is being deleted
+// (the guest API server keeps it across controller restarts and leader
+// changes). Zero when none is: then the count starts at the first refusal in
+// this process (an unpublish the attach/detach controller did not ask for).
+func (g *Guard) detachRequested(vm, volume string, nodes []*corev1.Node) time.Time {
+	names := make([]string, len(nodes))
+	for i, n := range nodes {
+		names[i] = n.Name
 	}
-	var names []string
-	for _, n := range slices.Concat(own, users) {
-		names = append(names, n.Name)
-	}
-	if t, ok := g.nodes.DetachRequested(vm, volume, names); ok && t.Before(first) {
-		return t
-	}
-	return first
+	t, _ := g.nodes.DetachRequested(vm, volume, names)
+	return t
 }
 
 // users returns the guest Nodes that may still have the volume mounted
