@@ -348,11 +348,17 @@ func (s *guestSuite) guardWithoutRegistration(t *testing.T) {
 	}
 	// The node plugin restarts: kubelet unregisters the driver. The
 	// controller restarts too, so it never saw the mapping.
-	if _, err := s.guest.Kube.StorageV1().CSINodes().Update(ctx, &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: node}}, metav1.UpdateOptions{}); err != nil {
+	cn, err := s.guest.Kube.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
+	if err != nil {
 		t.Fatal(err)
 	}
+	cn.Spec.Drivers = nil
+	if _, err := s.guest.Kube.StorageV1().CSINodes().Update(ctx, cn, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// Started for the suite's test, not this subtest's: later subtests use it.
 	s.ctrl.Stop()
-	s.ctrl = s.host.StartController(t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: queueConfig(),
+	s.ctrl = s.host.StartController(s.t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: queueConfig(),
 		Guest: s.guest.Env.Config, DetachGuardTimeout: time.Hour})
 	testwait.For(t, "the restarted controller's guest caches", 30*time.Second, s.ctrl.Driver.GuestNodes().HasSynced)
 	for range 2 {
@@ -380,7 +386,7 @@ func (s *guestSuite) timeoutAcrossRestarts(t *testing.T) {
 	const timeout = 3 * time.Second
 	restart := func() {
 		s.ctrl.Stop()
-		s.ctrl = s.host.StartController(t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: queueConfig(),
+		s.ctrl = s.host.StartController(s.t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: queueConfig(),
 			Guest: s.guest.Env.Config, DetachGuardTimeout: timeout})
 		testwait.For(t, "the restarted controller's guest caches", 30*time.Second, s.ctrl.Driver.GuestNodes().HasSynced)
 	}
