@@ -414,7 +414,7 @@ func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *
 
 // guardDetach asks the detach guard before a volume the VM holds is
 // unplugged (the attach/detach controller may ask while the guest still has
-// it mounted: seed 000). Aborted, not Unavailable: the external-attacher
+// it mounted). Aborted, not Unavailable: the external-attacher
 // retries both with backoff, and Aborted is CSI's "an operation on this
 // volume is still pending" (the guest's unmount), where Unavailable would
 // say the driver itself is down.

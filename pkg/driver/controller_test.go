@@ -15,6 +15,8 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/tools/cache"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
@@ -432,5 +434,19 @@ func TestPublishSkipsTheClaimReadTheCacheAnswers(t *testing.T) {
 	}
 	if err := pub("pending"); status.Code(err) != codes.Aborted || vols.gets != 2 || queued != 1 {
 		t.Fatalf("claim not bound: %v after %d reads and %d queue calls, want Aborted from a read, not queued", err, vols.gets, queued)
+	}
+}
+
+func TestVMUIDsReadsTheHostCache(t *testing.T) {
+	store := cache.NewStore(cache.MetaNamespaceKeyFunc)
+	if err := store.Add(&kubevirtv1.VirtualMachine{ObjectMeta: metav1.ObjectMeta{Namespace: "guests", Name: "vm-1", UID: "uid-1"}}); err != nil {
+		t.Fatal(err)
+	}
+	uids := vmUIDs(store, "guests")
+	if uid, ok := uids("vm-1"); !ok || uid != "uid-1" {
+		t.Errorf("UID of vm-1 = %q, %v; want uid-1", uid, ok)
+	}
+	if uid, ok := uids("vm-2"); ok {
+		t.Errorf("UID of a VM not in the cache = %q, want none", uid)
 	}
 }

@@ -10,6 +10,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sync/errgroup"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
@@ -206,6 +208,9 @@ func (c *Controller) Run(ctx context.Context) error {
 		defer c.attachmentEvents.Stop()
 	}
 	g, ctx := errgroup.WithContext(ctx)
+	if c.guestNodes != nil {
+		c.guestNodes.SetVMUIDs(vmUIDs(vmInf.GetStore(), c.cfg.Host.Namespace))
+	}
 	g.Go(func() error { vmInf.RunWithContext(ctx); return nil })
 	g.Go(func() error { vmiInf.RunWithContext(ctx); return nil })
 	g.Go(func() error { c.claimCache.Run(ctx); return nil })
@@ -228,6 +233,23 @@ func (c *Controller) vmChanged(obj any) {
 	}
 	if o, ok := obj.(interface{ GetName() string }); ok {
 		c.monitor.VMChanged(o.GetName())
+	}
+}
+
+// vmUIDs reads a VM's UID from the host cache: Harvester's cloud provider
+// names it in the providerID of the VM's guest Node, so the guest Node of a
+// VM is found even while its CSINode lacks the driver.
+func vmUIDs(store cache.Store, namespace string) guest.VMUIDs {
+	return func(vm string) (types.UID, bool) {
+		obj, ok, _ := store.GetByKey(namespace + "/" + vm)
+		if !ok {
+			return "", false
+		}
+		m, ok := obj.(metav1.Object)
+		if !ok {
+			return "", false
+		}
+		return m.GetUID(), true
 	}
 }
 

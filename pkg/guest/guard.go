@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -21,20 +22,21 @@ const DefaultDetachGuardTimeout = 6 * time.Minute
 
 // ErrNotSynced answers while the guest caches are not filled yet: the guard
 // cannot tell whether the guest still uses the volume.
-var ErrNotSynced = errors.New("the guest Node and CSINode caches have not synced yet")
+var ErrNotSynced = errors.New("the guest Node, CSINode and VolumeAttachment caches have not synced yet")
 
 // InUseError refuses an unplug while the guest still lists the volume as in
 // use: kubelet has not unmounted it (the attach/detach controller can call
-// ControllerUnpublish before NodeUnstage, or without it; seed 000).
+// ControllerUnpublish before NodeUnstage, or without it).
 type InUseError struct {
 	Volume, VM string
 	Nodes      []string
-	// Since is the first refusal, Until when the guard gives up.
+	// Since is where the count starts (the VolumeAttachment's deletion, else
+	// the first refusal in this process), Until when the guard gives up.
 	Since, Until time.Time
 }
 
 func (e *InUseError) Error() string {
-	return fmt.Sprintf("volume %s is still in use by guest node %s (listed in its status.volumesInUse while still reported attached, or while the node is not Ready: kubelet may still have it mounted): not unplugging it from VM %s yet; refused since %s, unplugged anyway after %s",
+	return fmt.Sprintf("volume %s is still in use by guest node %s (listed in its status.volumesInUse while still reported attached, or while the node is not Ready: kubelet may still have it mounted): not unplugging it from VM %s yet; counting since %s, unplugged anyway after %s",
 		e.Volume, strings.Join(e.Nodes, ", "), e.VM, e.Since.UTC().Format(time.RFC3339), e.Until.UTC().Format(time.RFC3339))
 }
 
@@ -44,12 +46,14 @@ type EventSink interface {
 }
 
 // Guard decides whether a volume may be unplugged from a VM now. It reads the
-// guest Node of the VM: while kubelet there may have the volume mounted (see
-// mayBeMounted), unplugging would pull the disk from under a mounted
-// filesystem, so the guard refuses, up to Timeout counted from the first
-// refusal of that volume and VM; then it lets the unplug through and says so
-// in an Event on the Node. A VM without guest Node, a Node that is gone and a
-// Node tainted out of service (its kubelet is declared dead) never block.
+// guest Nodes: while kubelet on one of them may have the volume mounted (see
+// users), unplugging would pull the disk from under a mounted filesystem, so
+// the guard refuses, up to Timeout counted from the deletion of the volume's
+// VolumeAttachment on the VM (which outlives restarts and leader changes), or
+// from the first refusal in this process when no VolumeAttachment is being
+// deleted; then it lets the unplug through and says so in an Event on the
+// Node. A VM without guest Node, a Node that is gone and a Node tainted out
+// of service (its kubelet is declared dead) never block.
 type Guard struct {
 	nodes   *Nodes
 	events  EventSink
@@ -75,15 +79,18 @@ func NewGuard(nodes *Nodes, events EventSink, timeout time.Duration) *Guard {
 // Allow returns nil when the volume may be unplugged from vm now, an
 // *InUseError while the guest still uses it, or an error wrapping
 // ErrNotSynced while the guest caches cannot tell; either only until the
-// timeout has passed since the first refusal.
+// timeout has passed since the detach was asked for (see since).
 func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 	// Unsynced caches (a guest API that does not answer, an identity the
 	// guest refuses) cannot say the volume is free, but they must not keep
 	// it on the VM for ever either: they count toward the same timeout.
 	synced := g.nodes.HasSynced()
 	var users []*corev1.Node
+	var requested time.Time
 	if synced {
-		users = g.users(ctx, vm, volume)
+		own := g.nodes.NodesOfVM(vm)
+		users = g.users(ctx, vm, volume, own)
+		requested = g.detachRequested(vm, volume, slices.Concat(own, users))
 	}
 	key := refusalKey{vm, volume}
 	now := g.now()
@@ -100,23 +107,29 @@ func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 		g.refused[key] = r
 	}
 	r.last = now
+	since := r.first
+	if !requested.IsZero() && requested.Before(since) {
+		since = requested
+	}
+	until := since.Add(g.timeout)
+	// Once forced, an unplug stays let through: its VolumeAttachment may
+	// be gone by the caller's retry.
+	forced := r.forced || !now.Before(until)
+	already := r.forced
+	r.forced = forced
+	g.mu.Unlock()
 	names := make([]string, len(users))
 	for i, n := range users {
 		names[i] = n.Name
 	}
-	if until := r.first.Add(g.timeout); now.Before(until) {
-		g.mu.Unlock()
+	if !forced {
 		if !synced {
 			return fmt.Errorf("%w (volume %s on VM %s is unplugged without asking the guest after %s)", ErrNotSynced, volume, vm, until.UTC().Format(time.RFC3339))
 		}
-		klog.FromContext(ctx).V(2).Info("unplug refused: the guest still uses the volume", "volume", volume, "vm", vm, "guestNodes", names, "until", until)
-		return &InUseError{Volume: volume, VM: vm, Nodes: names, Since: r.first, Until: until}
+		klog.FromContext(ctx).V(2).Info("unplug refused: the guest still uses the volume", "volume", volume, "vm", vm, "guestNodes", names, "since", since, "until", until)
+		return &InUseError{Volume: volume, VM: vm, Nodes: names, Since: since, Until: until}
 	}
-	first := !r.forced
-	r.forced = true
-	since := r.first
-	g.mu.Unlock()
-	if !first {
+	if already {
 		return nil
 	}
 	if !synced {
@@ -125,7 +138,7 @@ func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 	}
 	msg := fmt.Sprintf("volume %s is being unplugged from VM %s although this node still lists it in status.volumesInUse: the detach guard waited %s since %s (--detach-guard-timeout) for kubelet to unmount it",
 		volume, vm, g.timeout, since.UTC().Format(time.RFC3339))
-	klog.FromContext(ctx).Info("forcing an unplug the guest still uses", "volume", volume, "vm", vm, "guestNodes", names, "refusedSince", since)
+	klog.FromContext(ctx).Info("forcing an unplug the guest still uses", "volume", volume, "vm", vm, "guestNodes", names, "since", since)
 	if g.events != nil {
 		for _, n := range users {
 			g.events.NodeEvent(ctx, n, corev1.EventTypeWarning, "VolumeDetachForced", msg)
@@ -134,15 +147,42 @@ func (g *Guard) Allow(ctx context.Context, vm, volume string) error {
 	return nil
 }
 
-// users returns the guest Nodes of vm that may still have the volume
-// mounted. A Node the cache shows only waiting for the volume (listed in
-// use, no longer reported attached) is read again from the API server first:
-// letting the unplug through on a stale cache could pull the disk from a
-// kubelet that has mounted it since. A Node that cannot be read counts as a
-// user; one that is gone does not.
-func (g *Guard) users(ctx context.Context, vm, volume string) []*corev1.Node {
+// detachRequested is where the count of an unplug's wait starts: the
+// deletion of the volume's VolumeAttachment on vm when one is being deleted
+// (the guest API server keeps it across controller restarts and leader
+// changes). Zero when none is: then the count starts at the first refusal in
+// this process (an unpublish the attach/detach controller did not ask for).
+func (g *Guard) detachRequested(vm, volume string, nodes []*corev1.Node) time.Time {
+	names := make([]string, len(nodes))
+	for i, n := range nodes {
+		names[i] = n.Name
+	}
+	t, _ := g.nodes.DetachRequested(vm, volume, names)
+	return t
+}
+
+// users returns the guest Nodes that may still have the volume mounted
+// while vm holds it. For a Node of vm (own) that is mayBeMounted; a Node the
+// cache shows only waiting for the volume (listed in use, no longer reported
+// attached) is read again from the API server first: letting the unplug
+// through on a stale cache could pull the disk from a kubelet that has
+// mounted it since. A Node that cannot be read counts as a user; one that is
+// gone does not. Any other Node counts when it lists the volume in use and
+// as attached: the mapping from VM to Node can fail (kubelet drops the
+// driver from the CSINode while the node plugin restarts), but a
+// single-node volume that vm holds is reported attached only on vm's Node
+// (see docs/architecture.md, "Detach guard").
+func (g *Guard) users(ctx context.Context, vm, volume string, own []*corev1.Node) []*corev1.Node {
 	var users []*corev1.Node
-	for _, node := range g.nodes.NodesOfVM(vm) {
+	for _, node := range g.nodes.NodesUsing(volume) {
+		if slices.ContainsFunc(own, func(o *corev1.Node) bool { return o.Name == node.Name }) ||
+			OutOfService(node) || !reportedAttached(node, g.nodes.driver, volume) {
+			continue
+		}
+		klog.FromContext(ctx).V(2).Info("a guest node not known to run the VM lists the volume in use and attached: counting it as the VM's", "volume", volume, "vm", vm, "guestNode", node.Name)
+		users = append(users, node)
+	}
+	for _, node := range own {
 		if OutOfService(node) || !inUse(node, g.nodes.driver, volume) {
 			continue
 		}
@@ -162,6 +202,7 @@ func (g *Guard) users(ctx context.Context, vm, volume string) []*corev1.Node {
 			klog.FromContext(ctx).V(2).Info("the guest lists the volume in use but no longer attached: its kubelet waits for the volume to come back, not using it", "volume", volume, "vm", vm, "guestNode", node.Name)
 		}
 	}
+	slices.SortFunc(users, func(a, b *corev1.Node) int { return strings.Compare(a.Name, b.Name) })
 	return users
 }
 

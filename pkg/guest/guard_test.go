@@ -69,10 +69,36 @@ func (f *fakeEvents) list() []recordedEvent {
 	return append([]recordedEvent(nil), f.got...)
 }
 
+// attachment is the guest VolumeAttachment of the volume on a Node as the
+// external-attacher keeps it once attached: with the node ID (the VM) it
+// attached to.
+func attachment(volume, node, vm string) *storagev1.VolumeAttachment {
+	pv := volume
+	return &storagev1.VolumeAttachment{
+		ObjectMeta: metav1.ObjectMeta{Name: AttachmentName(volume, testDriver, node), Annotations: map[string]string{"csi.alpha.kubernetes.io/node-id": vm}},
+		Spec:       storagev1.VolumeAttachmentSpec{Attacher: testDriver, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pv}},
+	}
+}
+
+// deleting is the VolumeAttachment after the attach/detach controller
+// deleted it at that time: the attacher's finalizer keeps it until the
+// detach succeeds.
+func deleting(va *storagev1.VolumeAttachment, at time.Time) *storagev1.VolumeAttachment {
+	va.DeletionTimestamp = &metav1.Time{Time: at}
+	va.Finalizers = []string{"external-attacher/driver-harvesterhci-io"}
+	return va
+}
+
 // startNodes runs the caches over a fake clientset holding objs.
 func startNodes(t *testing.T, objs ...runtime.Object) (*Nodes, *fake.Clientset) {
 	t.Helper()
 	client := fake.NewClientset(objs...)
+	return startNodesOn(t, client), client
+}
+
+// startNodesOn runs new caches over client, as a restarted controller does.
+func startNodesOn(t *testing.T, client *fake.Clientset) *Nodes {
+	t.Helper()
 	nodes, err := NewNodes(client, testDriver, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -83,7 +109,7 @@ func startNodes(t *testing.T, objs ...runtime.Object) (*Nodes, *fake.Clientset) 
 	if !cache.WaitForCacheSync(stop, nodes.HasSynced) {
 		t.Fatal("caches did not sync")
 	}
-	return nodes, client
+	return nodes
 }
 
 func TestNodesOfVM(t *testing.T) {
@@ -104,6 +130,69 @@ func TestNodesOfVM(t *testing.T) {
 	for node, want := range map[string]string{"rke2-worker-1": "vm-a", "vm-b": "vm-b", "vm-c": "vm-d"} {
 		if got := nodes.VMOfNode(node); got != want {
 			t.Errorf("VM of %s = %s, want %s", node, got, want)
+		}
+	}
+}
+
+// TestNodesOfVMBeyondTheCSINode: the mappings that outlive the node
+// plugin's registration find a VM's Node too: the node ID the
+// external-attacher recorded on a VolumeAttachment, the providerID
+// Harvester's cloud provider writes, and the last CSINode mapping seen.
+// A Node whose CSINode names another VM now is not that VM's.
+func TestNodesOfVMBeyondTheCSINode(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	byProvider := guestNode("rke2-pool-abc")
+	byProvider.Spec.ProviderID = ProviderIDPrefix + "uid-vm-p"
+	moved := attachment("pvc-x", "rke2-moved", "vm-old") // a stale record
+	nodes, client := startNodes(t,
+		guestNode("rke2-va"), attachment("pvc-a", "rke2-va", "vm-va"),
+		byProvider,
+		guestNode("rke2-seen"), csiNode("rke2-seen", "vm-seen"),
+		guestNode("rke2-moved"), csiNode("rke2-moved", "vm-new"), moved,
+		guestNode("vm-named"), // named like a VM, but last registered as another
+		csiNode("vm-named", "vm-other"),
+	)
+	nodes.SetVMUIDs(func(vm string) (types.UID, bool) { return types.UID("uid-" + vm), vm == "vm-p" })
+	for _, name := range []string{"rke2-seen", "vm-named"} {
+		cn := csiNode(name, "")
+		cn.Spec.Drivers = cn.Spec.Drivers[:1]
+		if _, err := client.StorageV1().CSINodes().Update(ctx, cn, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testwait.For(t, "the cache to show the driver unregistered", 10*time.Second, func() bool {
+		return nodes.nodeID("rke2-seen") == "" && nodes.nodeID("vm-named") == ""
+	})
+	for vm, want := range map[string]string{"vm-va": "rke2-va", "vm-p": "rke2-pool-abc", "vm-seen": "rke2-seen", "vm-old": "", "vm-new": "rke2-moved", "vm-named": "", "vm-other": "vm-named"} {
+		var got []string
+		for _, n := range nodes.NodesOfVM(vm) {
+			got = append(got, n.Name)
+		}
+		if strings.Join(got, ",") != want {
+			t.Errorf("nodes of %s = %v, want %q", vm, got, want)
+		}
+	}
+	if got := nodes.VMOfNode("rke2-seen"); got != "vm-seen" {
+		t.Errorf("VM of rke2-seen after its registration went = %s, want vm-seen (last seen)", got)
+	}
+	// A deleted Node takes its last mapping along.
+	if err := client.CoreV1().Nodes().Delete(ctx, "rke2-seen", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.For(t, "the deleted Node's mapping forgotten", 10*time.Second, func() bool { return nodes.VMOfNode("rke2-seen") == "rke2-seen" })
+}
+
+func TestNodesUsing(t *testing.T) {
+	other := guestNode("worker-3")
+	other.Status.VolumesInUse = append(other.Status.VolumesInUse, UniqueVolumeName("other.csi", "pvc-a"))
+	nodes, _ := startNodes(t, guestNode("worker-2", "pvc-a", "pvc-b"), awaiting(guestNode("worker-1"), "pvc-a"), other)
+	for vol, want := range map[string]string{"pvc-a": "worker-1,worker-2", "pvc-b": "worker-2", "pvc-c": ""} {
+		var got []string
+		for _, n := range nodes.NodesUsing(vol) {
+			got = append(got, n.Name)
+		}
+		if strings.Join(got, ",") != want {
+			t.Errorf("nodes using %s = %v, want %q", vol, got, want)
 		}
 	}
 }
@@ -188,13 +277,19 @@ func TestGuardLetsThrough(t *testing.T) {
 // that shows the volume awaited is confirmed with the API server first.
 func TestGuardLetsThroughAVolumeKubeletOnlyAwaits(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
-	notReady := awaiting(guestNode("worker-silent"), "pvc-a")
+	notReady := awaiting(guestNode("worker-silent"), "pvc-c")
 	notReady.Status.Conditions[0].Status = corev1.ConditionUnknown
+	// A partitioned Node of another VM still lists pvc-a from before the
+	// attach/detach controller force-detached it there: not reported
+	// attached, it says nothing about vm-1.
+	partitioned := awaiting(guestNode("worker-partitioned"), "pvc-a")
+	partitioned.Status.Conditions[0].Status = corev1.ConditionUnknown
 	nodes, client := startNodes(t,
 		awaiting(guestNode("worker-1"), "pvc-a"), csiNode("worker-1", "vm-1"),
-		guestNode("worker-2", "pvc-a"), csiNode("worker-2", "vm-2"),
+		guestNode("worker-2", "pvc-b"), csiNode("worker-2", "vm-2"),
 		notReady, csiNode("worker-silent", "vm-silent"),
-		awaiting(guestNode("worker-stale"), "pvc-a"), csiNode("worker-stale", "vm-stale"),
+		awaiting(guestNode("worker-stale"), "pvc-d"), csiNode("worker-stale", "vm-stale"),
+		partitioned, csiNode("worker-partitioned", "vm-9"),
 	)
 	// The API server already has worker-stale's kubelet using the volume;
 	// the cache has not seen it yet.
@@ -202,19 +297,19 @@ func TestGuardLetsThroughAVolumeKubeletOnlyAwaits(t *testing.T) {
 		if a.(k8stesting.GetAction).GetName() != "worker-stale" {
 			return false, nil, nil
 		}
-		return true, guestNode("worker-stale", "pvc-a"), nil
+		return true, guestNode("worker-stale", "pvc-d"), nil
 	})
 	g := NewGuard(nodes, nil, time.Hour)
 	if err := g.Allow(ctx, "vm-1", "pvc-a"); err != nil {
 		t.Errorf("a volume a Ready node only awaits: %v, want the unplug to go ahead", err)
 	}
 	var inUse *InUseError
-	for what, vm := range map[string]string{
-		"a volume listed in use and still reported attached":                "vm-2",
-		"a volume listed by a node that is not Ready":                       "vm-silent",
-		"a volume the cache shows awaited but the API server shows mounted": "vm-stale",
+	for what, c := range map[string]struct{ vm, volume string }{
+		"a volume listed in use and still reported attached":                {"vm-2", "pvc-b"},
+		"a volume listed by a node that is not Ready":                       {"vm-silent", "pvc-c"},
+		"a volume the cache shows awaited but the API server shows mounted": {"vm-stale", "pvc-d"},
 	} {
-		if err := g.Allow(ctx, vm, "pvc-a"); !errors.As(err, &inUse) {
+		if err := g.Allow(ctx, c.vm, c.volume); !errors.As(err, &inUse) {
 			t.Errorf("%s: %v, want InUseError", what, err)
 		}
 	}
@@ -226,6 +321,98 @@ func TestGuardLetsThroughAVolumeKubeletOnlyAwaits(t *testing.T) {
 	}
 	if gets != 2 {
 		t.Errorf("%d live reads of guest nodes, want 2 (worker-1 and worker-stale, the ones the cache shows awaiting)", gets)
+	}
+}
+
+// TestGuardHoldsWhileTheNodePluginRestarts: kubelet drops the driver from
+// the CSINode while the node plugin restarts, and a crash-looping plugin is
+// when an unmount does not finish. A Node that lists the volume in use and
+// as attached holds it whatever the CSINode says, also for a controller that
+// never saw the mapping; a Node that is not Ready is found through the node
+// ID the external-attacher recorded on the VolumeAttachment.
+func TestGuardHoldsWhileTheNodePluginRestarts(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	unregistered := func(name string) *storagev1.CSINode {
+		return &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: "other.csi", NodeID: "x"}}}}
+	}
+	// node-c is not Ready; the attach/detach controller took pvc-c out of
+	// volumesAttached to detach it anyway.
+	silent := awaiting(guestNode("node-c"), "pvc-c")
+	silent.Status.Conditions[0].Status = corev1.ConditionUnknown
+	now := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	nodes, client := startNodes(t,
+		guestNode("node-b", "pvc-b"), csiNode("node-b", "g-b"),
+		silent, unregistered("node-c"), deleting(attachment("pvc-c", "node-c", "g-c"), now),
+	)
+	ev := &fakeEvents{}
+	g := NewGuard(nodes, ev, time.Hour)
+	g.now = func() time.Time { return now }
+	var inUse *InUseError
+	if err := g.Allow(ctx, "g-b", "pvc-b"); !errors.As(err, &inUse) {
+		t.Fatalf("while node-b is registered: %v, want InUseError", err)
+	}
+	if _, err := client.StorageV1().CSINodes().Update(ctx, unregistered("node-b"), metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.For(t, "the cache to show node-b without the driver", 10*time.Second, func() bool { return nodes.nodeID("node-b") == "" })
+	for what, g := range map[string]*Guard{"the same controller": g, "a restarted controller": NewGuard(startNodesOn(t, client), ev, time.Hour)} {
+		g.now = func() time.Time { return now }
+		if err := g.Allow(ctx, "g-b", "pvc-b"); !errors.As(err, &inUse) || strings.Join(inUse.Nodes, ",") != "node-b" {
+			t.Errorf("%s, node plugin of node-b unregistered: %v, want InUseError naming node-b", what, err)
+		}
+		if err := g.Allow(ctx, "g-c", "pvc-c"); !errors.As(err, &inUse) || strings.Join(inUse.Nodes, ",") != "node-c" {
+			t.Errorf("%s, node-c not Ready and unregistered: %v, want InUseError naming node-c", what, err)
+		}
+	}
+	// The forced unplug's Warning still lands on the Node.
+	now = now.Add(time.Hour)
+	if err := g.Allow(ctx, "g-b", "pvc-b"); err != nil {
+		t.Fatalf("after the timeout: %v", err)
+	}
+	if got := ev.list(); len(got) != 1 || got[0].node != "node-b" || got[0].reason != "VolumeDetachForced" {
+		t.Errorf("events %+v, want one VolumeDetachForced on node-b", got)
+	}
+}
+
+// TestGuardCountsFromTheDetachRequestAcrossRestarts: the timeout runs from
+// the deletion of the VolumeAttachment, which the guest API server keeps,
+// so a controller restarted more often than the timeout still lets the
+// unplug through once it has passed. Another VM's VolumeAttachment of the
+// volume, deleted long ago, does not count.
+func TestGuardCountsFromTheDetachRequestAcrossRestarts(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	deleted := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	client := fake.NewClientset(
+		guestNode("worker-1", "pvc-a"), csiNode("worker-1", "vm-1"), deleting(attachment("pvc-a", "worker-1", "vm-1"), deleted),
+		guestNode("worker-2"), csiNode("worker-2", "vm-2"), deleting(attachment("pvc-a", "worker-2", "vm-2"), deleted.Add(-time.Hour)),
+		guestNode("worker-3", "pvc-b"), csiNode("worker-3", "vm-3"), attachment("pvc-b", "worker-3", "vm-3"),
+	)
+	ev := &fakeEvents{}
+	const timeout = 20 * time.Second
+	// Each call is answered by a new controller: new caches, new guard.
+	restarted := func(at time.Time, vm, volume string) error {
+		g := NewGuard(startNodesOn(t, client), ev, timeout)
+		g.now = func() time.Time { return at }
+		return g.Allow(ctx, vm, volume)
+	}
+	var inUse *InUseError
+	for _, after := range []time.Duration{0, 12 * time.Second, 19 * time.Second} {
+		if err := restarted(deleted.Add(after), "vm-1", "pvc-a"); !errors.As(err, &inUse) || !inUse.Since.Equal(deleted) || !inUse.Until.Equal(deleted.Add(timeout)) {
+			t.Fatalf("%s after the deletion: %v, want InUseError counting from the deletion", after, err)
+		}
+	}
+	if err := restarted(deleted.Add(24*time.Second), "vm-1", "pvc-a"); err != nil {
+		t.Fatalf("past the timeout since the deletion, after restarts: %v, want the unplug to go ahead", err)
+	}
+	if got := ev.list(); len(got) != 1 || got[0].node != "worker-1" || got[0].reason != "VolumeDetachForced" {
+		t.Errorf("events %+v, want one VolumeDetachForced on worker-1", got)
+	}
+	// A VolumeAttachment that is not being deleted (an unpublish the
+	// attach/detach controller did not ask for): the count starts at the
+	// first refusal in this process.
+	if err := restarted(deleted.Add(time.Hour), "vm-3", "pvc-b"); !errors.As(err, &inUse) || !inUse.Since.Equal(deleted.Add(time.Hour)) {
+		t.Fatalf("without a deleted VolumeAttachment: %v, want InUseError counting from now", err)
 	}
 }
 

@@ -7,12 +7,17 @@ package guest
 
 import (
 	"fmt"
+	"maps"
 	"os"
 	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -42,17 +47,51 @@ func Load(path string, qps float32, burst int) (kubernetes.Interface, error) {
 	return kubernetes.NewForConfig(cfg)
 }
 
-const indexNodeID = "driverNodeID"
+const (
+	indexNodeID      = "driverNodeID"
+	indexVolumeInUse = "volumeInUse"
+	indexProviderID  = "providerID"
+	indexAttachedVM  = "attachedVM"
+)
 
-// Nodes caches the guest cluster's Nodes and CSINodes. A CSI node ID is the
-// name of the guest's VM; the guest Node name may differ, and the guest's
-// CSINode (written by the node-driver-registrar) maps one to the other.
+// AttachedNodeIDAnnotation is where the external-attacher records on a
+// VolumeAttachment the CSI node ID it attached to (external-attacher v4.12.0
+// pkg/controller/util.go, vaNodeIDAnnotation), so that it can still detach
+// once the CSINode lost the driver; here it maps a guest Node to its VM by
+// the same record.
+const AttachedNodeIDAnnotation = "csi.alpha.kubernetes.io/node-id"
+
+// ProviderIDPrefix starts the spec.providerID that Harvester's cloud
+// provider gives a guest Node: "harvester://" and the UID of its VM
+// (harvester-cloud-provider v0.2.4 pkg/cloud-controller-manager/instance.go,
+// InstanceMetadata).
+const ProviderIDPrefix = "harvester://"
+
+// VMUIDs tells the UID of a host VM, for the providerID mapping.
+type VMUIDs func(vm string) (types.UID, bool)
+
+// Nodes caches the guest cluster's Nodes, CSINodes and this driver's
+// VolumeAttachments. A CSI node ID is the name of the guest's VM; the guest
+// Node name may differ. The guest's CSINode (written by the
+// node-driver-registrar) maps one to the other while the node plugin is
+// registered; the mappings that outlive the plugin (the VolumeAttachments'
+// node ID record, the Node's providerID, the last CSINode mapping seen) back
+// it up, because kubelet drops the driver from the CSINode exactly while the
+// node plugin restarts.
 type Nodes struct {
 	driver   string
 	client   kubernetes.Interface
 	factory  informers.SharedInformerFactory
 	nodes    cache.SharedIndexInformer
 	csiNodes cache.SharedIndexInformer
+	vas      cache.SharedIndexInformer
+
+	vmUIDs atomic.Pointer[VMUIDs]
+
+	mu sync.Mutex
+	// lastVM is the last node ID each CSINode gave this driver in this
+	// process, kept when the registration goes away.
+	lastVM map[string]string
 }
 
 // NewNodes builds the caches; Start runs them. resync re-delivers every
@@ -60,7 +99,8 @@ type Nodes struct {
 // host side too is taken again.
 func NewNodes(client kubernetes.Interface, driverName string, resync time.Duration) (*Nodes, error) {
 	f := informers.NewSharedInformerFactory(client, resync)
-	n := &Nodes{driver: driverName, client: client, factory: f, nodes: f.Core().V1().Nodes().Informer(), csiNodes: f.Storage().V1().CSINodes().Informer()}
+	n := &Nodes{driver: driverName, client: client, factory: f, nodes: f.Core().V1().Nodes().Informer(),
+		csiNodes: f.Storage().V1().CSINodes().Informer(), vas: f.Storage().V1().VolumeAttachments().Informer(), lastVM: map[string]string{}}
 	if err := n.csiNodes.AddIndexers(cache.Indexers{indexNodeID: func(obj any) ([]string, error) {
 		cn, ok := obj.(*storagev1.CSINode)
 		if !ok {
@@ -73,14 +113,99 @@ func NewNodes(client kubernetes.Interface, driverName string, resync time.Durati
 	}}); err != nil {
 		return nil, err
 	}
+	if err := n.nodes.AddIndexers(cache.Indexers{indexVolumeInUse: n.volumesInUseIndex, indexProviderID: providerIDIndex}); err != nil {
+		return nil, err
+	}
+	if err := n.vas.AddIndexers(cache.Indexers{indexAttachedVM: n.attachedVMIndex}); err != nil {
+		return nil, err
+	}
+	if _, err := n.csiNodes.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    n.remember,
+		UpdateFunc: func(_, obj any) { n.remember(obj) },
+	}); err != nil {
+		return nil, err
+	}
+	// A Node that is deleted takes its mapping along: a new Node of that
+	// name may run another VM.
+	if _, err := n.nodes.AddEventHandler(cache.ResourceEventHandlerFuncs{DeleteFunc: n.forget}); err != nil {
+		return nil, err
+	}
 	return n, nil
 }
+
+// volumesInUseIndex indexes a Node by the volumes of this driver it lists in
+// status.volumesInUse, so that the guard finds the Nodes using a volume
+// without scanning every Node.
+func (n *Nodes) volumesInUseIndex(obj any) ([]string, error) {
+	node, ok := obj.(*corev1.Node)
+	if !ok {
+		return nil, nil
+	}
+	prefix := string(UniqueVolumeName(n.driver, ""))
+	var out []string
+	for _, v := range node.Status.VolumesInUse {
+		if strings.HasPrefix(string(v), prefix) {
+			out = append(out, string(v))
+		}
+	}
+	return out, nil
+}
+
+func providerIDIndex(obj any) ([]string, error) {
+	node, ok := obj.(*corev1.Node)
+	if !ok || !strings.HasPrefix(node.Spec.ProviderID, ProviderIDPrefix) {
+		return nil, nil
+	}
+	return []string{node.Spec.ProviderID}, nil
+}
+
+// attachedVMIndex indexes this driver's VolumeAttachments by the node ID
+// (VM) the external-attacher recorded on them.
+func (n *Nodes) attachedVMIndex(obj any) ([]string, error) {
+	va, ok := obj.(*storagev1.VolumeAttachment)
+	if !ok || va.Spec.Attacher != n.driver {
+		return nil, nil
+	}
+	if id := va.Annotations[AttachedNodeIDAnnotation]; id != "" {
+		return []string{id}, nil
+	}
+	return nil, nil
+}
+
+// remember keeps the CSINode's mapping for when the registration is gone.
+func (n *Nodes) remember(obj any) {
+	cn, ok := obj.(*storagev1.CSINode)
+	if !ok {
+		return
+	}
+	if id := driverNodeID(cn, n.driver); id != "" {
+		n.mu.Lock()
+		n.lastVM[cn.Name] = id
+		n.mu.Unlock()
+	}
+}
+
+func (n *Nodes) forget(obj any) {
+	if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = d.Obj
+	}
+	if node, ok := obj.(*corev1.Node); ok {
+		n.mu.Lock()
+		delete(n.lastVM, node.Name)
+		n.mu.Unlock()
+	}
+}
+
+// SetVMUIDs lets the Nodes of a VM be found by their providerID too.
+func (n *Nodes) SetVMUIDs(f VMUIDs) { n.vmUIDs.Store(&f) }
 
 // Start runs the informers until stop is closed.
 func (n *Nodes) Start(stop <-chan struct{}) { n.factory.Start(stop) }
 
-// HasSynced reports whether both caches have been filled.
-func (n *Nodes) HasSynced() bool { return n.nodes.HasSynced() && n.csiNodes.HasSynced() }
+// HasSynced reports whether every cache has been filled.
+func (n *Nodes) HasSynced() bool {
+	return n.nodes.HasSynced() && n.csiNodes.HasSynced() && n.vas.HasSynced()
+}
 
 // AddNodeHandler registers h for Node events.
 func (n *Nodes) AddNodeHandler(h cache.ResourceEventHandler) error {
@@ -98,27 +223,52 @@ func (n *Nodes) Node(name string) (*corev1.Node, bool) {
 	return node, ok
 }
 
+// Attachment returns the cached VolumeAttachment of that name.
+func (n *Nodes) Attachment(name string) (*storagev1.VolumeAttachment, bool) {
+	obj, ok, _ := n.vas.GetStore().GetByKey(name)
+	if !ok {
+		return nil, false
+	}
+	va, ok := obj.(*storagev1.VolumeAttachment)
+	return va, ok
+}
+
 // NodesOfVM returns the guest Nodes that run on VM vm: those whose CSINode
-// gives this driver that node ID, or, when no CSINode does, the Node named
-// after the VM unless its CSINode names another VM (upstream assumes Node
-// name and VM name are equal). Usually one Node; a renamed guest can leave a
-// second one behind until it is deleted.
+// gives this driver that node ID, whose VolumeAttachments of this driver
+// record it, whose providerID names the VM's UID, or whose CSINode gave it
+// when last seen in this process, unless their CSINode now names another
+// VM; when none does, the Node named after the VM unless it is known to run
+// another VM (upstream assumes Node name and VM name are equal). Usually one
+// Node; a renamed guest can leave a second one behind until it is deleted.
 func (n *Nodes) NodesOfVM(vm string) []*corev1.Node {
-	var names []string
+	names := map[string]bool{}
 	objs, _ := n.csiNodes.GetIndexer().ByIndex(indexNodeID, vm)
 	for _, o := range objs {
 		if cn, ok := o.(*storagev1.CSINode); ok {
-			names = append(names, cn.Name)
+			names[cn.Name] = true
+		}
+	}
+	for _, name := range n.lastNodesOf(vm) {
+		names[name] = true
+	}
+	for _, va := range n.attachmentsOfVM(vm) {
+		names[va.Spec.NodeName] = true
+	}
+	for _, node := range n.nodesByProviderID(vm) {
+		names[node.Name] = true
+	}
+	for name := range names {
+		if id := n.nodeID(name); id != "" && id != vm {
+			delete(names, name)
 		}
 	}
 	if len(names) == 0 {
-		if id := n.nodeID(vm); id == "" || id == vm {
-			names = append(names, vm)
+		if id := n.knownVM(vm); id == "" || id == vm {
+			names[vm] = true
 		}
 	}
-	slices.Sort(names)
 	var out []*corev1.Node
-	for _, name := range names {
+	for _, name := range slices.Sorted(maps.Keys(names)) {
 		if node, ok := n.Node(name); ok {
 			out = append(out, node)
 		}
@@ -126,13 +276,113 @@ func (n *Nodes) NodesOfVM(vm string) []*corev1.Node {
 	return out
 }
 
+func (n *Nodes) lastNodesOf(vm string) []string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var out []string
+	for node, id := range n.lastVM {
+		if id == vm {
+			out = append(out, node)
+		}
+	}
+	return out
+}
+
+// attachmentsOfVM lists this driver's VolumeAttachments recorded as
+// attached to vm.
+func (n *Nodes) attachmentsOfVM(vm string) []*storagev1.VolumeAttachment {
+	objs, _ := n.vas.GetIndexer().ByIndex(indexAttachedVM, vm)
+	out := make([]*storagev1.VolumeAttachment, 0, len(objs))
+	for _, o := range objs {
+		if va, ok := o.(*storagev1.VolumeAttachment); ok {
+			out = append(out, va)
+		}
+	}
+	return out
+}
+
+func (n *Nodes) nodesByProviderID(vm string) []*corev1.Node {
+	f := n.vmUIDs.Load()
+	if f == nil {
+		return nil
+	}
+	uid, ok := (*f)(vm)
+	if !ok || uid == "" {
+		return nil
+	}
+	objs, _ := n.nodes.GetIndexer().ByIndex(indexProviderID, ProviderIDPrefix+string(uid))
+	out := make([]*corev1.Node, 0, len(objs))
+	for _, o := range objs {
+		if node, ok := o.(*corev1.Node); ok {
+			out = append(out, node)
+		}
+	}
+	return out
+}
+
+// NodesUsing returns the guest Nodes that list the volume in
+// status.volumesInUse, from an index of the cache.
+func (n *Nodes) NodesUsing(volumeID string) []*corev1.Node {
+	objs, _ := n.nodes.GetIndexer().ByIndex(indexVolumeInUse, string(UniqueVolumeName(n.driver, volumeID)))
+	out := make([]*corev1.Node, 0, len(objs))
+	for _, o := range objs {
+		if node, ok := o.(*corev1.Node); ok {
+			out = append(out, node)
+		}
+	}
+	slices.SortFunc(out, func(a, b *corev1.Node) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+// DetachRequested returns when the detach of the volume from vm was asked
+// for: the earliest deletion time among the volume's VolumeAttachments on
+// vm (the attach/detach controller deletes a VolumeAttachment to detach, and
+// the external-attacher's finalizer keeps it until ControllerUnpublish
+// succeeds). nodes are guest Nodes of vm whose VolumeAttachment may lack the
+// attacher's node ID record. False when none is being deleted.
+func (n *Nodes) DetachRequested(vm, volumeID string, nodes []string) (time.Time, bool) {
+	var since time.Time
+	consider := func(va *storagev1.VolumeAttachment) {
+		if va.DeletionTimestamp == nil || va.Spec.Attacher != n.driver || va.Name != AttachmentName(volumeID, n.driver, va.Spec.NodeName) {
+			return
+		}
+		if id := va.Annotations[AttachedNodeIDAnnotation]; id != "" && id != vm {
+			return
+		}
+		if t := va.DeletionTimestamp.Time; since.IsZero() || t.Before(since) {
+			since = t
+		}
+	}
+	for _, va := range n.attachmentsOfVM(vm) {
+		consider(va)
+	}
+	for _, node := range nodes {
+		if va, ok := n.Attachment(AttachmentName(volumeID, n.driver, node)); ok {
+			consider(va)
+		}
+	}
+	return since, !since.IsZero()
+}
+
 // VMOfNode is the VM a guest Node runs on: the node ID its CSINode gives this
-// driver, else (no registration yet) the Node's own name, as upstream.
+// driver, else the one it gave when last seen in this process, else (no
+// registration seen) the Node's own name, as upstream.
 func (n *Nodes) VMOfNode(node string) string {
-	if id := n.nodeID(node); id != "" {
+	if id := n.knownVM(node); id != "" {
 		return id
 	}
 	return node
+}
+
+// knownVM is the node ID the CSINode of that name gives this driver now, or
+// gave when last seen ("" if neither).
+func (n *Nodes) knownVM(node string) string {
+	if id := n.nodeID(node); id != "" {
+		return id
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.lastVM[node]
 }
 
 // nodeID is this driver's node ID in the CSINode of that name ("" if none).

@@ -11,7 +11,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
@@ -42,9 +44,11 @@ func TestGuestAware(t *testing.T) {
 		Guest: s.guest.Env.Config, DetachGuardTimeout: time.Hour})
 	t.Run("DetachGuardWaitsForTheGuest", s.detachGuard)
 	t.Run("DetachGuardDoesNotBlock", s.guardDoesNotBlock)
+	t.Run("DetachGuardHoldsWhileTheNodePluginRestarts", s.guardWithoutRegistration)
 	t.Run("QueueCleanupIsNotGuarded", s.cleanupNotGuarded)
 	t.Run("ControllerGetVolume", s.getVolume)
-	t.Run("DetachGuardForcesAfterItsTimeout", s.forced) // last: restarts the controller
+	t.Run("DetachGuardTimeoutSurvivesRestarts", s.timeoutAcrossRestarts) // restarts the controller
+	t.Run("DetachGuardForcesAfterItsTimeout", s.forced)                  // last: restarts the controller
 }
 
 // waitGuestCache returns once the controller's guest cache shows the Node
@@ -323,6 +327,137 @@ func (s *guestSuite) waitCondition(t *testing.T, get func(string) (*csi.Controll
 // forced: with a short --detach-guard-timeout, an unplug the guest keeps
 // refusing goes ahead once the timeout, counted from the first refusal, has
 // passed, and the guest Node gets a Warning Event saying so.
+// guardWithoutRegistration: kubelet drops the driver from the CSINode while
+// the node plugin restarts, which is when an unmount may never finish. The
+// guest Node still lists the volume in use and attached, so the unplug stays
+// refused until kubelet lets go, also for a controller started since.
+func (s *guestSuite) guardWithoutRegistration(t *testing.T) {
+	vm, node := "nr-vm", "rke2-nr-worker" // the CSINode alone maps them
+	vol := s.scene(t, "nr", 1, vm)[0]
+	s.guest.AddNode(t, node, vm)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	a := newAttacher(s.client)
+	if err := a.publish(ctx, vm, vol); err != nil {
+		t.Fatal(err)
+	}
+	s.guest.SetMounted(t, node, vol)
+	s.waitGuestCache(t, node, listsInUse(vol))
+	if err := s.unpublishOnce(ctx, vm, vol); status.Code(err) != codes.Aborted {
+		t.Fatalf("unpublish while registered and in use = %v, want Aborted", err)
+	}
+	// The node plugin restarts: kubelet unregisters the driver. The
+	// controller restarts too, so it never saw the mapping.
+	cn, err := s.guest.Kube.StorageV1().CSINodes().Get(ctx, node, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cn.Spec.Drivers = nil
+	if _, err := s.guest.Kube.StorageV1().CSINodes().Update(ctx, cn, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// Started for the suite's test, not this subtest's: later subtests use it.
+	s.ctrl.Stop()
+	s.ctrl = s.host.StartController(s.t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: queueConfig(),
+		Guest: s.guest.Env.Config, DetachGuardTimeout: time.Hour})
+	testwait.For(t, "the restarted controller's guest caches", 30*time.Second, s.ctrl.Driver.GuestNodes().HasSynced)
+	for range 2 {
+		err := s.unpublishOnce(ctx, vm, vol)
+		if status.Code(err) != codes.Aborted || !strings.Contains(err.Error(), node) {
+			t.Fatalf("unpublish while the node plugin is unregistered and the guest lists the volume = %v, want Aborted naming %s", err, node)
+		}
+	}
+	s.requireReady(vm, vol)
+	s.guest.SetMounted(t, node)
+	s.waitGuestCache(t, node, listsInUse())
+	if err := a.unpublish(ctx, vm, vol); err != nil {
+		t.Fatalf("unpublish once kubelet unmounted: %v", err)
+	}
+	if got := s.attachedTo(vol, vm); len(got) != 0 {
+		t.Errorf("%s still on %v after its unpublish", vol, got)
+	}
+}
+
+// timeoutAcrossRestarts: the guard's timeout counts from the deletion of
+// the VolumeAttachment, which the guest API server keeps, so a controller
+// started after that deletion plus the timeout lets the unplug through on
+// its first call, with the Warning on the Node.
+func (s *guestSuite) timeoutAcrossRestarts(t *testing.T) {
+	const timeout = 3 * time.Second
+	restart := func() {
+		s.ctrl.Stop()
+		s.ctrl = s.host.StartController(s.t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: queueConfig(),
+			Guest: s.guest.Env.Config, DetachGuardTimeout: timeout})
+		testwait.For(t, "the restarted controller's guest caches", 30*time.Second, s.ctrl.Driver.GuestNodes().HasSynced)
+	}
+	restart()
+	vm, node := "tr-vm", "rke2-tr-worker"
+	vol := s.scene(t, "tr", 1, vm)[0]
+	s.guest.AddNode(t, node, vm)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	if err := newAttacher(s.client).publish(ctx, vm, vol); err != nil {
+		t.Fatal(err)
+	}
+	s.guest.SetMounted(t, node, vol)
+	s.waitGuestCache(t, node, listsInUse(vol))
+	// The attach/detach controller deletes the VolumeAttachment to detach;
+	// the external-attacher's finalizer keeps it until the detach succeeds.
+	vas := s.guest.Kube.StorageV1().VolumeAttachments()
+	name := guest.AttachmentName(vol, driver.Name, node)
+	if _, err := vas.Create(ctx, &storagev1.VolumeAttachment{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Finalizers: []string{"external-attacher/driver-harvesterhci-io"},
+			Annotations: map[string]string{guest.AttachedNodeIDAnnotation: vm}},
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: driver.Name, NodeName: node, Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol}},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_, _ = vas.Patch(context.Background(), name, types.MergePatchType, []byte(`{"metadata":{"finalizers":null}}`), metav1.PatchOptions{})
+	})
+	if err := vas.Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	va, err := vas.Get(ctx, name, metav1.GetOptions{})
+	if err != nil || va.DeletionTimestamp == nil {
+		t.Fatalf("the deleted VolumeAttachment: %v, %v", va, err)
+	}
+	s.waitGuestCacheAttachment(t, name)
+	if err := s.unpublishOnce(ctx, vm, vol); status.Code(err) != codes.Aborted {
+		t.Fatalf("unpublish within the timeout = %v, want Aborted", err)
+	}
+	s.requireReady(vm, vol)
+	until := va.DeletionTimestamp.Add(timeout)
+	testwait.For(t, "the timeout to pass since the deletion", time.Minute, func() bool { return time.Now().After(until) })
+	restart()
+	if err := s.unpublishOnce(ctx, vm, vol); err != nil {
+		t.Fatalf("first unpublish of a controller started after the deletion plus the timeout = %v, want the unplug to go ahead", err)
+	}
+	if got := s.attachedTo(vol, vm); len(got) != 0 {
+		t.Errorf("%s still on %v after the forced unpublish", vol, got)
+	}
+	var forced []corev1.Event
+	for _, e := range s.guest.NodeEvents(t, node) {
+		if e.Reason == "VolumeDetachForced" {
+			forced = append(forced, e)
+		}
+	}
+	if len(forced) != 1 || !strings.Contains(forced[0].Message, vol) {
+		t.Errorf("want one VolumeDetachForced naming %s on %s, got %+v", vol, node, forced)
+	}
+}
+
+// waitGuestCacheAttachment returns once the controller's guest cache shows
+// the VolumeAttachment of that name being deleted.
+func (s *guestSuite) waitGuestCacheAttachment(t *testing.T, name string) {
+	t.Helper()
+	nodes := s.ctrl.Driver.GuestNodes()
+	testwait.For(t, "the controller's guest cache to show VolumeAttachment "+name+" being deleted", 30*time.Second, func() bool {
+		va, ok := nodes.Attachment(name)
+		return ok && va.DeletionTimestamp != nil
+	})
+}
+
 func (s *guestSuite) forced(t *testing.T) {
 	const timeout = 2 * time.Second
 	s.ctrl.Stop()
