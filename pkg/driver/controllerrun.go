@@ -115,7 +115,7 @@ func (c *Controller) buildGuest() error {
 		return err
 	}
 	c.guestNodes = nodes
-	if c.claims, err = NewGuestClaims(c.cfg.Guest, Name, nodes.VMOfNode); err != nil {
+	if c.claims, err = NewGuestClaims(c.cfg.Guest, Name, nodes); err != nil {
 		return err
 	}
 	c.attachmentEvents = guest.NewAttachmentEvents(c.cfg.Guest, nodes, Name)

@@ -13,6 +13,8 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 )
 
 // GuestClaims watches the guest cluster's pods to tell which still use the
@@ -36,19 +38,13 @@ const (
 	indexVAPV     = "pv"
 )
 
-// NewGuestClaims builds the pod and VolumeAttachment caches; Start runs
-// them. vmOf names the VM (node ID) of a guest Node (pkg/guest.Nodes.VMOfNode;
-// nil: the Node's name, as upstream assumes).
-func NewGuestClaims(client kubernetes.Interface, driverName string, vmOf func(node string) string) (*GuestClaims, error) {
-	if vmOf == nil {
-		vmOf = func(node string) string { return node }
-	}
+// NewGuestClaims builds the pod cache; Start runs it. The VolumeAttachments
+// and the VM (node ID) of each guest Node come from the guest caches the
+// detach guard reads (nodes runs them), so the guest is watched once.
+func NewGuestClaims(client kubernetes.Interface, driverName string, nodes *guest.Nodes) (*GuestClaims, error) {
 	f := informers.NewSharedInformerFactory(client, 0)
-	g := &GuestClaims{client: client, driver: driverName, vmOf: vmOf, factory: f, pods: f.Core().V1().Pods().Informer(),
-		attachments: f.Storage().V1().VolumeAttachments().Informer(), started: make(chan struct{})}
-	if err := g.attachments.SetTransform(trimAttachment); err != nil {
-		return nil, err
-	}
+	g := &GuestClaims{client: client, driver: driverName, vmOf: nodes.VMOfNode, factory: f, pods: f.Core().V1().Pods().Informer(),
+		attachments: nodes.AttachmentInformer(), started: make(chan struct{})}
 	if err := g.attachments.AddIndexers(cache.Indexers{indexVAPV: func(obj any) ([]string, error) {
 		if va, ok := obj.(*storagev1.VolumeAttachment); ok && va.Spec.Attacher == driverName && va.Spec.Source.PersistentVolumeName != nil {
 			return []string{*va.Spec.Source.PersistentVolumeName}, nil
@@ -261,18 +257,4 @@ func trimPod(obj any) (any, error) {
 		}
 	}
 	return out, nil
-}
-
-// trimAttachment keeps what Attachments reads of a VolumeAttachment.
-func trimAttachment(obj any) (any, error) {
-	va, ok := obj.(*storagev1.VolumeAttachment)
-	if !ok {
-		return obj, nil
-	}
-	return &storagev1.VolumeAttachment{
-		ObjectMeta: metav1.ObjectMeta{Name: va.Name, UID: va.UID, ResourceVersion: va.ResourceVersion, DeletionTimestamp: va.DeletionTimestamp},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: va.Spec.Attacher, NodeName: va.Spec.NodeName,
-			Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: va.Spec.Source.PersistentVolumeName}},
-		Status: storagev1.VolumeAttachmentStatus{Attached: va.Status.Attached},
-	}, nil
 }

@@ -17,6 +17,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
@@ -114,6 +115,9 @@ func NewNodes(client kubernetes.Interface, driverName string, resync time.Durati
 		return nil, err
 	}
 	if err := n.nodes.AddIndexers(cache.Indexers{indexVolumeInUse: n.volumesInUseIndex, indexProviderID: providerIDIndex}); err != nil {
+		return nil, err
+	}
+	if err := n.vas.SetTransform(trimAttachment); err != nil {
 		return nil, err
 	}
 	if err := n.vas.AddIndexers(cache.Indexers{indexAttachedVM: n.attachedVMIndex}); err != nil {
@@ -221,6 +225,31 @@ func (n *Nodes) Node(name string) (*corev1.Node, bool) {
 	}
 	node, ok := obj.(*corev1.Node)
 	return node, ok
+}
+
+// AttachmentInformer is the cache of the guest's VolumeAttachments, for the
+// controller's other readers (RWX exports) to share; they add their indexes
+// before Start.
+func (n *Nodes) AttachmentInformer() cache.SharedIndexInformer { return n.vas }
+
+// trimAttachment keeps what the guard, the node mapping and the RWX export
+// decision read of a VolumeAttachment: every one of the guest's stays in
+// memory.
+func trimAttachment(obj any) (any, error) {
+	va, ok := obj.(*storagev1.VolumeAttachment)
+	if !ok {
+		return obj, nil
+	}
+	out := &storagev1.VolumeAttachment{
+		ObjectMeta: metav1.ObjectMeta{Name: va.Name, UID: va.UID, ResourceVersion: va.ResourceVersion, DeletionTimestamp: va.DeletionTimestamp,
+			CreationTimestamp: va.CreationTimestamp},
+		Spec:   va.Spec,
+		Status: storagev1.VolumeAttachmentStatus{Attached: va.Status.Attached},
+	}
+	if id := va.Annotations[AttachedNodeIDAnnotation]; id != "" {
+		out.Annotations = map[string]string{AttachedNodeIDAnnotation: id}
+	}
+	return out, nil
 }
 
 // Attachment returns the cached VolumeAttachment of that name.

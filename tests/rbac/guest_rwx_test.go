@@ -11,7 +11,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 )
 
 // TestControllerRWXCallsFitTheListedPermissions: an RWX unpublish asks the
@@ -61,16 +63,20 @@ func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 	}
 
 	client := asUser(t, ctx, env.Config, "system:serviceaccount:kube-system:harvester-csi-driver", rulesFor(t, "controller"))
-	claims, err := driver.NewGuestClaims(client, driver.Name, nil)
+	nodes, err := guest.NewNodes(client, driver.Name, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	claims.Start(ctx.Done())
-	for deadline := time.Now().Add(time.Minute); !claims.Synced(); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the guest pod and VolumeAttachment caches did not sync with the listed permissions (list/watch of pods or volumeattachments refused)")
-		}
+	claims, err := driver.NewGuestClaims(client, driver.Name, nodes)
+	if err != nil {
+		t.Fatal(err)
 	}
+	nodes.Start(ctx.Done())
+	claims.Start(ctx.Done())
+	syncCtx, syncCancel := context.WithTimeout(ctx, time.Minute)
+	defer syncCancel()
+	testwait.Until(syncCtx, t, "the guest caches to sync with the listed permissions (list/watch of pods, nodes, csinodes or volumeattachments refused)",
+		testwait.Bool(func() bool { return nodes.HasSynced() && claims.Synced() }))
 	for _, c := range []struct{ volume, want string }{{"pvc-rwx", "default/app-1 on rke2-worker-1"}, {"vol-other", "default/app-2 on rke2-worker-1"}} {
 		for _, fresh := range []bool{false, true} {
 			users, err := claims.Users(ctx, c.volume, fresh)

@@ -531,8 +531,17 @@ func TestHostIdentityRunsTheDriver(t *testing.T) {
 			if hc.Namespace != h.Namespace {
 				t.Errorf("kubeconfig namespace %q, want %q", hc.Namespace, h.Namespace)
 			}
-			if life := tokenLifetime(t, hc.Config.BearerToken); life <= 0 || life > 2*time.Hour {
+			written, err := clientcmd.BuildConfigFromFlags("", out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if life := tokenLifetime(t, written.BearerToken); life <= 0 || life > 2*time.Hour {
 				t.Errorf("token lifetime %v, want at most the 2h asked for", life)
+			}
+			// The driver reads the same expiry from the token it was given
+			// (harvester_csi_host_token_expiry_timestamp_seconds).
+			if exp, ok := hc.TokenExpiry(); !ok || time.Until(exp) <= 0 || time.Until(exp) > 2*time.Hour {
+				t.Errorf("the driver's view of the token's expiry: %v (known %t), want within the 2h asked for", exp, ok)
 			}
 			secrets, err := admin.CoreV1().Secrets(h.Namespace).List(ctx, metav1.ListOptions{})
 			if err != nil {
@@ -547,7 +556,7 @@ func TestHostIdentityRunsTheDriver(t *testing.T) {
 			// The same identity through the simulator's front proxy, which serves KubeVirt's subresources (a
 			// kubeconfig cannot point there: client-go sends no token to a plain-HTTP server).
 			viaProxy := rest.AnonymousClientConfig(hc.Config)
-			viaProxy.Host, viaProxy.TLSClientConfig, viaProxy.BearerToken = h.Sim.ProxyURL(), rest.TLSClientConfig{}, hc.Config.BearerToken
+			viaProxy.Host, viaProxy.TLSClientConfig, viaProxy.BearerToken = h.Sim.ProxyURL(), rest.TLSClientConfig{}, written.BearerToken
 			proxied, err := host.NewForConfig(viaProxy, hc.Namespace)
 			if err != nil {
 				t.Fatal(err)
@@ -576,7 +585,7 @@ func TestHostIdentityRunsTheDriver(t *testing.T) {
 			}
 
 			checkConfined(ctx, t, h, proxied)
-			checkRotation(ctx, t, h, base, hc.Config.BearerToken)
+			checkRotation(ctx, t, h, base, written.BearerToken)
 			if f.mode == kubevirtsim.ModeLegacy {
 				checkExistingServiceAccount(ctx, t, h, base)
 			}
