@@ -177,6 +177,12 @@ func TestReleaseChartWritesARepository(t *testing.T) {
 	if got.AppVersion != "v"+v || len(got.URLs) != 1 || got.URLs[0] != url+"/harvester-csi-driver-"+v+".tgz" || got.Digest != hex.EncodeToString(sum[:]) {
 		t.Errorf("index entry: appVersion %q, urls %v, digest %s (archive %x)", got.AppVersion, got.URLs, got.Digest, sum)
 	}
+	// Rancher resolves a relative icon against the chart repository's URL: the icon travels with the repository.
+	if icon, err := os.ReadFile(filepath.Join(dist, got.Icon)); err != nil || strings.Contains(got.Icon, "/") {
+		t.Errorf("index entry icon %q is not a file next to index.yaml: %v", got.Icon, err)
+	} else if src, _ := os.ReadFile(filepath.Join(render.RepoRoot(), strings.TrimPrefix(ch.Metadata.Icon, "file://"))); string(src) != string(icon) {
+		t.Errorf("%s differs from the chart's icon %s", got.Icon, ch.Metadata.Icon)
+	}
 	if _, err := idx.Get("harvester-csi-driver", "0.0.1"); err != nil {
 		t.Errorf("the release dropped a version the repository already listed: %v", err)
 	}
