@@ -255,3 +255,45 @@ func contains(list []string, s string) bool {
 	}
 	return false
 }
+
+// TestLicenseMatchesTheImageLabel: the repository's LICENSE is the license the image declares
+// (org.opencontainers.image.licenses), as its full standard text.
+func TestLicenseMatchesTheImageLabel(t *testing.T) {
+	df, err := os.ReadFile(filepath.Join(render.RepoRoot(), "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`org\.opencontainers\.image\.licenses="([^"]+)"`).FindSubmatch(df)
+	if m == nil {
+		t.Fatal("the Dockerfile declares no org.opencontainers.image.licenses")
+	}
+	texts := map[string][]string{ // SPDX identifier: lines of its standard text
+		"Apache-2.0": {"Apache License", "Version 2.0, January 2004", "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION",
+			"9. Accepting Warranty or Additional Liability.", "END OF TERMS AND CONDITIONS"},
+	}
+	want, ok := texts[string(m[1])]
+	if !ok {
+		t.Fatalf("the image declares %q: add its standard text's markers here", m[1])
+	}
+	lic, err := os.ReadFile(filepath.Join(render.RepoRoot(), "LICENSE"))
+	if err != nil {
+		t.Fatalf("no LICENSE for the image's %s: %v", m[1], err)
+	}
+	for _, w := range want {
+		if !strings.Contains(string(lic), w) {
+			t.Errorf("LICENSE is not the %s text: no %q", m[1], w)
+		}
+	}
+}
+
+// TestChangelogHasTheVersion: CHANGELOG.md has a section for the version in VERSION.
+func TestChangelogHasTheVersion(t *testing.T) {
+	v := repoVersion(t)
+	data, err := os.ReadFile(filepath.Join(render.RepoRoot(), "CHANGELOG.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`(?m)^## ` + regexp.QuoteMeta(v) + `\b`).Match(data) {
+		t.Errorf("CHANGELOG.md has no \"## %s\" section", v)
+	}
+}
