@@ -30,7 +30,7 @@ build kube etcd ./cmd/etcd
 build kube kube-apiserver ./cmd/kube-apiserver
 build kube kube-controller-manager ./cmd/kube-controller-manager
 build attacher csi-attacher github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher
-build resizer csi-resizer github.com/kubernetes-csi/external-resizer/cmd/csi-resizer
+build resizer csi-resizer github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer
 build snapshotter csi-snapshotter github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter
 build scheduler kube-scheduler ./cmd/kube-scheduler
 build provisioner csi-provisioner github.com/kubernetes-csi/external-provisioner/v5/cmd/csi-provisioner

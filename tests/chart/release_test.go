@@ -177,6 +177,12 @@ func TestReleaseChartWritesARepository(t *testing.T) {
 	if got.AppVersion != "v"+v || len(got.URLs) != 1 || got.URLs[0] != url+"/harvester-csi-driver-"+v+".tgz" || got.Digest != hex.EncodeToString(sum[:]) {
 		t.Errorf("index entry: appVersion %q, urls %v, digest %s (archive %x)", got.AppVersion, got.URLs, got.Digest, sum)
 	}
+	// Rancher resolves a relative icon against the chart repository's URL: the icon travels with the repository.
+	if icon, err := os.ReadFile(filepath.Join(dist, got.Icon)); err != nil || strings.Contains(got.Icon, "/") {
+		t.Errorf("index entry icon %q is not a file next to index.yaml: %v", got.Icon, err)
+	} else if src, _ := os.ReadFile(filepath.Join(render.RepoRoot(), strings.TrimPrefix(ch.Metadata.Icon, "file://"))); string(src) != string(icon) {
+		t.Errorf("%s differs from the chart's icon %s", got.Icon, ch.Metadata.Icon)
+	}
 	if _, err := idx.Get("harvester-csi-driver", "0.0.1"); err != nil {
 		t.Errorf("the release dropped a version the repository already listed: %v", err)
 	}
@@ -248,4 +254,46 @@ func contains(list []string, s string) bool {
 		}
 	}
 	return false
+}
+
+// TestLicenseMatchesTheImageLabel: the repository's LICENSE is the license the image declares
+// (org.opencontainers.image.licenses), as its full standard text.
+func TestLicenseMatchesTheImageLabel(t *testing.T) {
+	df, err := os.ReadFile(filepath.Join(render.RepoRoot(), "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := regexp.MustCompile(`org\.opencontainers\.image\.licenses="([^"]+)"`).FindSubmatch(df)
+	if m == nil {
+		t.Fatal("the Dockerfile declares no org.opencontainers.image.licenses")
+	}
+	texts := map[string][]string{ // SPDX identifier: lines of its standard text
+		"Apache-2.0": {"Apache License", "Version 2.0, January 2004", "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION",
+			"9. Accepting Warranty or Additional Liability.", "END OF TERMS AND CONDITIONS"},
+	}
+	want, ok := texts[string(m[1])]
+	if !ok {
+		t.Fatalf("the image declares %q: add its standard text's markers here", m[1])
+	}
+	lic, err := os.ReadFile(filepath.Join(render.RepoRoot(), "LICENSE"))
+	if err != nil {
+		t.Fatalf("no LICENSE for the image's %s: %v", m[1], err)
+	}
+	for _, w := range want {
+		if !strings.Contains(string(lic), w) {
+			t.Errorf("LICENSE is not the %s text: no %q", m[1], w)
+		}
+	}
+}
+
+// TestChangelogHasTheVersion: CHANGELOG.md has a section for the version in VERSION.
+func TestChangelogHasTheVersion(t *testing.T) {
+	v := repoVersion(t)
+	data, err := os.ReadFile(filepath.Join(render.RepoRoot(), "CHANGELOG.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`(?m)^## ` + regexp.QuoteMeta(v) + `\b`).Match(data) {
+		t.Errorf("CHANGELOG.md has no \"## %s\" section", v)
+	}
 }

@@ -98,7 +98,6 @@ func TestCatalogAnnotations(t *testing.T) {
 	ch := loadChart(t)
 	a := ch.Metadata.Annotations
 	want := map[string]string{
-		"catalog.cattle.io/certified":    "rancher",
 		"catalog.cattle.io/namespace":    render.Namespace,
 		"catalog.cattle.io/release-name": render.ReleaseName,
 		"catalog.cattle.io/os":           "linux",
@@ -124,6 +123,11 @@ func TestCatalogAnnotations(t *testing.T) {
 			t.Errorf("catalog.cattle.io/kube-version %q excludes Kubernetes %s", a["catalog.cattle.io/kube-version"], v)
 		}
 	}
+	// "rancher" is the badge of Rancher's own charts, "partner" that of its partner program: neither is this chart's.
+	if v, ok := a["catalog.cattle.io/certified"]; ok {
+		t.Errorf("Chart.yaml annotation catalog.cattle.io/certified = %q claims a certification this chart does not have", v)
+	}
+	checkIcon(t, ch.Metadata.Icon)
 	if ch.Metadata.Name != "harvester-csi-driver" {
 		t.Errorf("chart name %q: Rancher and `helm upgrade` from upstream need harvester-csi-driver", ch.Metadata.Name)
 	}
@@ -151,6 +155,7 @@ func TestQuestions(t *testing.T) {
 			Default     interface{} `json:"default"`
 			Group       string      `json:"group"`
 			ShowIf      string      `json:"show_if"`
+			Required    bool        `json:"required"`
 			Min         *int        `json:"min"`
 			Max         *int        `json:"max"`
 		} `json:"questions"`
@@ -508,16 +513,19 @@ func TestStorageObjects(t *testing.T) {
 				}
 			}
 
+			// The snapshot classes go with the snapshotter: without it (and usually without the snapshot CRDs) they
+			// would fail the install.
+			snapshots := nested(t, r.eff, "controller", "snapshotter", "enabled").(bool)
 			vsc := r.find("VolumeSnapshotClass", "harvester-snapshot")
-			if create := nested(t, r.eff, "volumeSnapshotClass", "create").(bool); create != (vsc != nil) {
-				t.Fatalf("volumeSnapshotClass.create=%v but VolumeSnapshotClass rendered=%v", create, vsc != nil)
+			if create := snapshots && nested(t, r.eff, "volumeSnapshotClass", "create").(bool); create != (vsc != nil) {
+				t.Fatalf("volumeSnapshotClass.create and snapshotter.enabled: %v, but VolumeSnapshotClass rendered=%v", create, vsc != nil)
 			}
 			if vsc != nil && (vsc.Object["driver"] != driverName || vsc.Object["deletionPolicy"] == nil) {
 				t.Errorf("VolumeSnapshotClass harvester-snapshot: %v", vsc.Object)
 			}
 			backupName := sprint(nested(t, r.eff, "volumeSnapshotClass", "backup", "name"))
 			backup := r.find("VolumeSnapshotClass", backupName)
-			if create := nested(t, r.eff, "volumeSnapshotClass", "backup", "create").(bool); create != (backup != nil) {
+			if create := snapshots && nested(t, r.eff, "volumeSnapshotClass", "backup", "create").(bool); create != (backup != nil) {
 				t.Fatalf("backup class create=%v but rendered=%v", create, backup != nil)
 			}
 			if backup != nil {
@@ -785,26 +793,30 @@ func checkResources(t *testing.T, spec corev1.PodSpec) {
 
 func checkImages(t *testing.T, r *rendered, spec corev1.PodSpec) {
 	t.Helper()
-	reg := sprint(nested(t, r.eff, "global", "cattle", "systemDefaultRegistry"))
 	policy := corev1.PullPolicy(sprint(nested(t, r.eff, "image", "pullPolicy")))
+	sidecars := map[string]string{
+		"csi-provisioner": "provisioner", "csi-attacher": "attacher", "csi-resizer": "resizer", "csi-snapshotter": "snapshotter",
+		"liveness-probe": "livenessProbe", "node-driver-registrar": "nodeDriverRegistrar",
+	}
 	for _, c := range append(slices.Clone(spec.Containers), spec.InitContainers...) {
-		if reg != "" && !strings.HasPrefix(c.Image, reg+"/") {
-			t.Errorf("container %s image %q ignores systemDefaultRegistry %q", c.Name, c.Image, reg)
-		}
 		if c.ImagePullPolicy != policy {
 			t.Errorf("container %s pull policy %q, want %q", c.Name, c.ImagePullPolicy, policy)
 		}
-		repo := strings.TrimPrefix(c.Image, reg+"/")
+		var img map[string]interface{}
 		if c.Name == "harvester-csi-driver" || c.Name == "cloud-config" {
-			tag := sprint(nested(t, r.eff, "image", "harvester", "csiDriver", "tag"))
-			if tag == "" {
-				tag = loadChart(t).Metadata.AppVersion
-			}
-			if want := sprint(nested(t, r.eff, "image", "harvester", "csiDriver", "repository")) + ":" + tag; repo != want {
-				t.Errorf("container %s image %q, want %q", c.Name, repo, want)
-			}
-		} else if !strings.HasPrefix(repo, "rancher/mirrored-longhornio-") {
-			t.Errorf("sidecar %s image %q is not one of Rancher's Longhorn mirrors", c.Name, repo)
+			img = nested(t, r.eff, "image", "harvester", "csiDriver").(map[string]interface{})
+		} else if key, ok := sidecars[c.Name]; ok {
+			img = nested(t, r.eff, "image", "csi", key).(map[string]interface{})
+		} else {
+			t.Errorf("container %s: no image value for it", c.Name)
+			continue
+		}
+		tag := sprint(img["tag"])
+		if tag == "" {
+			tag = loadChart(t).Metadata.AppVersion
+		}
+		if want := withRegistry(sprint(nested(t, r.eff, "global", "cattle", "systemDefaultRegistry")), sprint(img["repository"])) + ":" + tag; c.Image != want {
+			t.Errorf("container %s image %q, want %q", c.Name, c.Image, want)
 		}
 	}
 	var want []string
@@ -823,6 +835,32 @@ func checkImages(t *testing.T, r *rendered, spec corev1.PodSpec) {
 	}
 	if !slices.Equal(got, want) {
 		t.Errorf("imagePullSecrets %v, want %v", got, want)
+	}
+}
+
+// withRegistry puts Rancher's system default registry in front of a repository that names no registry host
+// (a first path component with "." or ":", or "localhost"), as container runtimes read references.
+func withRegistry(registry, repository string) string {
+	first, _, hasPath := strings.Cut(repository, "/")
+	if registry == "" || (hasPath && (strings.ContainsAny(first, ".:") || first == "localhost")) {
+		return repository
+	}
+	return strings.TrimSuffix(registry, "/") + "/" + repository
+}
+
+// checkIcon: an icon Rancher can show without internet access, a file:// path to an SVG in this repository.
+func checkIcon(t *testing.T, icon string) {
+	t.Helper()
+	rel, ok := strings.CutPrefix(icon, "file://")
+	if !ok || !strings.HasSuffix(rel, ".svg") {
+		t.Fatalf("Chart.yaml icon %q: want file://<path of an SVG in this repository>", icon)
+	}
+	data, err := os.ReadFile(filepath.Join(render.RepoRoot(), filepath.FromSlash(rel)))
+	if err != nil {
+		t.Fatalf("Chart.yaml icon: %v", err)
+	}
+	if !regexp.MustCompile(`(?s)^\s*<svg\s[^>]*xmlns="http://www.w3.org/2000/svg".*</svg>\s*$`).Match(data) {
+		t.Errorf("%s is not an SVG document", rel)
 	}
 }
 

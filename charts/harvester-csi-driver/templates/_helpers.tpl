@@ -42,16 +42,28 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: harvester-csi-driver
 {{- end -}}
 
-{{/* "<registry>/" when Rancher's system default registry is set. */}}
+{{/*
+"<registry>/" for a repository when Rancher's system default registry is set and the repository does not name
+a registry of its own. A repository names one when its first path component is a host, as container runtimes
+read it: it contains "." or ":" or is "localhost" (registry.example.com/x, mirror:5000/x). Prefixing such a
+repository again would give "<registry>/<registry>/...", which no runtime can pull.
+Argument: list $ <repository>.
+*/}}
 {{- define "hcsi.registry" -}}
-{{- with .Values.global.cattle.systemDefaultRegistry -}}{{ trimSuffix "/" . }}/{{- end -}}
+{{- $root := index . 0 -}}
+{{- $repo := toString (index . 1) -}}
+{{- $first := first (splitList "/" $repo) -}}
+{{- $hasHost := and (contains "/" $repo) (or (contains "." $first) (contains ":" $first) (eq $first "localhost")) -}}
+{{- with $root.Values.global.cattle.systemDefaultRegistry -}}
+{{- if not $hasHost -}}{{ trimSuffix "/" . }}/{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Image reference of a {repository, tag} map: (list $ .Values.image.csi.attacher) */}}
 {{- define "hcsi.image" -}}
 {{- $root := index . 0 -}}
 {{- $img := index . 1 -}}
-{{- printf "%s%s:%s" (include "hcsi.registry" $root) $img.repository (toString ($img.tag | default $root.Chart.AppVersion)) -}}
+{{- printf "%s%s:%s" (include "hcsi.registry" (list $root $img.repository)) $img.repository (toString ($img.tag | default $root.Chart.AppVersion)) -}}
 {{- end -}}
 
 {{- define "hcsi.driverImage" -}}
