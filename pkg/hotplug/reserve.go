@@ -242,17 +242,13 @@ func releasesFirst(p *plan) []resolution {
 	return out
 }
 
-// releaseThenFinish releases the reservations of rs's volumes, then answers
-// their callers.
-func (q *Queue) releaseThenFinish(ctx context.Context, key cache.ObjectName, rs []resolution) {
-	if len(rs) == 0 {
+// releaseThenFinish releases this process's reservations of vols for key's
+// VM (known: PVCs already read), then answers the callers of rs.
+func (q *Queue) releaseThenFinish(ctx context.Context, key cache.ObjectName, vols []string, rs []resolution, known map[string]HostClaim) {
+	if len(vols) == 0 && len(rs) == 0 {
 		return
 	}
-	vols := make([]string, len(rs))
-	for i, r := range rs {
-		vols[i] = r.it.volume
-	}
-	q.unreserve(ctx, key, vols, nil)
+	q.unreserve(ctx, key, vols, known)
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	now := q.now()
@@ -262,6 +258,14 @@ func (q *Queue) releaseThenFinish(ctx context.Context, key cache.ObjectName, rs 
 		}
 	}
 	q.dropIfIdleLocked(key)
+}
+
+func volumesOf(rs []resolution) []string {
+	out := make([]string, len(rs))
+	for i, r := range rs {
+		out[i] = r.it.volume
+	}
+	return out
 }
 
 func othersThan(vms []string, vm string) []string {

@@ -59,7 +59,7 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 		q.dropIfIdleLocked(key)
 	}
 	q.mu.Unlock()
-	q.releaseThenFinish(ctx, key, releasing)
+	q.releaseThenFinish(ctx, key, volumesOf(releasing), releasing, nil)
 	if idle {
 		return nil
 	}
@@ -200,8 +200,8 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 		if len(outs) != len(pending) {
 			return fmt.Errorf("backend %s answered %d outcomes for %d changes", q.backend.Name(), len(outs), len(pending))
 		}
-		retry, refusedAttaches, failed := q.record(ctx, key, pending, outs)
-		q.unreserve(ctx, key, refusedAttaches, claims)
+		retry, turnedDown, answers, failed := q.record(ctx, key, pending, outs)
+		q.releaseThenFinish(ctx, key, turnedDown, answers, claims)
 		if failed != nil {
 			return q.noteFailure(ctx, key, failed)
 		}
@@ -403,9 +403,9 @@ func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes
 
 // record books the backend's outcomes: expectations for what was (or may
 // have been) written, final answers for rejected volumes, and what to retry.
-// refusedAttaches lists the attaches the host turned down without writing
-// anything, whose reservation is to be released.
-func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Change, outs []Outcome) (retry []Change, refusedAttaches []string, failed error) {
+// turnedDown lists the attaches the host refused without writing anything,
+// whose reservation is to be released before answers go to their callers.
+func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Change, outs []Outcome) (retry []Change, turnedDown []string, answers []resolution, failed error) {
 	logger := klog.FromContext(ctx)
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -434,20 +434,24 @@ func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Chan
 			retry = append(retry, c)
 		case Rejected:
 			delete(w.expect, c.Volume)
-			if c.Op == Attach {
-				refusedAttaches = append(refusedAttaches, c.Volume)
-			}
 			logger.Info("hotplug change rejected", "volume", c.Volume, "op", c.Op, "err", o.Err)
-			if it != nil {
-				q.finishLocked(w, it, &RejectedError{Volume: c.Volume, VM: key.Name, Op: c.Op, Err: o.Err})
+			err := &RejectedError{Volume: c.Volume, VM: key.Name, Op: c.Op, Err: o.Err}
+			switch {
+			case c.Op == Attach:
+				turnedDown = append(turnedDown, c.Volume)
+				if it != nil {
+					answers = append(answers, resolution{it: it, err: err})
+				}
+			case it != nil:
+				q.finishLocked(w, it, err)
 			}
 		case VMGone:
 			delete(w.expect, c.Volume)
 			if c.Op == Attach {
-				refusedAttaches = append(refusedAttaches, c.Volume)
-			}
-			if it != nil && it.op == Attach {
-				q.finishLocked(w, it, ErrVMNotFound)
+				turnedDown = append(turnedDown, c.Volume)
+				if it != nil {
+					answers = append(answers, resolution{it: it, err: ErrVMNotFound})
+				}
 			}
 		case Failed:
 			if refused(o.Err) {
@@ -467,7 +471,7 @@ func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Chan
 		w.lastErr, w.failingSince = nil, time.Time{}
 	}
 	q.dropIfIdleLocked(key)
-	return retry, refusedAttaches, failed
+	return retry, turnedDown, answers, failed
 }
 
 // noteFailure remembers a failed attempt at the host as the VM's last error,
