@@ -111,6 +111,7 @@ func TestController(t *testing.T) {
 			t.Run("RestartMidBatch", s.restartMidBatch)
 			t.Run("FencingUnderInformerLagAndRestarts", s.fencingUnderLag)
 			t.Run("TwoControllersAtOnce", s.twoControllers)
+			t.Run("ReservationIsACompareAndSwap", s.reservationCAS)
 			t.Run("CronJobReattachToTheSameVM", s.cronJobReattach)
 			t.Run("ClaimDeletedWhileQueued", s.claimDeletedWhileQueued)
 			t.Run("UnboundClaimBesideOthers", s.unboundClaim)

@@ -9,7 +9,12 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/util/retry"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -67,9 +72,11 @@ func (m *holderMonitor) violations() []string {
 func (s *suite) twoControllers(t *testing.T) {
 	vms := []string{"tc-a", "tc-b"}
 	vol := s.scene(t, "tc", 1, vms...)[0]
-	ctrls := []*framework.Controller{
-		s.host.StartController(t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: queueConfig()}),
-		s.host.StartController(t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: queueConfig()}),
+	var ctrls []*framework.Controller
+	for _, id := range []string{"controller-a", "controller-b"} {
+		qc := queueConfig()
+		qc.Identity = id // two pods: two names
+		ctrls = append(ctrls, s.host.StartController(t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: qc}))
 	}
 	attachers := []*attacher{}
 	for _, c := range ctrls {
@@ -141,5 +148,91 @@ func (s *suite) twoControllers(t *testing.T) {
 	}
 	if doubles > 0 {
 		t.Errorf("%d of %d rounds attached the volume to both VMs", doubles, rounds)
+	}
+}
+
+// reservationCAS: the reservation on a host PVC is a compare-and-swap on a
+// real API server. Processes that reserve from the same read race, and
+// exactly one wins; a write from a read that is no longer current is
+// refused; and the PVC's other annotations survive.
+func (s *suite) reservationCAS(t *testing.T) {
+	vol := s.host.CreateVolumes(t, "rc", 1)[0]
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	pvcs := s.host.Kube.CoreV1().PersistentVolumeClaims(s.host.Namespace)
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		pvc, err := pvcs.Get(ctx, vol, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if pvc.Annotations == nil {
+			pvc.Annotations = map[string]string{}
+		}
+		pvc.Annotations["example.com/keep"] = "yes"
+		_, err = pvcs.Update(ctx, pvc, metav1.UpdateOptions{})
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	const writers = 5
+	clients := make([]*host.Client, writers)
+	reads := make([]hotplug.HostClaim, writers)
+	for i := range clients {
+		if clients[i], err = host.NewForConfig(s.host.Sim.ClientConfig(), s.host.Namespace); err != nil {
+			t.Fatal(err)
+		}
+		if reads[i], err = clients[i].Claim(ctx, vol); err != nil {
+			t.Fatal(err)
+		}
+	}
+	at := time.Now()
+	errs := make([]error, writers)
+	var wg sync.WaitGroup
+	for i := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, errs[i] = clients[i].Reserve(ctx, reads[i], hotplug.Reservation{VM: fmt.Sprintf("vm-%d", i), Holder: fmt.Sprintf("controller-%d", i), At: at})
+		}()
+	}
+	wg.Wait()
+	winner := -1
+	for i, err := range errs {
+		switch {
+		case err == nil && winner < 0:
+			winner = i
+		case err == nil:
+			t.Fatalf("writers %d and %d both reserved the volume from the same read", winner, i)
+		case !apierrors.IsConflict(err):
+			t.Fatalf("writer %d: %v, want a conflict", i, err)
+		}
+	}
+	if winner < 0 {
+		t.Fatalf("no writer reserved the volume: %v", errs)
+	}
+	now, err := clients[0].Claim(ctx, vol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := hotplug.Reservation{VM: fmt.Sprintf("vm-%d", winner), Holder: fmt.Sprintf("controller-%d", winner), At: at}
+	if r := now.Reserved; r.VM != want.VM || r.Holder != want.Holder || !r.At.Equal(want.At) {
+		t.Fatalf("reservation read back %+v, want %+v", r, want)
+	}
+	if now.Object.Annotations["example.com/keep"] != "yes" {
+		t.Fatalf("another annotation was lost: %v", now.Object.Annotations)
+	}
+	// Releasing from the stale read is refused; from the current one it
+	// works and leaves the rest alone.
+	if _, err := clients[winner].Reserve(ctx, reads[winner], hotplug.Reservation{}); !apierrors.IsConflict(err) {
+		t.Fatalf("release from a stale read answered %v, want a conflict", err)
+	}
+	released, err := clients[winner].Reserve(ctx, now, hotplug.Reservation{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !released.Reserved.IsZero() || released.Object.Annotations["example.com/keep"] != "yes" {
+		t.Fatalf("after the release: reservation %+v, annotations %v", released.Reserved, released.Object.Annotations)
 	}
 }
