@@ -170,6 +170,9 @@ type vmWork struct {
 	// failed is closed and replaced when an attempt fails in a way retrying
 	// cannot cure (the host refuses our identity), waking waiting callers.
 	failed chan struct{}
+	// release lists volumes whose reservation for this VM the worker is to
+	// release: a detach was answered without an intent.
+	release map[string]bool
 }
 
 type waitState struct {
@@ -404,10 +407,15 @@ func (q *Queue) Detach(ctx context.Context, vm, volume string) error {
 	_, expecting := w.expect[volume]
 	if !expecting && obs.detached(volume) {
 		// Nothing of ours is in flight and nothing is there: cancel a
-		// not-yet-written attach and answer at once.
+		// not-yet-written attach and answer at once. A reservation this
+		// process may still have (an attach superseded before its write,
+		// a VM deleted with its VMI) is released by the VM's worker, which
+		// alone writes the VM, so the release never overtakes a write.
 		if it := w.intents[volume]; it != nil {
 			q.supersedeLocked(ctx, w, it, Detach)
 		}
+		w.release[volume] = true
+		q.wq.Add(key)
 		q.dropIfIdleLocked(key)
 		q.mu.Unlock()
 		return nil
@@ -520,14 +528,14 @@ func (q *Queue) key(vm string) cache.ObjectName {
 func (q *Queue) vmWork(key cache.ObjectName) *vmWork {
 	w := q.work[key]
 	if w == nil {
-		w = &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, waiting: map[string]waitState{}, failed: make(chan struct{})}
+		w = &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, waiting: map[string]waitState{}, release: map[string]bool{}, failed: make(chan struct{})}
 		q.work[key] = w
 	}
 	return w
 }
 
 func (q *Queue) dropIfIdleLocked(key cache.ObjectName) {
-	if w := q.work[key]; w != nil && len(w.intents) == 0 && len(w.expect) == 0 {
+	if w := q.work[key]; w != nil && len(w.intents) == 0 && len(w.expect) == 0 && len(w.release) == 0 {
 		delete(q.work, key)
 	}
 }

@@ -260,6 +260,28 @@ func (q *Queue) releaseThenFinish(ctx context.Context, key cache.ObjectName, vol
 	q.dropIfIdleLocked(key)
 }
 
+// releaseAsked releases the reservations a detach answered without an
+// intent asked for, except of volumes the VM has business with again (an
+// attach intent or a write on its way: those keep or renew it).
+func (q *Queue) releaseAsked(ctx context.Context, key cache.ObjectName) {
+	q.mu.Lock()
+	w := q.work[key]
+	if w == nil || len(w.release) == 0 {
+		q.mu.Unlock()
+		return
+	}
+	var vols []string
+	for _, vol := range sortedKeys(w.release) {
+		if w.intents[vol] == nil && !hasKey(w.expect, vol) {
+			vols = append(vols, vol)
+		}
+	}
+	clear(w.release)
+	q.dropIfIdleLocked(key)
+	q.mu.Unlock()
+	q.unreserve(ctx, key, vols, nil)
+}
+
 func volumesOf(rs []resolution) []string {
 	out := make([]string, len(rs))
 	for i, r := range rs {

@@ -211,3 +211,23 @@ func TestRejectedAttachReleasesItsReservation(t *testing.T) {
 		t.Fatalf("rejected volume in %v", h)
 	}
 }
+
+// A detach answered at once (nothing on the VM) still releases a
+// reservation this process left for that VM, here one of a VM whose VM and
+// VMI went away, so the volume can move without waiting for it to expire.
+func TestDetachOfNothingReleasesTheReservation(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm2")
+	cfg := reservingConfig()
+	cfg.ReservationTTL = time.Hour // only the release can free it
+	q, _ := startQueue(t, f, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	f.reservedBy("pvc-a", Reservation{VM: "vm1", Holder: cfg.Identity, At: time.Now()})
+	if err := q.Detach(ctx, "vm1", "pvc-a"); err != nil {
+		t.Fatalf("detach: %v", err)
+	}
+	testwait.For(t, "the reservation to be released", 10*time.Second, func() bool { return f.reservation("pvc-a").IsZero() })
+	if err := q.Attach(ctx, "vm2", "pvc-a", true); err != nil {
+		t.Fatalf("attach to vm2 after the release: %v", err)
+	}
+}

@@ -17,6 +17,7 @@ import (
 // sync is one worker pass over a VM: answer what is known, then write what
 // is pending unless the VM must be left to settle.
 func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
+	q.releaseAsked(ctx, key)
 	obs := q.observe(key)
 	q.mu.Lock()
 	w := q.work[key]
