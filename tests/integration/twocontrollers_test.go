@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/util/retry"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -88,9 +89,20 @@ func (s *suite) twoControllers(t *testing.T) {
 
 	const rounds = 8
 	var doubles int
+	// settled waits until a controller's informers show nobody holding the
+	// volume: each learns of the other's unpublish only from its watch.
+	settled := func(c *framework.Controller) {
+		t.Helper()
+		testwait.For(t, "the controller's informers to show the volume free", 30*time.Second, func() bool {
+			return len(c.Queue.Holders(vol)) == 0
+		})
+	}
 	for round := range rounds {
 		// Alternate which controller asks for which VM.
 		vmOf := func(i int) string { return vms[(i+round)%2] }
+		for _, c := range ctrls {
+			settled(c)
+		}
 		start := make(chan struct{})
 		errs := make([]error, len(ctrls))
 		var wg sync.WaitGroup
@@ -134,8 +146,10 @@ func (s *suite) twoControllers(t *testing.T) {
 		if err := attachers[winner].unpublish(ctx, vmOf(winner), vol); err != nil {
 			t.Fatalf("round %d: unpublish from %s: %v", round, vmOf(winner), err)
 		}
-		// The other controller may now have it for its VM: the winner's
-		// hold on the volume ended with the detach.
+		// The other controller may now have it for its VM at once: the
+		// winner's reservation went with the detach (left behind, it
+		// would refuse this publish for 30 s).
+		settled(ctrls[loser])
 		if err := attachers[loser].publish(ctx, vmOf(loser), vol); err != nil {
 			t.Fatalf("round %d: publish to %s after %s let go: %v", round, vmOf(loser), vmOf(winner), err)
 		}
