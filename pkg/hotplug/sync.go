@@ -187,8 +187,8 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 		var unwritten []string
 		pending, unwritten = q.confirmLocked(ctx, key, pending, live, claims, reserved, now)
 		q.mu.Unlock()
-		q.unreserve(ctx, key, unwritten, claims)
 		if len(pending) == 0 {
+			q.unreserve(ctx, key, unwritten, claims)
 			return nil
 		}
 		q.metrics.batchSize.Observe(float64(len(pending)))
@@ -202,7 +202,9 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 			return fmt.Errorf("backend %s answered %d outcomes for %d changes", q.backend.Name(), len(outs), len(pending))
 		}
 		retry, turnedDown, answers, failed := q.record(ctx, key, pending, outs)
-		q.releaseThenFinish(ctx, key, turnedDown, answers, claims)
+		// Releases wait until the call is made: they must not eat into
+		// its deadline, which runs from now.
+		q.releaseThenFinish(ctx, key, append(turnedDown, unwritten...), answers, claims)
 		if failed != nil {
 			return q.noteFailure(ctx, key, failed)
 		}
