@@ -231,3 +231,23 @@ func TestDetachOfNothingReleasesTheReservation(t *testing.T) {
 		t.Fatalf("attach to vm2 after the release: %v", err)
 	}
 }
+
+// A reservation of this process that is no longer fresh is renewed before
+// the attach is written under it: another controller's takeover is timed
+// from the reservation's time, so an old one must not cover a new write.
+func TestAgingReservationIsRenewedBeforeTheWrite(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	cfg := reservingConfig()
+	q, _ := startQueue(t, f, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	old := Reservation{VM: "vm1", Holder: cfg.Identity, At: time.Now().Add(-cfg.ReservationFresh)}
+	f.reservedBy("pvc-a", old)
+	before := time.Now()
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); err != nil {
+		t.Fatalf("attach: %v", err)
+	}
+	if r := f.reservation("pvc-a"); r.VM != "vm1" || r.Holder != cfg.Identity || r.At.Before(before) {
+		t.Fatalf("reservation after the attach %+v, want one renewed after %v", r, before)
+	}
+}
