@@ -8,6 +8,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
 // ClaimReader is the hotplug queue's view of the API server (hotplug.Reader).
@@ -28,9 +30,15 @@ func (r *ClaimReader) VMExists(ctx context.Context, vm string) (bool, error) {
 	return r.c.VMExists(ctx, vm)
 }
 
-// ClaimPhase reads a host PVC from the API server.
-func (r *ClaimReader) ClaimPhase(ctx context.Context, claim string) (corev1.PersistentVolumeClaimPhase, bool, error) {
-	return r.c.ClaimPhase(ctx, claim)
+// Claim reads a host PVC and its reservation from the API server.
+func (r *ClaimReader) Claim(ctx context.Context, claim string) (hotplug.HostClaim, error) {
+	return r.c.Claim(ctx, claim)
+}
+
+// Reserve writes a reservation on a host PVC if it has not changed since it
+// was read.
+func (r *ClaimReader) Reserve(ctx context.Context, from hotplug.HostClaim, res hotplug.Reservation) (hotplug.HostClaim, error) {
+	return r.c.Reserve(ctx, from, res)
 }
 
 // claimSource is the part of a volume source that names a claim.

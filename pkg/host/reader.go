@@ -3,7 +3,6 @@ package host
 import (
 	"context"
 
-	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -20,21 +19,6 @@ func (c *Client) VMExists(ctx context.Context, vm string) (bool, error) {
 	default:
 		return false, err
 	}
-}
-
-// ClaimPhase reads a host PVC from the API server; one being deleted counts
-// as gone.
-func (c *Client) ClaimPhase(ctx context.Context, claim string) (corev1.PersistentVolumeClaimPhase, bool, error) {
-	pvc, err := c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace).Get(ctx, claim, metav1.GetOptions{})
-	switch {
-	case apierrors.IsNotFound(err):
-		return "", false, nil
-	case err != nil:
-		return "", false, err
-	case pvc.DeletionTimestamp != nil:
-		return pvc.Status.Phase, false, nil
-	}
-	return pvc.Status.Phase, true, nil
 }
 
 // ListVMs lists the namespace's VMs from the API server with a quorum read

@@ -40,8 +40,12 @@ func (g *gatedReader) ListVMIs(context.Context) ([]kubevirtv1.VirtualMachineInst
 	return nil, nil
 }
 func (g *gatedReader) VMExists(context.Context, string) (bool, error) { return true, nil }
-func (g *gatedReader) ClaimPhase(context.Context, string) (corev1.PersistentVolumeClaimPhase, bool, error) {
-	return corev1.ClaimBound, true, nil
+func (g *gatedReader) Claim(context.Context, string) (HostClaim, error) {
+	return HostClaim{Phase: corev1.ClaimBound, Exists: true}, nil
+}
+func (g *gatedReader) Reserve(_ context.Context, from HostClaim, r Reservation) (HostClaim, error) {
+	from.Reserved = r
+	return from, nil
 }
 
 // Workers that ask while a live read is under way share the next read, and

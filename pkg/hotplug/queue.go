@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"slices"
 	"sync"
 	"time"
@@ -42,6 +43,20 @@ type Config struct {
 	// SlowAfter is how long an intent may wait for the same thing before the
 	// queue says so in its log at the default level.
 	SlowAfter time.Duration
+	// Identity names this controller process in the reservations it
+	// writes on host PVCs. Two processes that run at once must not share
+	// it; a restarted process that keeps it (the pod's name) goes on under
+	// its predecessor's reservations instead of waiting for them to expire.
+	Identity string
+	// ReservationFresh is how old a reservation of this process may be
+	// when an attach is written under it; an older one is renewed first.
+	ReservationFresh time.Duration
+	// ReservationTTL is when another VM may take over a reservation whose
+	// VM does not hold the volume. It must cover the holder's whole
+	// window for writing (ReservationFresh + RequestTimeout) plus the
+	// clock difference between controller hosts; the default leaves 10s
+	// for that.
+	ReservationTTL time.Duration
 }
 
 // DefaultConfig holds the defaults the command line uses.
@@ -57,7 +72,24 @@ func DefaultConfig() Config {
 		Burst:              20,
 		RequestTimeout:     15 * time.Second,
 		SlowAfter:          time.Minute,
+		Identity:           defaultIdentity(),
+		ReservationFresh:   5 * time.Second,
 	}
+}
+
+// clockAllowance is what the default ReservationTTL adds to the holder's
+// window for writing: the clocks of two controller hosts may disagree by
+// that much (and an API server may still carry out a write for a moment
+// after its client gave up on it).
+const clockAllowance = 10 * time.Second
+
+// defaultIdentity is the host name: a pod's name, which a container restart
+// keeps and a rolling update or a second replica does not share.
+func defaultIdentity() string {
+	if h, err := os.Hostname(); err == nil && h != "" {
+		return h
+	}
+	return "harvester-csi-driver"
 }
 
 func (c Config) withDefaults() Config {
@@ -72,6 +104,11 @@ func (c Config) withDefaults() Config {
 	orDefault(&c.Burst, d.Burst)
 	orDefault(&c.RequestTimeout, d.RequestTimeout)
 	orDefault(&c.SlowAfter, d.SlowAfter)
+	orDefault(&c.ReservationFresh, d.ReservationFresh)
+	orDefault(&c.ReservationTTL, c.ReservationFresh+c.RequestTimeout+clockAllowance)
+	if c.Identity == "" {
+		c.Identity = d.Identity
+	}
 	return c
 }
 
@@ -133,6 +170,9 @@ type vmWork struct {
 	// failed is closed and replaced when an attempt fails in a way retrying
 	// cannot cure (the host refuses our identity), waking waiting callers.
 	failed chan struct{}
+	// release lists volumes whose reservation for this VM the worker is to
+	// release: a detach was answered without an intent.
+	release map[string]bool
 }
 
 type waitState struct {
@@ -172,6 +212,10 @@ func New(cfg Config, backend Backend, reader Reader, vmInformer, vmiInformer cac
 	cfg = cfg.withDefaults()
 	if cfg.Namespace == "" {
 		return nil, errors.New("hotplug: the host namespace is required")
+	}
+	if cfg.ReservationTTL < cfg.ReservationFresh+cfg.RequestTimeout {
+		return nil, fmt.Errorf("hotplug: the reservation TTL %v is shorter than a holder's window for writing (%v fresh + %v request timeout)",
+			cfg.ReservationTTL, cfg.ReservationFresh, cfg.RequestTimeout)
 	}
 	if err := vmInformer.AddIndexers(cache.Indexers{indexClaim: claimIndex(vmClaims)}); err != nil {
 		return nil, fmt.Errorf("add VM claim index: %w", err)
@@ -385,10 +429,15 @@ func (q *Queue) detach(ctx context.Context, vm, volume string, until time.Time) 
 	_, expecting := w.expect[volume]
 	if !expecting && obs.detached(volume) {
 		// Nothing of ours is in flight and nothing is there: cancel a
-		// not-yet-written attach and answer at once.
+		// not-yet-written attach and answer at once. A reservation this
+		// process may still have (an attach superseded before its write,
+		// a VM deleted with its VMI) is released by the VM's worker, which
+		// alone writes the VM, so the release never overtakes a write.
 		if it := w.intents[volume]; it != nil {
 			q.supersedeLocked(ctx, w, it, Detach)
 		}
+		w.release[volume] = true
+		q.wq.Add(key)
 		q.dropIfIdleLocked(key)
 		q.mu.Unlock()
 		return nil
@@ -509,14 +558,14 @@ func (q *Queue) key(vm string) cache.ObjectName {
 func (q *Queue) vmWork(key cache.ObjectName) *vmWork {
 	w := q.work[key]
 	if w == nil {
-		w = &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, waiting: map[string]waitState{}, failed: make(chan struct{})}
+		w = &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, waiting: map[string]waitState{}, release: map[string]bool{}, failed: make(chan struct{})}
 		q.work[key] = w
 	}
 	return w
 }
 
 func (q *Queue) dropIfIdleLocked(key cache.ObjectName) {
-	if w := q.work[key]; w != nil && len(w.intents) == 0 && len(w.expect) == 0 {
+	if w := q.work[key]; w != nil && len(w.intents) == 0 && len(w.expect) == 0 && len(w.release) == 0 {
 		delete(q.work, key)
 	}
 }

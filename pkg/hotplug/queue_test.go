@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -13,8 +14,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -39,6 +42,7 @@ type fakeKubeVirt struct {
 	lag time.Duration
 
 	mu          sync.Mutex
+	pvcs        map[string]*fakePVC
 	applies     int
 	writes      int
 	inflight    map[string]int
@@ -75,14 +79,65 @@ func (f *fakeKubeVirt) VMExists(ctx context.Context, vm string) (bool, error) {
 	return err == nil, nil
 }
 
-// ClaimPhase says every claim is Bound unless f.claims says otherwise.
-func (f *fakeKubeVirt) ClaimPhase(_ context.Context, claim string) (corev1.PersistentVolumeClaimPhase, bool, error) {
+// fakePVC is what the fake keeps of a host PVC: its resourceVersion and its
+// reservation.
+type fakePVC struct {
+	version  int
+	reserved Reservation
+}
+
+// pvcLocked returns the PVC of claim, made on first use.
+func (f *fakeKubeVirt) pvcLocked(claim string) *fakePVC {
+	if f.pvcs == nil {
+		f.pvcs = map[string]*fakePVC{}
+	}
+	p := f.pvcs[claim]
+	if p == nil {
+		p = &fakePVC{version: 1}
+		f.pvcs[claim] = p
+	}
+	return p
+}
+
+func (p *fakePVC) claim(name string, phase corev1.PersistentVolumeClaimPhase) HostClaim {
+	return HostClaim{Phase: phase, Exists: true, Reserved: p.reserved,
+		Object: &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: name, ResourceVersion: strconv.Itoa(p.version)}}}
+}
+
+// Claim says every claim is Bound unless f.claims says otherwise.
+func (f *fakeKubeVirt) Claim(_ context.Context, claim string) (HostClaim, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if phase, ok := f.claims[claim]; ok {
-		return phase, phase != "", nil
+	phase := corev1.ClaimBound
+	if p, ok := f.claims[claim]; ok {
+		if p == "" {
+			return HostClaim{}, nil
+		}
+		phase = p
 	}
-	return corev1.ClaimBound, true, nil
+	return f.pvcLocked(claim).claim(claim, phase), nil
+}
+
+// Reserve writes the reservation if the PVC is still at the version read,
+// as the API server's resourceVersion precondition does.
+func (f *fakeKubeVirt) Reserve(_ context.Context, from HostClaim, r Reservation) (HostClaim, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	name := from.Object.Name
+	p := f.pvcLocked(name)
+	if from.Object.ResourceVersion != strconv.Itoa(p.version) {
+		return HostClaim{}, apierrors.NewConflict(schema.GroupResource{Resource: "persistentvolumeclaims"}, name, errors.New("the object has been modified"))
+	}
+	p.version++
+	p.reserved = r
+	return p.claim(name, from.Phase), nil
+}
+
+// reservation returns the volume's reservation as the fake host holds it.
+func (f *fakeKubeVirt) reservation(claim string) Reservation {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.pvcLocked(claim).reserved
 }
 
 func (f *fakeKubeVirt) ListVMs(ctx context.Context) ([]kubevirtv1.VirtualMachine, error) {

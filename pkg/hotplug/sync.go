@@ -17,6 +17,7 @@ import (
 // sync is one worker pass over a VM: answer what is known, then write what
 // is pending unless the VM must be left to settle.
 func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
+	q.releaseAsked(ctx, key)
 	obs := q.observe(key)
 	q.mu.Lock()
 	w := q.work[key]
@@ -49,16 +50,20 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 	f.held = q.heldLocked(key, w)
 	now := q.now()
 	p := decide(now, q.cfg, w, f)
+	releasing := releasesFirst(&p)
 	q.applyPlanLocked(ctx, key, w, p, now)
-	if len(p.changes) == 0 || p.hold != "" {
-		if p.hold != "" {
-			klog.FromContext(ctx).V(3).Info("holding changes", "reason", p.hold, "pending", len(p.changes))
-		}
+	idle := len(p.changes) == 0 || p.hold != ""
+	if idle && p.hold != "" {
+		klog.FromContext(ctx).V(3).Info("holding changes", "reason", p.hold, "pending", len(p.changes))
+	}
+	if idle && len(releasing) == 0 {
 		q.dropIfIdleLocked(key)
-		q.mu.Unlock()
-		return nil
 	}
 	q.mu.Unlock()
+	q.releaseThenFinish(ctx, key, volumesOf(releasing), releasing, nil)
+	if idle {
+		return nil
+	}
 	return q.write(ctx, key, p.changes)
 }
 
@@ -71,9 +76,7 @@ func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vm
 	w.settlingSince, w.progress = p.settlingSince, p.progress
 	w.hold = p.hold
 	for _, r := range p.resolve {
-		held, host := r.it.split(now)
-		logger.V(2).Info("intent done", "volume", r.it.volume, "op", r.it.op, "err", r.err, "after", now.Sub(r.it.created), "held", held, "host", host)
-		q.finishLocked(w, r.it, r.err)
+		q.resolveLocked(ctx, w, r, now)
 	}
 	for _, vol := range p.cleanup {
 		// Nobody waits on this detach; it keeps the queue at the volume
@@ -85,6 +88,19 @@ func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vm
 	if !p.wakeAt.IsZero() {
 		q.wq.AddAfter(key, p.wakeAt.Sub(now))
 	}
+}
+
+// resolveLocked answers a resolved intent's callers, unless they were
+// answered already (superseded meanwhile).
+func (q *Queue) resolveLocked(ctx context.Context, w *vmWork, r resolution, now time.Time) {
+	select {
+	case <-r.it.done:
+		return
+	default:
+	}
+	held, host := r.it.split(now)
+	klog.FromContext(ctx).V(2).Info("intent done", "volume", r.it.volume, "op", r.it.op, "err", r.err, "after", now.Sub(r.it.created), "held", held, "host", host)
+	q.finishLocked(w, r.it, r.err)
 }
 
 // noteWaitsLocked keeps, per volume, what its intent waits for and since
@@ -138,43 +154,58 @@ func (q *Queue) heldLocked(key cache.ObjectName, w *vmWork) map[string]error {
 // write makes the changes, retrying conflicts at once after a fresh read (the
 // backend reads anew on every call) a bounded number of times. Before an
 // exclusive attach goes out, who holds its volume is read from the API
-// server itself: an informer that lags, or a write of another process (a
-// controller that has not noticed it lost its lease), must never let one
-// volume be attached to two VMs.
+// server itself, and the volume is reserved for the VM on its host PVC: an
+// informer that lags, or a write of another process (a controller that has
+// not noticed it lost its lease, a second replica during a rolling update),
+// must never let one volume be attached to two VMs.
 func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Change) error {
 	logger := klog.FromContext(ctx)
 	var live map[string][]string
-	if vols := q.exclusiveAdds(key, changes); len(vols) > 0 {
-		h, err := q.liveHolders(ctx, vols)
+	excl := q.exclusiveAdds(key, changes)
+	if len(excl) > 0 {
+		h, err := q.liveHolders(ctx, excl)
 		if err != nil {
-			return q.noteFailure(ctx, key, fmt.Errorf("read who holds %v: %w", vols, err))
+			return q.noteFailure(ctx, key, fmt.Errorf("read who holds %v: %w", excl, err))
 		}
 		live = h
 	}
-	claims, err := q.claimPhases(ctx, changes)
+	claims, err := q.readClaims(ctx, changes)
 	if err != nil {
 		return q.noteFailure(ctx, key, err)
 	}
 	pending := changes
 	for attempt := 0; ; attempt++ {
+		reserved, err := q.reserveAndReread(ctx, key, excl, pending, claims, live)
+		if err != nil {
+			return q.noteFailure(ctx, key, err)
+		}
+		// now bounds this attempt: every exclusive attach in it was
+		// checked fresh at now, and the backend call ends RequestTimeout
+		// after it, so no write outlives its reservation's TTL.
+		now := q.now()
 		q.mu.Lock()
-		pending = q.confirmLocked(ctx, key, pending, live, claims)
+		var unwritten []string
+		pending, unwritten = q.confirmLocked(ctx, key, pending, live, claims, reserved, now)
 		until := q.untilLocked(key, pending)
 		q.mu.Unlock()
 		if len(pending) == 0 {
+			q.unreserve(ctx, key, unwritten, claims)
 			return nil
 		}
 		q.metrics.batchSize.Observe(float64(len(pending)))
 		logger.V(2).Info("applying hotplug changes", "backend", q.backend.Name(), "changes", fmtChanges(pending), "attempt", attempt)
 		start := q.now()
-		actx, cancel := q.attemptContext(ctx, until)
+		actx, cancel := q.attemptContext(ctx, now, until)
 		outs := q.backend.Apply(actx, key.Name, pending)
 		cancel()
 		q.metrics.applyDuration.Observe(q.now().Sub(start).Seconds())
 		if len(outs) != len(pending) {
 			return fmt.Errorf("backend %s answered %d outcomes for %d changes", q.backend.Name(), len(outs), len(pending))
 		}
-		retry, failed := q.record(ctx, key, pending, outs)
+		retry, turnedDown, answers, failed := q.record(ctx, key, pending, outs)
+		// Releases wait until the call is made: they must not eat into
+		// its deadline, which runs from now.
+		q.releaseThenFinish(ctx, key, append(turnedDown, unwritten...), answers, claims)
 		if failed != nil {
 			return q.noteFailure(ctx, key, failed)
 		}
@@ -196,6 +227,36 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 	}
 }
 
+// reserveAndReread reserves the volumes of the exclusive attaches among
+// pending (see reserve), and reads again from the API server who holds
+// those whose reservation was taken over from another VM, into live.
+func (q *Queue) reserveAndReread(ctx context.Context, key cache.ObjectName, excl []string, pending []Change, claims map[string]HostClaim, live map[string][]string) (map[string]reservation, error) {
+	var vols []string
+	for _, c := range pending {
+		if c.Op == Attach && slices.Contains(excl, c.Volume) {
+			vols = append(vols, c.Volume)
+		}
+	}
+	if len(vols) == 0 {
+		return nil, nil
+	}
+	reserved, reread, err := q.reserve(ctx, key, vols, claims, live)
+	if err != nil {
+		return nil, err
+	}
+	if len(reread) > 0 {
+		h, err := q.liveHolders(ctx, reread)
+		if err != nil {
+			q.unreserve(ctx, key, reread, claims)
+			return nil, fmt.Errorf("read who holds %v: %w", reread, err)
+		}
+		for _, vol := range reread {
+			live[vol] = h[vol]
+		}
+	}
+	return reserved, nil
+}
+
 // exclusiveAdds lists the volumes of changes that exclusive attach intents
 // of the VM are about to add.
 func (q *Queue) exclusiveAdds(key cache.ObjectName, changes []Change) []string {
@@ -214,27 +275,21 @@ func (q *Queue) exclusiveAdds(key cache.ObjectName, changes []Change) []string {
 	return vols
 }
 
-// claimState is a host PVC's phase as read right before its attach.
-type claimState struct {
-	phase  corev1.PersistentVolumeClaimPhase
-	exists bool
-}
-
-// claimPhases reads, from the API server, the claim of every volume changes
-// add.
-func (q *Queue) claimPhases(ctx context.Context, changes []Change) (map[string]claimState, error) {
+// readClaims reads, from the API server, the host PVC (and its
+// reservation) of every volume changes add.
+func (q *Queue) readClaims(ctx context.Context, changes []Change) (map[string]HostClaim, error) {
 	ctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
 	defer cancel()
-	out := map[string]claimState{}
+	out := map[string]HostClaim{}
 	for _, c := range changes {
 		if c.Op != Attach {
 			continue
 		}
-		phase, exists, err := q.reader.ClaimPhase(ctx, c.Volume)
+		cl, err := q.reader.Claim(ctx, c.Volume)
 		if err != nil {
 			return nil, fmt.Errorf("read host PVC %s: %w", c.Volume, err)
 		}
-		out[c.Volume] = claimState{phase: phase, exists: exists}
+		out[c.Volume] = cl
 	}
 	return out, nil
 }
@@ -274,32 +329,39 @@ func (q *Queue) liveHolders(ctx context.Context, vols []string) (map[string][]st
 // of claims that are gone or not Bound (they would stall every new volume
 // of the VM in KubeVirt), refuses exclusive
 // attaches whose volume another VM holds now (informers, this process's
-// unobserved writes and pending intents, and the live read), and registers
-// the rest as expected before they are written, so that no caller can be
-// told "detached" and no other VM can take the volume while the write is on
-// its way.
-func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes []Change, live map[string][]string, claims map[string]claimState) []Change {
+// unobserved writes and pending intents, the live read and the volume's
+// reservation), holds back those that must wait for another controller's
+// reservation or whose own reservation is no longer fresh at now, and
+// registers the rest as expected before they are written, so that no caller
+// can be told "detached" and no other VM can take the volume while the write
+// is on its way. unwritten lists the attaches not written whose reservation
+// may be this process's, to be released.
+func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes []Change, live map[string][]string, claims map[string]HostClaim, reserved map[string]reservation, now time.Time) (out []Change, unwritten []string) {
+	logger := klog.FromContext(ctx)
 	w := q.vmWork(key)
-	now := q.now()
-	out := changes[:0:0]
+	out = changes[:0:0]
+	var wakeAt time.Time
 	for _, c := range changes {
 		it := w.intents[c.Volume]
 		if it == nil || it.op != c.Op {
 			delete(w.expect, c.Volume)
+			if c.Op == Attach {
+				unwritten = append(unwritten, c.Volume)
+			}
 			continue
 		}
 		if !it.until.IsZero() && !now.Before(it.until) {
-			klog.FromContext(ctx).Info("detach dropped before writing it: its caller's deadline passed", "volume", c.Volume, "deadline", it.until)
+			logger.Info("detach dropped before writing it: its caller's deadline passed", "volume", c.Volume, "deadline", it.until)
 			delete(w.expect, c.Volume)
 			q.finishLocked(w, it, &ExpiredError{Volume: c.Volume, VM: key.Name, Deadline: it.until})
 			continue
 		}
-		if cl, ok := claims[c.Volume]; c.Op == Attach && ok && (!cl.exists || cl.phase != corev1.ClaimBound) {
+		if cl, ok := claims[c.Volume]; c.Op == Attach && ok && (!cl.Exists || cl.Phase != corev1.ClaimBound) {
 			err := &ClaimNotReadyError{Volume: c.Volume, VM: key.Name}
-			if cl.exists {
-				err.Phase = cl.phase
+			if cl.Exists {
+				err.Phase = cl.Phase
 			}
-			klog.FromContext(ctx).Info("attach refused right before writing it", "volume", c.Volume, "err", err)
+			logger.Info("attach refused right before writing it", "volume", c.Volume, "err", err)
 			delete(w.expect, c.Volume)
 			q.finishLocked(w, it, err)
 			continue
@@ -314,25 +376,47 @@ func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes
 					}
 				}
 			}
+			if err == nil {
+				err = reserved[c.Volume].held
+			}
 			if err != nil {
-				klog.FromContext(ctx).Info("exclusive attach refused right before writing it", "volume", c.Volume, "err", err)
+				logger.Info("exclusive attach refused right before writing it", "volume", c.Volume, "err", err)
 				delete(w.expect, c.Volume)
 				q.finishLocked(w, it, err)
+				unwritten = append(unwritten, c.Volume)
+				continue
+			}
+			if r, ok := reserved[c.Volume]; ok && r.verdict.action == reserveWait {
+				if wakeAt.IsZero() || r.verdict.until.Before(wakeAt) {
+					wakeAt = r.verdict.until
+				}
+				continue
+			}
+			if !q.ownFresh(claims[c.Volume], key.Name, now) {
+				// Not reserved in this attempt (the intent became
+				// exclusive meanwhile) or the reservation aged while
+				// it was taken: the next pass reserves it again.
+				logger.V(2).Info("volume not freshly reserved for this VM, looking again", "volume", c.Volume)
+				q.wq.Add(key)
 				continue
 			}
 		}
 		w.expect[c.Volume] = expectation{op: c.Op, since: now}
 		out = append(out, c)
 	}
+	if !wakeAt.IsZero() {
+		q.wq.AddAfter(key, wakeAt.Sub(now))
+	}
 	q.dropIfIdleLocked(key)
-	return out
+	return out, unwritten
 }
 
-// attemptContext bounds one attempt by the request timeout and by until, the
-// earliest DetachBefore deadline of its changes: no request of the attempt
-// leaves this process after that.
-func (q *Queue) attemptContext(ctx context.Context, until time.Time) (context.Context, context.CancelFunc) {
-	ctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
+// attemptContext bounds one attempt by the request timeout counted from now
+// (when its reservations were checked fresh) and by until, the earliest
+// DetachBefore deadline of its changes: no request of the attempt leaves
+// this process after either.
+func (q *Queue) attemptContext(ctx context.Context, now, until time.Time) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithDeadline(ctx, now.Add(q.cfg.RequestTimeout))
 	if until.IsZero() {
 		return ctx, cancel
 	}
@@ -358,7 +442,9 @@ func (q *Queue) untilLocked(key cache.ObjectName, changes []Change) time.Time {
 
 // record books the backend's outcomes: expectations for what was (or may
 // have been) written, final answers for rejected volumes, and what to retry.
-func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Change, outs []Outcome) (retry []Change, failed error) {
+// turnedDown lists the attaches the host refused without writing anything,
+// whose reservation is to be released before answers go to their callers.
+func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Change, outs []Outcome) (retry []Change, turnedDown []string, answers []resolution, failed error) {
 	logger := klog.FromContext(ctx)
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -388,13 +474,23 @@ func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Chan
 		case Rejected:
 			delete(w.expect, c.Volume)
 			logger.Info("hotplug change rejected", "volume", c.Volume, "op", c.Op, "err", o.Err)
-			if it != nil {
-				q.finishLocked(w, it, &RejectedError{Volume: c.Volume, VM: key.Name, Op: c.Op, Err: o.Err})
+			err := &RejectedError{Volume: c.Volume, VM: key.Name, Op: c.Op, Err: o.Err}
+			switch {
+			case c.Op == Attach:
+				turnedDown = append(turnedDown, c.Volume)
+				if it != nil {
+					answers = append(answers, resolution{it: it, err: err})
+				}
+			case it != nil:
+				q.finishLocked(w, it, err)
 			}
 		case VMGone:
 			delete(w.expect, c.Volume)
-			if it != nil && it.op == Attach {
-				q.finishLocked(w, it, &VMNotFoundError{VM: key.Name, Volume: c.Volume, Namespace: key.Namespace})
+			if c.Op == Attach {
+				turnedDown = append(turnedDown, c.Volume)
+				if it != nil {
+					answers = append(answers, resolution{it: it, err: &VMNotFoundError{VM: key.Name, Volume: c.Volume, Namespace: key.Namespace}})
+				}
 			}
 		case Failed:
 			if refused(o.Err) {
@@ -414,7 +510,7 @@ func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Chan
 		w.lastErr, w.failingSince = nil, time.Time{}
 	}
 	q.dropIfIdleLocked(key)
-	return retry, failed
+	return retry, turnedDown, answers, failed
 }
 
 // noteFailure remembers a failed attempt at the host as the VM's last error,

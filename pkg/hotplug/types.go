@@ -107,15 +107,50 @@ type Backend interface {
 // Reader reads the host namespace's VMs and VMIs from the API server itself,
 // bypassing the informers, for the two decisions a stale cache must never
 // make: that a VM does not exist, and that no other VM holds a volume at the
-// moment an exclusive attach is written. Only the queue's workers call it.
+// moment an exclusive attach is written. It also reads and writes the
+// reservation an exclusive attach puts on its volume's host PVC, the fence
+// between controller processes that cannot see each other's queues. Only
+// the queue's workers call it.
 type Reader interface {
 	VMExists(ctx context.Context, vm string) (bool, error)
-	// ClaimPhase reads a host PVC's phase; exists is false when it is gone
-	// (or being deleted).
-	ClaimPhase(ctx context.Context, claim string) (phase corev1.PersistentVolumeClaimPhase, exists bool, err error)
+	// Claim reads a host PVC with its reservation from the API server;
+	// Exists is false when it is gone (or being deleted).
+	Claim(ctx context.Context, claim string) (HostClaim, error)
+	// Reserve writes r (the zero Reservation removes it) on the PVC as
+	// read in from, only if the PVC has not changed since: a conflict
+	// (apierrors.IsConflict) says someone else wrote it first. It returns
+	// the PVC as written.
+	Reserve(ctx context.Context, from HostClaim, r Reservation) (HostClaim, error)
 	ListVMs(ctx context.Context) ([]kubevirtv1.VirtualMachine, error)
 	ListVMIs(ctx context.Context) ([]kubevirtv1.VirtualMachineInstance, error)
 }
+
+// HostClaim is a host PVC as the queue reads it right before an attach.
+type HostClaim struct {
+	Phase  corev1.PersistentVolumeClaimPhase
+	Exists bool
+	// Reserved is the PVC's reservation; the zero value: none.
+	Reserved Reservation
+	// Object is the PVC as read, which Reserve writes back with its
+	// resourceVersion as the precondition. Nil when it does not exist.
+	Object *corev1.PersistentVolumeClaim
+}
+
+// Reservation says which VM an exclusive volume is being attached to: it
+// is written on the host PVC, with a resourceVersion precondition, before
+// the attach is written to KubeVirt, so that of two controller processes
+// attaching the volume to different VMs at once exactly one goes ahead.
+type Reservation struct {
+	// VM the volume is reserved for.
+	VM string
+	// Holder is the controller process that wrote it (Config.Identity).
+	Holder string
+	// At is when it was written or last renewed, on the holder's clock.
+	At time.Time
+}
+
+// IsZero reports a PVC without a reservation.
+func (r Reservation) IsZero() bool { return r.VM == "" }
 
 // ErrVMNotFound is what a VMNotFoundError matches (errors.Is): an attach to
 // a VM that does not exist.

@@ -110,6 +110,8 @@ func TestController(t *testing.T) {
 			t.Run("TimedOutPublishThenUnpublish", s.timedOutPublishThenUnpublish)
 			t.Run("RestartMidBatch", s.restartMidBatch)
 			t.Run("FencingUnderInformerLagAndRestarts", s.fencingUnderLag)
+			t.Run("TwoControllersAtOnce", s.twoControllers)
+			t.Run("ReservationIsACompareAndSwap", s.reservationCAS)
 			t.Run("CronJobReattachToTheSameVM", s.cronJobReattach)
 			t.Run("ClaimDeletedWhileQueued", s.claimDeletedWhileQueued)
 			t.Run("UnboundClaimBesideOthers", s.unboundClaim)
