@@ -608,7 +608,8 @@ func (q *Queue) finishLocked(w *vmWork, it *intent, err error) {
 	default:
 	}
 	it.err = err
-	close(it.done)
+	// The figures go in before the callers hear: what a caller sees once
+	// answered (the metrics endpoint, a test) includes its own intent.
 	if err == nil {
 		now := q.now()
 		q.metrics.completion.WithLabelValues(it.op.String()).Observe(now.Sub(it.created).Seconds())
@@ -617,6 +618,7 @@ func (q *Queue) finishLocked(w *vmWork, it *intent, err error) {
 			q.metrics.held.WithLabelValues(it.op.String()).Observe(held.Seconds())
 		}
 	}
+	close(it.done)
 }
 
 // split divides an intent's time until now into the part the queue held it
