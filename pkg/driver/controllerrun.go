@@ -59,6 +59,8 @@ type Controller struct {
 	// attachmentEvents says on guest VolumeAttachments what a publish or
 	// unpublish waits for.
 	attachmentEvents *guest.AttachmentEvents
+	// events records every guest Event of the controller.
+	events *guest.Recorder
 	guard            *guest.Guard
 	monitor          *guest.Monitor
 	// claims watches guest pods for RWX unpublishes (with a guest client).
@@ -118,13 +120,13 @@ func (c *Controller) buildGuest() error {
 	if c.claims, err = NewGuestClaims(c.cfg.Guest, Name, nodes); err != nil {
 		return err
 	}
-	c.attachmentEvents = guest.NewAttachmentEvents(c.cfg.Guest, nodes, Name)
-	events := guest.Events{Client: c.cfg.Guest, Component: Name}
+	c.events = guest.NewRecorder(c.cfg.Guest, Name, "")
+	c.attachmentEvents = guest.NewAttachmentEvents(c.cfg.Guest, nodes, Name, c.events)
 	if c.cfg.DetachGuardTimeout > 0 {
-		c.guard = guest.NewGuard(nodes, events, c.cfg.DetachGuardTimeout)
+		c.guard = guest.NewGuard(nodes, c.events, c.cfg.DetachGuardTimeout)
 	}
 	if c.cfg.NodeMonitor {
-		if c.monitor, err = guest.NewMonitor(c.cfg.Monitor, c.cfg.Guest, nodes, monitorVMs{c}, events); err != nil {
+		if c.monitor, err = guest.NewMonitor(c.cfg.Monitor, c.cfg.Guest, nodes, monitorVMs{c}, c.events); err != nil {
 			return err
 		}
 	}
@@ -204,8 +206,8 @@ func (c *Controller) Run(ctx context.Context) error {
 			}
 		}
 	}
-	if c.attachmentEvents != nil {
-		defer c.attachmentEvents.Stop()
+	if c.events != nil {
+		defer c.events.Stop()
 	}
 	g, ctx := errgroup.WithContext(ctx)
 	if c.guestNodes != nil {

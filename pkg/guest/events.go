@@ -3,46 +3,42 @@ package guest
 import (
 	"context"
 	"os"
-	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/klog/v2"
+	"k8s.io/client-go/kubernetes/scheme"
+	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
+	"k8s.io/client-go/tools/record"
 )
 
-// Events writes Events on guest Nodes with one create each. These Events are
-// rare (a forced unplug, a fenced node), so nothing is aggregated and the
-// identity needs only "create" on events.
-type Events struct {
-	Client kubernetes.Interface
-	// Component names the writer in the Event's source.
-	Component string
-	// Instance names this replica (default: the hostname).
-	Instance string
+// Recorder writes the controller's Events in the guest cluster, on Nodes
+// (a forced unplug, a fenced Node) and on VolumeAttachments (what a publish
+// waits for), through one broadcaster: client-go's correlator aggregates
+// repeats into one Event with a count and rate-limits them per object, as
+// every Kubernetes component's Events are. The identity needs "create" and
+// "patch" on events.
+type Recorder struct {
+	broadcaster record.EventBroadcaster
+	recorder    record.EventRecorder
 }
 
-// NodeEvent implements EventSink. A failure is logged, never returned: the
-// Event reports a decision already taken.
-func (e Events) NodeEvent(ctx context.Context, node *corev1.Node, eventType, reason, message string) {
-	instance := e.Instance
+// NewRecorder starts recording as component, this replica named instance
+// (default: the hostname, the pod's name); Stop ends it.
+func NewRecorder(client kubernetes.Interface, component, instance string) *Recorder {
 	if instance == "" {
 		instance, _ = os.Hostname()
 	}
-	now := metav1.NewTime(time.Now())
-	ev := &corev1.Event{
-		// Node Events live in the default namespace, where kubelet and
-		// kubectl describe put and look for them.
-		ObjectMeta: metav1.ObjectMeta{GenerateName: node.Name + ".", Namespace: metav1.NamespaceDefault},
-		InvolvedObject: corev1.ObjectReference{
-			APIVersion: "v1", Kind: "Node", Name: node.Name, UID: node.UID,
-		},
-		Reason: reason, Message: message, Type: eventType,
-		Source:         corev1.EventSource{Component: e.Component},
-		FirstTimestamp: now, LastTimestamp: now, Count: 1,
-		ReportingController: e.Component, ReportingInstance: instance,
-	}
-	if _, err := e.Client.CoreV1().Events(metav1.NamespaceDefault).Create(ctx, ev, metav1.CreateOptions{}); err != nil {
-		klog.FromContext(ctx).Error(err, "cannot write an Event on the guest node", "node", node.Name, "reason", reason, "message", message)
-	}
+	b := record.NewBroadcaster()
+	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: client.CoreV1().Events("")})
+	return &Recorder{broadcaster: b, recorder: b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: component, Host: instance})}
+}
+
+// Stop flushes and stops the recorder.
+func (r *Recorder) Stop() { r.broadcaster.Shutdown() }
+
+// NodeEvent implements EventSink. The Event lands in the default namespace,
+// where kubelet's are and `kubectl describe node` looks. Failures are
+// logged by the broadcaster: the Event reports a decision already taken.
+func (r *Recorder) NodeEvent(_ context.Context, node *corev1.Node, eventType, reason, message string) {
+	r.recorder.Event(node, eventType, reason, message)
 }

@@ -3,6 +3,7 @@ package guest
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -435,20 +436,30 @@ func TestGuardNotSynced(t *testing.T) {
 	}
 }
 
-func TestEventsWritesANodeEvent(t *testing.T) {
+// Node Events go through the aggregating recorder: a repeat is one Event
+// with a count, not a second object.
+func TestRecorderWritesAggregatedNodeEvents(t *testing.T) {
 	_, ctx := ktesting.NewTestContext(t)
 	client := fake.NewClientset()
-	Events{Client: client, Component: testDriver, Instance: "replica-1"}.NodeEvent(ctx, guestNode("worker-1"), corev1.EventTypeWarning, "VolumeDetachForced", "forced")
-	list, err := client.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		t.Fatal(err)
+	r := NewRecorder(client, testDriver, "replica-1")
+	defer r.Stop()
+	for range 2 {
+		r.NodeEvent(ctx, guestNode("worker-1"), corev1.EventTypeWarning, "VolumeDetachForced", "forced")
 	}
-	if len(list.Items) != 1 {
-		t.Fatalf("events: %+v", list.Items)
-	}
-	e := list.Items[0]
+	var got []corev1.Event
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	testwait.Until(wctx, t, "one Event counted twice", func() (bool, string) {
+		list, err := client.CoreV1().Events(metav1.NamespaceDefault).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		got = list.Items
+		return len(got) == 1 && got[0].Count == 2, fmt.Sprintf("%d events", len(got))
+	})
+	e := got[0]
 	if e.InvolvedObject.Kind != "Node" || e.InvolvedObject.Name != "worker-1" || e.InvolvedObject.UID != "uid-worker-1" ||
-		e.Reason != "VolumeDetachForced" || e.Type != corev1.EventTypeWarning || e.ReportingController != testDriver || e.ReportingInstance != "replica-1" {
+		e.Reason != "VolumeDetachForced" || e.Type != corev1.EventTypeWarning || e.Source.Component != testDriver || e.Source.Host != "replica-1" {
 		t.Errorf("event %+v", e)
 	}
 }

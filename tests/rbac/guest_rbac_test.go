@@ -202,7 +202,8 @@ func TestControllerGuestCallsFitTheListedPermissions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	events := guest.Events{Client: client, Component: driver.Name}
+	events := guest.NewRecorder(client, driver.Name, "")
+	defer events.Stop()
 	vms := stoppedVM{}
 	monitor, err := guest.NewMonitor(guest.MonitorConfig{LeaseDuration: 4 * time.Second, RenewDeadline: 3 * time.Second, RetryPeriod: 200 * time.Millisecond},
 		client, nodes, vms, events)
@@ -227,8 +228,7 @@ func TestControllerGuestCallsFitTheListedPermissions(t *testing.T) {
 		metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	vaEvents := guest.NewAttachmentEvents(client, nodes, driver.Name)
-	defer vaEvents.Stop()
+	vaEvents := guest.NewAttachmentEvents(client, nodes, driver.Name, events)
 	for range 2 {
 		vaEvents.Record(ctx, "pvc-a", "vm-1", corev1.EventTypeNormal, "HotplugWaiting", "waiting for KubeVirt to plug the volume")
 	}
