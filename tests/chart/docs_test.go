@@ -182,22 +182,9 @@ func registeredMetrics(t *testing.T) []string {
 	t.Helper()
 	var out []string
 	name := regexp.MustCompile(`(?:NewDesc\(|Name:\s*)"(harvester_csi_[a-z0-9_]+)"`)
-	for _, dir := range []string{"pkg", filepath.Join("cmd", "harvester-csi-driver")} {
-		err := filepath.WalkDir(filepath.Join(render.RepoRoot(), dir), func(p string, d os.DirEntry, err error) error {
-			if err != nil || d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
-				return err
-			}
-			src, err := os.ReadFile(p)
-			if err != nil {
-				return err
-			}
-			for _, m := range name.FindAllStringSubmatch(string(src), -1) {
-				out = append(out, m[1])
-			}
-			return nil
-		})
-		if err != nil {
-			t.Fatal(err)
+	for _, src := range goSources(t, "pkg", filepath.Join("cmd", "harvester-csi-driver")) {
+		for _, m := range name.FindAllStringSubmatch(src, -1) {
+			out = append(out, m[1])
 		}
 	}
 	if len(out) < 5 {

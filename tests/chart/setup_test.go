@@ -55,22 +55,9 @@ func TestOSDepsNameEveryToolTheNodeRuns(t *testing.T) {
 	}
 	used := map[string]bool{}
 	call := regexp.MustCompile(`\b(?:run|runWith|Run|CommandContext|Command)\((?:ctx, |t, )?(?:\[\]\*os\.File\{[^}]*\}, )?"([a-z][a-z0-9_.]*)"`)
-	for _, dir := range []string{"pkg/node", "internal/loopdisk", "internal/nodetest"} {
-		err := filepath.WalkDir(filepath.Join(root, dir), func(p string, d os.DirEntry, err error) error {
-			if err != nil || d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
-				return err
-			}
-			b, err := os.ReadFile(p)
-			if err != nil {
-				return err
-			}
-			for _, m := range call.FindAllStringSubmatch(string(b), -1) {
-				used[m[1]] = true
-			}
-			return nil
-		})
-		if err != nil {
-			t.Fatal(err)
+	for _, src := range goSources(t, "pkg/node", "internal/loopdisk", "internal/nodetest") {
+		for _, m := range call.FindAllStringSubmatch(src, -1) {
+			used[m[1]] = true
 		}
 	}
 	// mkfs.<type> is run by type name.
@@ -89,4 +76,24 @@ func TestOSDepsNameEveryToolTheNodeRuns(t *testing.T) {
 			t.Errorf("the node side runs %q, which hack/os-deps.sh does not install", cmd)
 		}
 	}
+}
+
+// goSources are the non-test Go files below the repository's dirs.
+func goSources(t *testing.T, dirs ...string) []string {
+	t.Helper()
+	var out []string
+	for _, dir := range dirs {
+		err := filepath.WalkDir(filepath.Join(render.RepoRoot(), dir), func(p string, d os.DirEntry, err error) error {
+			if err != nil || d.IsDir() || !strings.HasSuffix(p, ".go") || strings.HasSuffix(p, "_test.go") {
+				return err
+			}
+			b, err := os.ReadFile(p)
+			out = append(out, string(b))
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	return out
 }

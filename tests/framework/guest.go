@@ -13,6 +13,7 @@ import (
 	"k8s.io/client-go/util/retry"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 )
@@ -129,4 +130,22 @@ func (g *Guest) ObjectEvents(tb testing.TB, kind, name string) []corev1.Event {
 		tb.Fatal(err)
 	}
 	return list.Items
+}
+
+// WaitNodeEvents waits until the guest Node has an Event of that reason and
+// returns the Events of that reason: the controller's recorder writes them
+// in the background, after the decision they report.
+func (g *Guest) WaitNodeEvents(tb testing.TB, node, reason string) []corev1.Event {
+	tb.Helper()
+	var got []corev1.Event
+	testwait.For(tb, "an Event "+reason+" on guest Node "+node, time.Minute, func() bool {
+		got = got[:0]
+		for _, e := range g.NodeEvents(tb, node) {
+			if e.Reason == reason {
+				got = append(got, e)
+			}
+		}
+		return len(got) > 0
+	})
+	return got
 }

@@ -436,12 +436,7 @@ func (s *guestSuite) timeoutAcrossRestarts(t *testing.T) {
 	if got := s.attachedTo(vol, vm); len(got) != 0 {
 		t.Errorf("%s still on %v after the forced unpublish", vol, got)
 	}
-	var forced []corev1.Event
-	for _, e := range s.guest.NodeEvents(t, node) {
-		if e.Reason == "VolumeDetachForced" {
-			forced = append(forced, e)
-		}
-	}
+	forced := s.guest.WaitNodeEvents(t, node, "VolumeDetachForced")
 	if len(forced) != 1 || !strings.Contains(forced[0].Message, vol) {
 		t.Errorf("want one VolumeDetachForced naming %s on %s, got %+v", vol, node, forced)
 	}
@@ -500,12 +495,7 @@ func (s *guestSuite) forced(t *testing.T) {
 	if got := s.attachedTo(vol, vm); len(got) != 0 {
 		t.Errorf("%s still on %v after the forced unpublish", vol, got)
 	}
-	var forced []corev1.Event
-	for _, e := range s.guest.NodeEvents(t, node) {
-		if e.Reason == "VolumeDetachForced" {
-			forced = append(forced, e)
-		}
-	}
+	forced := s.guest.WaitNodeEvents(t, node, "VolumeDetachForced")
 	if len(forced) != 1 || forced[0].Type != corev1.EventTypeWarning || !strings.Contains(forced[0].Message, vol) || !strings.Contains(forced[0].Message, vm) {
 		t.Errorf("want one Warning VolumeDetachForced naming %s and %s on %s, got %+v", vol, vm, node, forced)
 	}
