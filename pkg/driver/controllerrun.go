@@ -60,9 +60,9 @@ type Controller struct {
 	// unpublish waits for.
 	attachmentEvents *guest.AttachmentEvents
 	// events records every guest Event of the controller.
-	events *guest.Recorder
-	guard            *guest.Guard
-	monitor          *guest.Monitor
+	events  *guest.Recorder
+	guard   *guest.Guard
+	monitor *guest.Monitor
 	// claims watches guest pods for RWX unpublishes (with a guest client).
 	claims *GuestClaims
 	// claimCache holds the host's PVCs for the publish's first check.
