@@ -1,6 +1,7 @@
 package chart
 
 import (
+	"cmp"
 	"context"
 	"regexp"
 	"slices"
@@ -51,34 +52,42 @@ func TestPrometheusRuleLoadsInPrometheus(t *testing.T) {
 type alertCase struct {
 	name   string
 	series string
-	// firing: identifying label value (vm or backend) -> whether it must be firing at some point.
+	// firing: identifying label value -> whether it must be firing at some point.
 	firing map[string]bool
 	// notBefore: no alert may fire before this much of the history.
 	notBefore time.Duration
+	// id is the label that tells the alert's series apart; empty: vm, else backend.
+	id string
 }
 
 // TestAlertsFireOnStuckQueues evaluates the rendered default alerts, as
-// Prometheus's rule manager does, over series shaped like a stuck and a
-// healthy queue: each alert fires on the stuck one, after its `for`, and
-// stays quiet on the healthy one.
+// Prometheus's rule manager does, over series shaped like the trouble each
+// alert is for and like a healthy driver: each alert fires on the first,
+// after its `for`, and stays quiet on the second.
 func TestAlertsFireOnStuckQueues(t *testing.T) {
-	r := renderVals(t, map[string]interface{}{"metrics": map[string]interface{}{"prometheusRule": map[string]interface{}{"enabled": true}}})
-	byName := map[string]monitoringv1.Rule{}
-	for _, rule := range renderedRules(t, r) {
-		byName[rule.Alert] = rule
-	}
+	byName := defaultAlerts(t)
 	const target = `namespace="kube-system",pod="harvester-csi-driver-controllers-0"`
+	// scraped gives a series the labels the ServiceMonitor's scrape adds, in
+	// namespace ns (the alerts that sum over pods keep only the namespace,
+	// so the cases tell their series apart by it).
+	scraped := func(ns string) string { return `namespace="` + ns + `",pod="harvester-csi-driver-controllers-0"` }
+	// The Service the chart's ServiceMonitor scrapes the controller through:
+	// the Prometheus Operator names the job after it (prometheus-operator
+	// v0.86.0 pkg/apis/monitoring/v1/servicemonitor_types.go, jobLabel).
+	job := controllerName + "-metrics"
+	const publish = `csi_sidecar_operations_seconds_count{driver_name="driver.harvesterhci.io",method_name="/csi.v1.Controller/ControllerPublishVolume",`
 	cases := map[string][]alertCase{
 		"HarvesterCSIHotplugQueueNotDraining": {{
-			name: "stuck and growing backlogs fire, a queue that empties does not",
+			name: "stuck and growing backlogs fire, queues that empty or shrink do not",
 			series: `
 harvester_csi_hotplug_queue_depth{backend="declarative",vm="stuck",` + target + `} 3+0x40
 harvester_csi_hotplug_queue_depth{backend="declarative",vm="growing",` + target + `} 1+1x40
 harvester_csi_hotplug_queue_depth{backend="declarative",vm="churn",` + target + `} 3 2 1 stale 3 2 1 stale 3 2 1 stale 3 2 1 stale 3 2 1 stale 3 2 1 stale 3 2 1 stale 3 2 1 stale 3 2 1 stale 3 2 1 stale
 harvester_csi_hotplug_queue_depth{backend="declarative",vm="busy",` + target + `} 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2
+harvester_csi_hotplug_queue_depth{backend="declarative",vm="slow",` + target + `} 10 10 10 10 9 9 9 9 8 8 8 8 7 7 7 7 6 6 6 6 5 5 5 5 4 4 4 4 3 3 3 3 2 2 2 2 1 1 1 1
 `,
-			firing:    map[string]bool{"stuck": true, "growing": true, "churn": false, "busy": false},
-			notBefore: 15 * time.Minute,
+			firing:    map[string]bool{"stuck": true, "growing": true, "churn": false, "busy": false, "slow": false},
+			notBefore: 7 * time.Minute,
 		}},
 		"HarvesterCSIHotplugIntentWaitingLong": {{
 			name: "an intent older than 5 minutes fires, intents that complete do not",
@@ -101,15 +110,89 @@ harvester_csi_hotplug_change_results_total{backend="subresource",result="applied
 			notBefore: 10 * time.Minute,
 		}},
 		"HarvesterCSIHotplugHostErrors": {{
-			name: "a third of the changes failing fires, one in eleven does not",
+			name: "a host that stopped answering fires; one failure in two changes, a lone timeout and refusals do not",
+			// down: the reads fail before any change is sent, so no change
+			// result moves (a ratio of change results is 0/0 here).
 			series: `
-harvester_csi_hotplug_change_results_total{backend="declarative",result="failed",` + target + `} 0+5x40
-harvester_csi_hotplug_change_results_total{backend="declarative",result="applied",` + target + `} 0+10x40
-harvester_csi_hotplug_change_results_total{backend="subresource",result="failed",` + target + `} 0+1x40
-harvester_csi_hotplug_change_results_total{backend="subresource",result="applied",` + target + `} 0+10x40
+harvester_csi_hotplug_host_failures_total{backend="declarative",cause="unavailable",` + scraped("down") + `} 0+0x10 8+1x30
+harvester_csi_hotplug_change_results_total{backend="declarative",result="failed",` + scraped("down") + `} 0+0x40
+harvester_csi_hotplug_change_results_total{backend="declarative",result="applied",` + scraped("down") + `} 0+0x40
+harvester_csi_hotplug_host_failures_total{backend="declarative",cause="other",` + scraped("flaky") + `} 0+0x10 1+0x30
+harvester_csi_hotplug_change_results_total{backend="declarative",result="failed",` + scraped("flaky") + `} 0+0x10 1+0x30
+harvester_csi_hotplug_change_results_total{backend="declarative",result="applied",` + scraped("flaky") + `} 0+0x10 1+0x30
+harvester_csi_hotplug_host_failures_total{backend="declarative",cause="unavailable",` + scraped("busy") + `} 0+0x20 1+0x20
+harvester_csi_hotplug_change_results_total{backend="declarative",result="applied",` + scraped("busy") + `} 0+10x40
+harvester_csi_hotplug_host_failures_total{backend="declarative",cause="refused",` + scraped("refused") + `} 0+2x40
 `,
-			firing:    map[string]bool{"declarative": true, "subresource": false},
+			firing:    map[string]bool{"down": true, "flaky": false, "busy": false, "refused": false},
 			notBefore: 10 * time.Minute,
+			id:        "namespace",
+		}},
+		"HarvesterCSIHostCredentialsRefused": {{
+			name: "refused hotplug attempts and 401s from the host fire; 401s from the guest, 403s of reads and timeouts do not",
+			// expired: the 401 series is born at its first answer, as
+			// client-go's request counter is; its growth shows it.
+			series: `
+harvester_csi_hotplug_host_failures_total{backend="declarative",cause="refused",` + scraped("rbac") + `} 0+0x10 1+1x30
+harvester_csi_api_requests_total{cluster="host",code="401",verb="GET",` + scraped("expired") + `} _x10 1+1x30
+harvester_csi_api_requests_total{cluster="guest",code="401",verb="GET",` + scraped("guest") + `} 0+1x40
+harvester_csi_api_requests_total{cluster="host",code="403",verb="GET",` + scraped("forbidden-read") + `} 0+1x40
+harvester_csi_hotplug_host_failures_total{backend="declarative",cause="unavailable",` + scraped("down") + `} 0+1x40
+`,
+			firing:    map[string]bool{"rbac": true, "expired": true, "guest": false, "forbidden-read": false, "down": false},
+			notBefore: 10 * time.Minute,
+			id:        "namespace",
+		}},
+		"HarvesterCSIHostTokenExpiring": {{
+			name: "a token expiring within 14 days or expired fires; one of 30 days, a rotated one and none known do not",
+			// The evaluation runs at Unix time 0 to 40 min.
+			series: `
+harvester_csi_host_token_expiry_timestamp_seconds{` + scraped("soon") + `} 864000+0x40
+harvester_csi_host_token_expiry_timestamp_seconds{` + scraped("expired") + `} -3600+0x40
+harvester_csi_host_token_expiry_timestamp_seconds{` + scraped("fresh") + `} 2592000+0x40
+harvester_csi_host_token_expiry_timestamp_seconds{` + scraped("rotated") + `} 864000+0x4 2592000+0x35
+harvester_csi_build_info{commit="abc",go_version="go1.26.0",version="v0.3.0",` + scraped("unknown") + `} 1+0x40
+`,
+			firing:    map[string]bool{"soon": true, "expired": true, "fresh": false, "rotated": false, "unknown": false},
+			notBefore: 10 * time.Minute,
+			id:        "namespace",
+		}},
+		"HarvesterCSIMetricsTargetDown": {
+			{
+				name: "an endpoint of the controller that stops answering fires, one of another job does not",
+				series: `
+up{job="` + job + `",endpoint="metrics",` + target + `} 1+0x40
+up{job="` + job + `",endpoint="attacher-http",` + target + `} 1+0x10 0+0x30
+up{job="other",endpoint="web",` + target + `} 0+0x40
+`,
+				firing:    map[string]bool{"metrics": false, "attacher-http": true, "web": false},
+				notBefore: 15 * time.Minute,
+				id:        "endpoint",
+			},
+			{
+				name: "no controller target at all fires",
+				series: `
+up{job="other",endpoint="web",` + target + `} 1+0x40
+`,
+				firing:    map[string]bool{job: true, "other": false},
+				notBefore: 5 * time.Minute,
+				id:        "job",
+			},
+		},
+		"HarvesterCSIAttacherPublishErrors": {{
+			name: "publishes that keep failing fire; failures amid a rollout's successes, one in two, unpublishes and other drivers do not",
+			series: `
+` + publish + `grpc_status_code="Unavailable",` + scraped("failing") + `} 0+3x40
+` + publish + `grpc_status_code="OK",` + scraped("rollout") + `} 0+20x40
+` + publish + `grpc_status_code="FailedPrecondition",` + scraped("rollout") + `} 0+2x40
+` + publish + `grpc_status_code="OK",` + scraped("one-in-two") + `} 0+0x10 1+0x30
+` + publish + `grpc_status_code="Aborted",` + scraped("one-in-two") + `} 0+0x10 1+0x30
+csi_sidecar_operations_seconds_count{driver_name="driver.harvesterhci.io",method_name="/csi.v1.Controller/ControllerUnpublishVolume",grpc_status_code="Unavailable",` + scraped("unpublish") + `} 0+3x40
+csi_sidecar_operations_seconds_count{driver_name="other.csi.example.com",method_name="/csi.v1.Controller/ControllerPublishVolume",grpc_status_code="Unavailable",` + scraped("other-driver") + `} 0+3x40
+`,
+			firing:    map[string]bool{"failing": true, "rollout": false, "one-in-two": false, "unpublish": false, "other-driver": false},
+			notBefore: 10 * time.Minute,
+			id:        "namespace",
 		}},
 	}
 	for name := range alertSpecs {
@@ -129,16 +212,84 @@ harvester_csi_hotplug_change_results_total{backend="subresource",result="applied
 	}
 }
 
-// evalAlert evaluates the rule once a minute over the history the way
+// TestAlertOrderQueueAndIntent: the two waiting alerts say different things.
+// IntentWaitingLong is about one change being late; QueueNotDraining about a
+// VM's backlog making no net progress. A VM where nothing moves raises both at
+// about the same time (QueueNotDraining no later); a backlog that grows while
+// each change is still young raises QueueNotDraining well before any change is
+// old; one change stuck while the rest of the VM's queue flows raises only
+// IntentWaitingLong.
+func TestAlertOrderQueueAndIntent(t *testing.T) {
+	byName := defaultAlerts(t)
+	queue, intent := byName["HarvesterCSIHotplugQueueNotDraining"], byName["HarvesterCSIHotplugIntentWaitingLong"]
+	const target = `backend="declarative",vm="vm-a",namespace="kube-system",pod="harvester-csi-driver-controllers-0"`
+	for _, c := range []struct {
+		name, depth, age string
+		// queueFirst: QueueNotDraining fires strictly before IntentWaitingLong;
+		// else no later. queueFires false: it must not fire at all.
+		queueFirst, queueFires bool
+	}{
+		{name: "nothing moves", depth: "3+0x40", age: "0+60x40", queueFires: true},
+		{name: "backlog grows, changes young", depth: "2+1x40", age: "0+15x40", queueFires: true, queueFirst: true},
+		{name: "one change stuck, the rest flows", depth: "5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2 5 4 3 2", age: "0+60x40"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			series := "harvester_csi_hotplug_queue_depth{" + target + "} " + c.depth + "\n" +
+				"harvester_csi_hotplug_oldest_intent_age_seconds{" + target + "} " + c.age
+			q, qOK := firings(t, queue, series, "vm")["vm-a"]
+			i, iOK := firings(t, intent, series, "vm")["vm-a"]
+			if !iOK {
+				t.Fatalf("IntentWaitingLong never fired")
+			}
+			switch {
+			case qOK != c.queueFires:
+				t.Errorf("QueueNotDraining fired: %v (at %v), want %v", qOK, q, c.queueFires)
+			case !qOK:
+			case c.queueFirst && q >= i:
+				t.Errorf("QueueNotDraining fired at %v, IntentWaitingLong at %v: the growing backlog should be reported first", q, i)
+			case q > i:
+				t.Errorf("QueueNotDraining fired at %v, after IntentWaitingLong at %v", q, i)
+			}
+		})
+	}
+}
+
+func defaultAlerts(t *testing.T) map[string]monitoringv1.Rule {
+	t.Helper()
+	r := renderVals(t, map[string]interface{}{"metrics": map[string]interface{}{"prometheusRule": map[string]interface{}{"enabled": true}}})
+	byName := map[string]monitoringv1.Rule{}
+	for _, rule := range renderedRules(t, r) {
+		byName[rule.Alert] = rule
+	}
+	return byName
+}
+
+// evalAlert checks that the alerts of c fire, or not, and never before
+// c.notBefore.
+func evalAlert(t *testing.T, rule monitoringv1.Rule, c alertCase) {
+	fired := firings(t, rule, c.series, c.id)
+	for id, at := range fired {
+		if at < c.notBefore {
+			t.Errorf("%s fired at %v, before %v", id, at, c.notBefore)
+		}
+	}
+	for id, want := range c.firing {
+		if _, ok := fired[id]; ok != want {
+			t.Errorf("%s fired: %v, want %v", id, ok, want)
+		}
+	}
+}
+
+// firings evaluates the rule once a minute over the history the way
 // Prometheus's rule manager does: an output series is pending from the first
 // evaluation that returns it and firing once it has been returned at every
 // evaluation for the rule's `for`; each firing alert's annotations are
-// expanded as Prometheus expands them.
-var labelRef = regexp.MustCompile(`\$labels\.([a-zA-Z_][a-zA-Z0-9_]*)`)
-
-func evalAlert(t *testing.T, rule monitoringv1.Rule, c alertCase) {
+// expanded as Prometheus expands them. It returns when each alert, named by
+// its label idLabel (empty: vm, else backend), first fired.
+func firings(t *testing.T, rule monitoringv1.Rule, series, idLabel string) map[string]time.Duration {
+	t.Helper()
 	ctx := context.Background()
-	storage := loadSeries(t, c.series)
+	storage := loadSeries(t, series)
 	engine := promql.NewEngine(promql.EngineOpts{MaxSamples: 1_000_000, Timeout: time.Minute, LookbackDelta: 5 * time.Minute})
 	t.Cleanup(func() { _ = engine.Close() })
 	hold, err := model.ParseDuration(string(*rule.For))
@@ -146,7 +297,7 @@ func evalAlert(t *testing.T, rule monitoringv1.Rule, c alertCase) {
 		t.Fatal(err)
 	}
 	active := map[uint64]time.Duration{} // series -> first evaluation of its current run
-	fired := map[string]bool{}
+	fired := map[string]time.Duration{}
 	start := time.Unix(0, 0).UTC()
 	for step := time.Duration(0); step <= 40*time.Minute; step += time.Minute {
 		q, err := engine.NewInstantQuery(ctx, storage, nil, rule.Expr.String(), start.Add(step))
@@ -172,14 +323,13 @@ func evalAlert(t *testing.T, rule monitoringv1.Rule, c alertCase) {
 			}
 			lbls := smpl.Metric.Map()
 			delete(lbls, labels.MetricName)
-			id := lbls["vm"]
-			if id == "" {
-				id = lbls["backend"]
+			id := lbls[idLabel]
+			if idLabel == "" {
+				id = cmp.Or(lbls["vm"], lbls["backend"])
 			}
-			if !fired[id] && step < c.notBefore {
-				t.Errorf("%s fired at %v, before %v", id, step, c.notBefore)
+			if _, ok := fired[id]; !ok {
+				fired[id] = step
 			}
-			fired[id] = true
 			for name, text := range rule.Annotations {
 				tmpl := template.NewTemplateExpander(ctx,
 					"{{$labels := .Labels}}{{$externalLabels := .ExternalLabels}}{{$externalURL := .ExternalURL}}{{$value := .Value}}"+text,
@@ -201,12 +351,10 @@ func evalAlert(t *testing.T, rule monitoringv1.Rule, c alertCase) {
 			}
 		}
 	}
-	for id, want := range c.firing {
-		if fired[id] != want {
-			t.Errorf("%s fired: %v, want %v", id, fired[id], want)
-		}
-	}
+	return fired
 }
+
+var labelRef = regexp.MustCompile(`\$labels\.([a-zA-Z_][a-zA-Z0-9_]*)`)
 
 // loadSeries reads series in the notation of Prometheus's rule tests, one
 // sample a minute from time 0, into an in-memory storage (Prometheus's test

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -19,6 +20,7 @@ import (
 	"github.com/prometheus/common/model"
 	"github.com/prometheus/prometheus/model/labels"
 	"github.com/prometheus/prometheus/promql/parser"
+	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/tools/cache"
@@ -79,6 +81,106 @@ func driverSeries(t *testing.T) map[string]series {
 		t.Fatalf("the hotplug queue registered only %v", out)
 	}
 	return out
+}
+
+// processSeries are the series every driver process exports besides the
+// queue's (cmd/harvester-csi-driver/metrics.go; docs/architecture.md
+// "Metrics"). That package is a main package and cannot be imported, so the
+// names are listed here and checked against its source.
+func processSeries(t *testing.T) map[string]series {
+	t.Helper()
+	out := map[string]series{
+		"harvester_csi_build_info":                          {family: "harvester_csi_build_info", labels: []string{"version", "commit", "go_version"}},
+		"harvester_csi_api_requests_total":                  {family: "harvester_csi_api_requests_total", labels: []string{"cluster", "verb", "code"}},
+		"harvester_csi_host_token_expiry_timestamp_seconds": {family: "harvester_csi_host_token_expiry_timestamp_seconds"},
+	}
+	for _, h := range []string{"harvester_csi_api_request_duration_seconds"} {
+		lbls := []string{"cluster", "verb"}
+		out[h+"_bucket"] = series{family: h, labels: append(slices.Clone(lbls), "le")}
+		out[h+"_sum"] = series{family: h, labels: lbls}
+		out[h+"_count"] = series{family: h, labels: lbls}
+	}
+	src, err := os.ReadFile(filepath.Join(render.RepoRoot(), "cmd", "harvester-csi-driver", "metrics.go"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, s := range out {
+		for _, word := range append([]string{s.family}, s.labels...) {
+			if word != "le" && !strings.Contains(string(src), strconv.Quote(word)) {
+				t.Errorf("cmd/harvester-csi-driver/metrics.go does not name %q: the list of %s is stale", word, s.family)
+			}
+		}
+	}
+	return out
+}
+
+// sidecarSeries are the operation metrics of the CSI sidecars (attacher,
+// provisioner, resizer, snapshotter), which the chart's ServiceMonitor scrapes
+// from their --http-endpoint: one histogram with the driver's name, the full
+// gRPC method name (`/csi.v1.Controller/ControllerPublishVolume`) and the
+// gRPC status code (kubernetes-csi/csi-lib-utils v0.24.0 metrics/metrics.go,
+// labelCSIDriverName, labelCSIOperationName, labelGrpcStatusCode, and
+// connection/connection.go RecordMetricsClientInterceptor, which records the
+// method it invokes; the attacher names the driver once it has asked it,
+// external-attacher v4.12.0 cmd/csi-attacher/main.go SetDriverName). The
+// `migrated` label is added only for drivers that replace an in-tree plugin,
+// which this one does not.
+func sidecarSeries() map[string]series {
+	const h = "csi_sidecar_operations_seconds"
+	lbls := []string{"driver_name", "method_name", "grpc_status_code"}
+	return map[string]series{
+		h + "_bucket": {family: h, labels: append(slices.Clone(lbls), "le")},
+		h + "_sum":    {family: h, labels: lbls},
+		h + "_count":  {family: h, labels: lbls},
+	}
+}
+
+// queryableSeries are the series the chart's alerts and dashboard may query:
+// the driver's, the sidecars', and Prometheus's own `up` of each target the
+// ServiceMonitor scrapes.
+func queryableSeries(t *testing.T) map[string]series {
+	t.Helper()
+	out := driverSeries(t)
+	maps.Copy(out, processSeries(t))
+	maps.Copy(out, sidecarSeries())
+	out["up"] = series{family: "up"}
+	return out
+}
+
+// checkScrapeJobs: an expression that selects `up` names the job of the
+// controller's metrics Service, which is what the Prometheus Operator calls
+// the targets of the chart's ServiceMonitor (the Service's name, as the
+// ServiceMonitor sets no jobLabel), and the release's namespace.
+func checkScrapeJobs(t *testing.T, where string, e parser.Expr, r *rendered) {
+	t.Helper()
+	var services []string
+	for _, o := range r.ofKind("Service") {
+		if o.GetLabels()["app.kubernetes.io/component"] == "metrics" && o.GetLabels()["component"] == "csi-controllers" {
+			services = append(services, o.GetName())
+		}
+	}
+	parser.Inspect(e, func(n parser.Node, _ []parser.Node) error {
+		vs, ok := n.(*parser.VectorSelector)
+		if !ok || vs.Name != "up" {
+			return nil
+		}
+		var job, ns string
+		for _, m := range vs.LabelMatchers {
+			if m.Type != labels.MatchEqual {
+				continue
+			}
+			switch m.Name {
+			case "job":
+				job = m.Value
+			case "namespace":
+				ns = m.Value
+			}
+		}
+		if !slices.Contains(services, job) || ns != render.Namespace {
+			t.Errorf("%s: %s selects job %q in namespace %q; the ServiceMonitor's controller targets are job %v in %q", where, vs, job, ns, services, render.Namespace)
+		}
+		return nil
+	})
 }
 
 type namedBackend string
@@ -148,8 +250,33 @@ func labelValues() map[string][]string {
 		"result":  results,
 		"op":      {hotplug.Attach.String(), hotplug.Detach.String()},
 		"backend": {"declarative", "subresource"},
+		// pkg/hotplug failureCause; exported at zero from the start.
+		"cause":   {"refused", "unavailable", "other"},
+		"cluster": {"host", "guest"},
+		// The sidecars talk to this driver only.
+		"driver_name": {"driver.harvesterhci.io"},
+		"method_name": csiMethods,
+		// google.golang.org/grpc/codes names, and csi-lib-utils' own for a
+		// call that failed before reaching gRPC.
+		"grpc_status_code": {"OK", "Canceled", "Unknown", "InvalidArgument", "DeadlineExceeded", "NotFound", "AlreadyExists",
+			"PermissionDenied", "ResourceExhausted", "FailedPrecondition", "Aborted", "OutOfRange", "Unimplemented",
+			"Internal", "Unavailable", "DataLoss", "Unauthenticated", "unknown-non-grpc"},
 	}
 }
+
+// csiMethods are the CSI calls the controller sidecars make, as gRPC names.
+var csiMethods = func() []string {
+	var out []string
+	for _, m := range []string{"Probe", "GetPluginInfo", "GetPluginCapabilities"} {
+		out = append(out, "/csi.v1.Identity/"+m)
+	}
+	for _, m := range []string{"CreateVolume", "DeleteVolume", "ControllerPublishVolume", "ControllerUnpublishVolume",
+		"ValidateVolumeCapabilities", "ListVolumes", "GetCapacity", "ControllerGetCapabilities", "CreateSnapshot",
+		"DeleteSnapshot", "ListSnapshots", "ControllerExpandVolume", "ControllerGetVolume", "ControllerModifyVolume"} {
+		out = append(out, "/csi.v1.Controller/"+m)
+	}
+	return out
+}()
 
 // checkQuery parses a PromQL expression and checks that every series it
 // selects is one the driver exports, with labels and values it has. It
@@ -294,10 +421,12 @@ func readDashboard(t *testing.T, data []byte) grafanaDashboard {
 // TestDashboardIsGrafanaJSONOverDriverMetrics: the chart's Grafana dashboard
 // is a dashboard Grafana can load (uid, title, panels on the grid with
 // queries), every query is PromQL over series the driver exports, with
-// labels and label values it sets, and every metric the driver exports has a
-// panel.
+// labels and label values it sets, and every metric the driver's queue
+// exports, and the sidecars' operation metrics, have a panel.
 func TestDashboardIsGrafanaJSONOverDriverMetrics(t *testing.T) {
-	known := driverSeries(t)
+	known := queryableSeries(t)
+	required := driverSeries(t)
+	maps.Copy(required, sidecarSeries())
 	data, err := os.ReadFile(filepath.Join(render.ChartDir(), dashboardFile))
 	if err != nil {
 		t.Fatal(err)
@@ -420,11 +549,60 @@ func TestDashboardIsGrafanaJSONOverDriverMetrics(t *testing.T) {
 			}
 		}
 	}
-	for _, s := range known {
+	for _, s := range required {
 		if !used[s.family] {
 			t.Errorf("no panel shows %s: give every metric the driver exports a panel", s.family)
 			used[s.family] = true
 		}
+	}
+}
+
+// TestMonitoringSidecarMetricsScraped: the dashboard's sidecar panels and the
+// attacher alert have data: each controller sidecar serves its metrics on a
+// named container port (--http-endpoint or --metrics-address), the metrics
+// Service exposes that port, and the ServiceMonitor scrapes it at the
+// sidecars' metrics path (csi-lib-utils' default, /metrics).
+func TestMonitoringSidecarMetricsScraped(t *testing.T) {
+	for _, vs := range valueSets(t) {
+		r := renderSet(t, vs)
+		if r.find("ServiceMonitor", ruleName) == nil {
+			continue
+		}
+		t.Run(vs.name, func(t *testing.T) {
+			sm := typed[monitoringv1.ServiceMonitor](t, r.must(t, "ServiceMonitor", ruleName))
+			svc := typed[corev1.Service](t, r.must(t, "Service", controllerName+"-metrics"))
+			if !labelsMatch(sm.Spec.Selector.MatchLabels, svc.Labels) {
+				t.Fatalf("the ServiceMonitor (%v) does not select Service %s (%v)", sm.Spec.Selector.MatchLabels, svc.Name, svc.Labels)
+			}
+			pod := typed[appsv1.Deployment](t, r.must(t, "Deployment", controllerName)).Spec.Template.Spec
+			for _, c := range pod.Containers {
+				if !slices.Contains([]string{"csi-attacher", "csi-provisioner", "csi-resizer", "csi-snapshotter"}, c.Name) {
+					continue
+				}
+				addr, ok := argValue(c.Args, "http-endpoint")
+				if !ok {
+					addr, ok = argValue(c.Args, "metrics-address")
+				}
+				_, port, _ := strings.Cut(addr, ":")
+				var portName string
+				for _, p := range c.Ports {
+					if strconv.Itoa(int(p.ContainerPort)) == port {
+						portName = p.Name
+					}
+				}
+				if !ok || portName == "" {
+					t.Errorf("%s serves no metrics on a named port (--http-endpoint %q, ports %v)", c.Name, addr, c.Ports)
+					continue
+				}
+				onService := slices.ContainsFunc(svc.Spec.Ports, func(p corev1.ServicePort) bool { return p.TargetPort.String() == portName })
+				scraped := slices.ContainsFunc(sm.Spec.Endpoints, func(ep monitoringv1.Endpoint) bool {
+					return ep.Port == portName && (ep.Path == "" || ep.Path == "/metrics")
+				})
+				if !onService || !scraped {
+					t.Errorf("%s's metrics port %s: on Service %s %v, scraped by the ServiceMonitor %v", c.Name, portName, svc.Name, onService, scraped)
+				}
+			}
+		})
 	}
 }
 
@@ -537,18 +715,24 @@ func TestMonitoringObjects(t *testing.T) {
 }
 
 // alertSpec is how each alert is configured in values.yaml: its key under
-// metrics.prometheusRule.rules, the value its expression compares with, and
-// the troubleshooting section it links.
+// metrics.prometheusRule.rules, the values its expression compares with
+// (key -> the factor from the value to the query's unit), and the
+// troubleshooting section it links.
 type alertSpec struct {
-	key, threshold, anchor string
-	perVM                  bool // the alert names a VM
+	key, anchor string
+	thresholds  map[string]float64
+	perVM       bool // the alert names a VM
 }
 
 var alertSpecs = map[string]alertSpec{
 	"HarvesterCSIHotplugQueueNotDraining":  {key: "queueNotDraining", anchor: "queue-not-draining", perVM: true},
-	"HarvesterCSIHotplugIntentWaitingLong": {key: "intentWaitingLong", threshold: "seconds", anchor: "intent-waiting-long", perVM: true},
-	"HarvesterCSIHotplugVolumesRejected":   {key: "rejectedVolumes", threshold: "count", anchor: "rejected-volumes"},
-	"HarvesterCSIHotplugHostErrors":        {key: "hostRefuses", threshold: "ratio", anchor: "host-refuses"},
+	"HarvesterCSIHotplugIntentWaitingLong": {key: "intentWaitingLong", thresholds: map[string]float64{"seconds": 1}, anchor: "intent-waiting-long", perVM: true},
+	"HarvesterCSIHotplugVolumesRejected":   {key: "rejectedVolumes", thresholds: map[string]float64{"count": 1}, anchor: "rejected-volumes"},
+	"HarvesterCSIHotplugHostErrors":        {key: "hostErrors", thresholds: map[string]float64{"failures": 1}, anchor: "host-refuses"},
+	"HarvesterCSIHostCredentialsRefused":   {key: "hostCredentialsRefused", anchor: "host-credentials-refused"},
+	"HarvesterCSIHostTokenExpiring":        {key: "hostTokenExpiry", thresholds: map[string]float64{"days": 86400}, anchor: "host-token-expiring"},
+	"HarvesterCSIMetricsTargetDown":        {key: "targetDown", anchor: "metrics-target-down"},
+	"HarvesterCSIAttacherPublishErrors":    {key: "attacherPublishErrors", thresholds: map[string]float64{"count": 1, "ratio": 1}, anchor: "attacher-publish-errors"},
 }
 
 func renderedRules(t *testing.T, r *rendered) []monitoringv1.Rule {
@@ -565,7 +749,7 @@ func renderedRules(t *testing.T, r *rendered) []monitoringv1.Rule {
 // exports, takes its threshold, window, duration and severity from the
 // values, and links its section of docs/troubleshooting.md.
 func TestPrometheusRuleAlerts(t *testing.T) {
-	known := driverSeries(t)
+	known := queryableSeries(t)
 	sets := []valueSet{}
 	for _, vs := range valueSets(t) {
 		if r := renderSet(t, vs); r.find("PrometheusRule", ruleName) != nil {
@@ -599,21 +783,26 @@ func TestPrometheusRuleAlerts(t *testing.T) {
 				if err != nil {
 					continue
 				}
-				if spec.threshold != "" {
-					cmp, ok := e.(*parser.BinaryExpr)
-					num, isNum := func() (*parser.NumberLiteral, bool) {
-						if !ok {
-							return nil, false
+				// Each threshold is the right side of a comparison in the
+				// expression (`<query> > <threshold>`, or `<` for a bound below).
+				var bounds []float64
+				parser.Inspect(e, func(n parser.Node, _ []parser.Node) error {
+					if b, ok := n.(*parser.BinaryExpr); ok && (b.Op == parser.GTR || b.Op == parser.LSS) {
+						if num, ok := b.RHS.(*parser.NumberLiteral); ok {
+							bounds = append(bounds, num.Val)
 						}
-						n, isNum := cmp.RHS.(*parser.NumberLiteral)
-						return n, isNum
-					}()
-					if !isNum || cmp.Op != parser.GTR {
-						t.Errorf("%s: %q is not `<query> > <threshold>`", where, expr)
-					} else if want, _ := strconv.ParseFloat(sprint(vals[spec.threshold]), 64); num.Val != want {
-						t.Errorf("%s: threshold %v, rules.%s.%s is %v", where, num.Val, spec.key, spec.threshold, want)
+					}
+					return nil
+				})
+				for key, scale := range spec.thresholds {
+					v, err := strconv.ParseFloat(sprint(vals[key]), 64)
+					if err != nil {
+						t.Errorf("%s: rules.%s.%s is %v: %v", where, spec.key, key, vals[key], err)
+					} else if !slices.Contains(bounds, v*scale) {
+						t.Errorf("%s: %q compares with none of %v as rules.%s.%s (%v) asks", where, expr, v*scale, spec.key, key, vals[key])
 					}
 				}
+				checkScrapeJobs(t, where, e, r)
 				if w, ok := vals["window"]; ok {
 					want, err := model.ParseDuration(sprint(w))
 					if err != nil {
