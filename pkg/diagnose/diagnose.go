@@ -1,8 +1,10 @@
 // Package diagnose cross-checks what the guest cluster believes is attached
 // (its VolumeAttachments) against what KubeVirt holds on the host (VM specs,
 // queued legacy requests, VMI volume status), and what the driver's hotplug
-// queue is waiting for, and names every disagreement. It reads; it never
-// changes anything.
+// queue is waiting for, and names every disagreement; on the host side it
+// also looks at the guest volumes' host PVCs, KubeVirt's attachment pods,
+// the node IDs of the guest's CSINodes and the guest Nodes' volumesInUse. It
+// reads; it never changes anything.
 package diagnose
 
 import (
