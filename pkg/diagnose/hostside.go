@@ -111,12 +111,12 @@ func podClaims(p *corev1.Pod) []string {
 func pendingReason(p *corev1.Pod) string {
 	for _, c := range p.Status.Conditions {
 		if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse {
-			return strings.TrimSpace("not scheduled: " + c.Reason + " " + c.Message)
+			return "not scheduled: " + reasonMessage(c.Reason, c.Message)
 		}
 	}
 	for _, cs := range slices.Concat(p.Status.InitContainerStatuses, p.Status.ContainerStatuses) {
 		if w := cs.State.Waiting; w != nil {
-			return strings.TrimSpace(fmt.Sprintf("container %s waiting: %s %s", cs.Name, w.Reason, w.Message))
+			return fmt.Sprintf("container %s waiting: %s", cs.Name, reasonMessage(w.Reason, w.Message))
 		}
 	}
 	if p.Spec.NodeName == "" {
@@ -179,6 +179,13 @@ func (v *view) judgeVolumesInUse(r *report) {
 				n.Name, vm, staleness(&n))})
 		}
 	}
+}
+
+func reasonMessage(reason, message string) string {
+	if reason != "" && message != "" {
+		return reason + ": " + message
+	}
+	return reason + message
 }
 
 func staleness(n *corev1.Node) string {

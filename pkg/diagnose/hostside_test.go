@@ -104,9 +104,9 @@ func TestHostSideFindings(t *testing.T) {
 			t.Errorf("a volume listed in use but not in the VM must be informational: %s", f)
 		case f.Kind != InUseNotInVM && f.Info:
 			t.Errorf("%s must count as a disagreement", f)
-		case f.Kind == AttachmentPodPending && f.Volume == "pvc-held" && !strings.Contains(f.Detail, "Unschedulable 0/3 nodes are available"):
+		case f.Kind == AttachmentPodPending && f.Volume == "pvc-held" && !strings.Contains(f.Detail, "Unschedulable: 0/3 nodes are available"):
 			t.Errorf("the Pending attachment pod's finding does not give the scheduler's reason: %s", f)
-		case f.Kind == AttachmentPodPending && f.Volume == "" && !strings.Contains(f.Detail, "ImagePullBackOff") && !strings.Contains(f.Detail, "pvc-a, pvc-b"):
+		case f.Kind == AttachmentPodPending && f.Volume == "" && (!strings.Contains(f.Detail, "ImagePullBackOff: back-off") || !strings.Contains(f.Detail, "pvc-a, pvc-b")):
 			t.Errorf("the attachment pod's finding does not give the waiting container's reason and its claims: %s", f)
 		}
 	}
