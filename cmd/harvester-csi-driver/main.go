@@ -232,7 +232,7 @@ func envBool(name string) bool {
 func main() {
 	if len(os.Args) > 1 && os.Args[1] == "diagnose" {
 		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-		code := runDiagnose(ctx, os.Args[2:], os.Stdout, os.Stderr)
+		code := runDiagnose(ctx, os.Args[2:], podEnv(), os.Stdout, os.Stderr)
 		stop()
 		os.Exit(code)
 	}

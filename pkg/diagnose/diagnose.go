@@ -1,8 +1,10 @@
 // Package diagnose cross-checks what the guest cluster believes is attached
 // (its VolumeAttachments) against what KubeVirt holds on the host (VM specs,
 // queued legacy requests, VMI volume status), and what the driver's hotplug
-// queue is waiting for, and names every disagreement. It reads; it never
-// changes anything.
+// queue is waiting for, and names every disagreement; on the host side it
+// also looks at the guest volumes' host PVCs, KubeVirt's attachment pods,
+// the node IDs of the guest's CSINodes and the guest Nodes' volumesInUse. It
+// reads; it never changes anything.
 package diagnose
 
 import (
@@ -62,6 +64,24 @@ const (
 	// and whose providerID and name name no VM of the namespace either: its
 	// attachments are not judged.
 	NodePluginNotRegistered = "node-plugin-not-registered"
+	// HostClaimMissing: a guest PV of this driver whose host PVC (its volume
+	// handle) does not exist in the host namespace.
+	HostClaimMissing = "host-pvc-missing"
+	// HostClaimPending: a guest PV's host PVC has been Pending for long: the
+	// driver never hot-plugs it.
+	HostClaimPending = "host-pvc-pending"
+	// HostClaimLost: a guest PV's host PVC is Lost (its host PV is gone).
+	HostClaimLost = "host-pvc-lost"
+	// AttachmentPodPending: one of KubeVirt's attachment pods (hp-volume-*)
+	// has been Pending for long; every hotplug of its VM waits for it.
+	AttachmentPodPending = "attachment-pod-pending"
+	// CSINodeUnknownVM: a guest CSINode gives this driver a node ID that
+	// names no VM of the host namespace: every publish to that Node fails.
+	CSINodeUnknownVM = "csinode-names-no-vm"
+	// InUseNotInVM (informational): a guest Node lists a volume in
+	// status.volumesInUse that its VM does not hold, and no live
+	// VolumeAttachment of the volume on that Node explains it.
+	InUseNotInVM = "in-use-not-in-vm"
 )
 
 // Finding is one disagreement.
@@ -119,8 +139,14 @@ type Input struct {
 	// they could be read (else ReadWriteMany attachments are not judged).
 	NetworkFilesystems []host.NetworkFS
 	NetworkFSRead      bool
-	// Queue is the controller's hotplug state, if it could be read.
-	Queue []hotplug.VMState
+	// HostPods are the namespace's attachment and virt-launcher pods;
+	// HostPodsRead says they could be read.
+	HostPods     []corev1.Pod
+	HostPodsRead bool
+	// Queue is the controller's hotplug state, if it could be read, and
+	// QueueSource which replica (or replicas) it was read from.
+	Queue       []hotplug.VMState
+	QueueSource string
 	// Now and SlowAfter judge the queue's waits.
 	Now       time.Time
 	SlowAfter time.Duration
@@ -129,8 +155,9 @@ type Input struct {
 }
 
 // Check names every disagreement in in, sorted by volume, VM and kind: each
-// VM's queued requests, each guest VolumeAttachment, the driver's queue, and
-// each volume a VM holds.
+// VM's queued requests, each guest VolumeAttachment, the driver's queue,
+// each volume a VM holds, and the host side of the guest's volumes and
+// nodes (host PVCs, attachment pods, CSINode node IDs, volumesInUse).
 func Check(in Input) []Finding {
 	v := look(in)
 	var r report
@@ -138,6 +165,10 @@ func Check(in Input) []Finding {
 	v.judgeAttachments(&r)
 	v.judgeQueue(&r)
 	v.judgeHolds(&r)
+	v.judgeHostClaims(&r)
+	v.judgeAttachmentPods(&r)
+	v.judgeCSINodes(&r)
+	v.judgeVolumesInUse(&r)
 	return r.sorted()
 }
 
@@ -192,13 +223,15 @@ type view struct {
 	pending     map[string]map[string]hotplug.Op // volume -> VM -> the driver's intent
 	claims      map[string]*corev1.PersistentVolumeClaim
 	exports     map[string]*host.NetworkFS // by name: the Longhorn volume's
+	// pvs are the guest PVs of this driver by volume handle.
+	pvs map[string]*corev1.PersistentVolume
 }
 
 func look(in Input) *view {
 	v := &view{in: in, holds: map[string]map[string]*hold{}, vmis: map[string]*kubevirtv1.VirtualMachineInstance{},
 		nodes: mapNodes(in), wanted: map[string]map[string]bool{}, detaching: map[string]map[string]bool{},
 		asked: map[string]bool{}, unmapped: map[string]bool{}, pending: map[string]map[string]hotplug.Op{},
-		claims: map[string]*corev1.PersistentVolumeClaim{}, exports: map[string]*host.NetworkFS{}}
+		claims: map[string]*corev1.PersistentVolumeClaim{}, exports: map[string]*host.NetworkFS{}, pvs: map[string]*corev1.PersistentVolume{}}
 	v.lookAtHost()
 	v.lookAtGuest()
 	for _, st := range in.Queue {
@@ -266,6 +299,7 @@ func (v *view) lookAtGuest() {
 		pv := &v.in.PersistentVolumes[i]
 		if pv.Spec.CSI != nil && pv.Spec.CSI.Driver == v.in.Driver {
 			pvs[pv.Name] = pv
+			v.pvs[pv.Spec.CSI.VolumeHandle] = pv
 		}
 	}
 	for i := range v.in.VolumeAttachments {

@@ -117,12 +117,20 @@ func TestAHealthyClusterHasNoFindings(t *testing.T) {
 			vmi("vm-b", map[string]kubevirtv1.VolumePhase{"pvc-3": kubevirtv1.VolumeReady}), vmi("vm-c", map[string]kubevirtv1.VolumePhase{"pvc-4": kubevirtv1.VolumeReady})},
 		VolumeAttachments: []storagev1.VolumeAttachment{va("csi-1", "pv-1", "node-a", true), va("csi-2a", "pv-2", "node-a", true),
 			va("csi-2b", "pv-2", "node-b", true), va("csi-3", "pv-3", "node-b", true), va("csi-4", "pv-4", "vm-c", true)},
-		PersistentVolumes:  []corev1.PersistentVolume{pv("pv-1", "pvc-1"), rwxPV("pv-2", "pvc-2"), pv("pv-3", "pvc-3"), pv("pv-4", "pvc-4")},
-		CSINodes:           []storagev1.CSINode{csiNode("node-a", "vm-a"), reregistering("node-b")},
-		Nodes:              []corev1.Node{node("node-a", ""), node("node-b", "harvester://uid-b"), node("vm-c", "")},
-		HostClaims:         []corev1.PersistentVolumeClaim{hostClaim("pvc-2", "lh-2")},
+		PersistentVolumes: []corev1.PersistentVolume{pv("pv-1", "pvc-1"), rwxPV("pv-2", "pvc-2"), pv("pv-3", "pvc-3"), pv("pv-4", "pvc-4")},
+		CSINodes:          []storagev1.CSINode{csiNode("node-a", "vm-a"), reregistering("node-b")},
+		Nodes:             []corev1.Node{node("node-a", ""), node("node-b", "harvester://uid-b"), node("vm-c", "")},
+		HostClaims: []corev1.PersistentVolumeClaim{hostClaim("pvc-1", "lh-1"), hostClaim("pvc-2", "lh-2"), hostClaim("pvc-3", "lh-3"),
+			hostClaim("pvc-4", "lh-4")},
 		NetworkFilesystems: []host.NetworkFS{export("lh-2", host.NetworkFSEnabled)},
+		// vm-a's attachment pod runs; node-a uses the volume vm-a holds and
+		// the shared one, and waits for a volume its VolumeAttachment attaches.
+		HostPods: []corev1.Pod{launcher("virt-launcher-vm-a-x", "vm-a"), attachmentPod("hp-volume-a", "virt-launcher-vm-a-x", corev1.PodRunning, "pvc-1")},
 	}
+	in.VolumeAttachments = append(in.VolumeAttachments, va("csi-5", "pv-5", "node-a", false))
+	in.PersistentVolumes = append(in.PersistentVolumes, pv("pv-5", "pvc-5"))
+	in.HostClaims = append(in.HostClaims, hostClaim("pvc-5", "lh-5"))
+	in.Nodes[0].Status.VolumesInUse = []corev1.UniqueVolumeName{inUse("pvc-1"), inUse("pvc-2"), inUse("pvc-5")}
 	got := Check(in)
 	if len(got) != 0 {
 		t.Fatalf("findings on a healthy cluster: %v", got)
@@ -166,6 +174,9 @@ func TestEveryDisagreementIsNamed(t *testing.T) {
 		NetworkFilesystems: []host.NetworkFS{export("lh-9", host.NetworkFSDisabled)},
 		Queue: []hotplug.VMState{{VM: "vm-c", LastError: "forbidden", FailingSince: now.Add(-time.Hour),
 			Intents: []hotplug.IntentState{{Volume: "pvc-6", Op: hotplug.Attach, Since: now.Add(-time.Hour), WaitingFor: "waiting for KubeVirt's VM controller", WaitingSince: now.Add(-time.Hour)}}}},
+	}
+	for _, c := range []string{"pvc-1", "pvc-2", "pvc-3", "pvc-4", "pvc-5", "pvc-6", "pvc-7", "pvc-8", "pvc-11"} {
+		in.HostClaims = append(in.HostClaims, hostClaim(c, "lh-"+c[len("pvc-"):]))
 	}
 	findings := Check(in)
 	got := kinds(findings)
@@ -218,6 +229,7 @@ func TestOnlyThisGuestsVMsHaveOrphans(t *testing.T) {
 		PersistentVolumes: []corev1.PersistentVolume{pv("pv-1", "pvc-1"), pv("pv-2", "pvc-2")},
 		CSINodes:          []storagev1.CSINode{csiNode("node-a", "vm-a")},
 		Nodes:             []corev1.Node{node("node-a", "")},
+		HostClaims:        []corev1.PersistentVolumeClaim{hostClaim("pvc-1", "lh-1"), hostClaim("pvc-2", "lh-2")},
 	}
 	got := kinds(Check(in))
 	if want := []string{GhostAttachment + "/pvc-2/other-1"}; !slices.Equal(got, want) {

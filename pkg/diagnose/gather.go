@@ -25,9 +25,13 @@ const StatePath = "/debug/hotplug"
 type Sources struct {
 	Host  *host.Client
 	Guest kubernetes.Interface
-	// Controller is the base URL of the controller's metrics address.
+	// Controller is the base URL of the controller's metrics address: that
+	// one replica is read, and failing to read it fails Gather.
 	Controller string
-	Driver     string
+	// Replicas, without Controller and with Guest, finds the replica to
+	// read through the guest API (see replicaQueue).
+	Replicas *Replicas
+	Driver   string
 }
 
 // Gather reads everything Check needs.
@@ -41,11 +45,17 @@ func Gather(ctx context.Context, src Sources) (Input, error) {
 			return in, err
 		}
 	}
-	if src.Controller != "" {
+	switch {
+	case src.Controller != "":
 		var err error
 		if in.Queue, err = queueState(ctx, src.Controller); err != nil {
 			return in, err
 		}
+		in.QueueSource = src.Controller
+	case src.Replicas != nil && src.Guest != nil:
+		var notes []string
+		in.Queue, in.QueueSource, notes = replicaQueue(ctx, src.Guest, *src.Replicas, src.Driver, queueState)
+		in.Notes = append(in.Notes, notes...)
 	}
 	return in, nil
 }
@@ -63,7 +73,22 @@ func gatherHost(ctx context.Context, hc *host.Client, in *Input) error {
 		return fmt.Errorf("list host PVCs: %w", err)
 	}
 	in.HostClaims = claims.Items
+	gatherHostPods(ctx, hc, in)
 	return gatherNetworkFS(ctx, hc, in)
+}
+
+// gatherHostPods reads KubeVirt's attachment pods and the virt-launcher pods
+// that own them. The host identity may lack `list pods` (one made before the
+// guest node monitor needed it): then a note says so and the pods are not
+// judged; diagnose still looks at everything else.
+func gatherHostPods(ctx context.Context, hc *host.Client, in *Input) {
+	sel := kubevirtAppLabel + " in (" + attachmentPodApp + "," + launcherPodApp + ")"
+	pods, err := hc.Kube.CoreV1().Pods(hc.Namespace).List(ctx, metav1.ListOptions{LabelSelector: sel})
+	if err != nil {
+		in.Notes = append(in.Notes, "host pods not readable ("+err.Error()+"): attachment pods not checked")
+		return
+	}
+	in.HostPods, in.HostPodsRead = pods.Items, true
 }
 
 // gatherNetworkFS reads Harvester's NFS exports. A host without the kind

@@ -1,6 +1,7 @@
 package diagnose
 
 import (
+	"encoding/json"
 	"fmt"
 	"io"
 )
@@ -21,6 +22,9 @@ const (
 func Report(w io.Writer, in Input, findings []Finding) int {
 	fmt.Fprintf(w, "host namespace %s: %d VMs, %d VMIs; %d VolumeAttachments of %s; %d VMs in the queue\n",
 		in.Namespace, len(in.VMs), len(in.VMIs), countAttachments(in), in.Driver, len(in.Queue))
+	if in.QueueSource != "" {
+		fmt.Fprintln(w, "queue read from", in.QueueSource)
+	}
 	for _, n := range in.Notes {
 		fmt.Fprintln(w, "note:", n)
 	}
@@ -37,6 +41,59 @@ func Report(w io.Writer, in Input, findings []Finding) int {
 	}
 	fmt.Fprintf(w, "%d disagreement(s) found; docs/troubleshooting.md says what each means and what to do\n", disagreements)
 	return ExitFindings
+}
+
+// Severities of a finding in the JSON report.
+const (
+	SeverityDisagreement = "disagreement"
+	SeverityInfo         = "info"
+)
+
+// JSONFinding is one finding of the JSON report.
+type JSONFinding struct {
+	Kind     string `json:"kind"`
+	Severity string `json:"severity"`
+	Volume   string `json:"volume,omitempty"`
+	VM       string `json:"vm,omitempty"`
+	Node     string `json:"node,omitempty"`
+	Message  string `json:"message"`
+}
+
+// JSONReport is what `diagnose -o json` prints: one object.
+type JSONReport struct {
+	Namespace         string        `json:"namespace"`
+	Driver            string        `json:"driver"`
+	VMs               int           `json:"vms"`
+	VMIs              int           `json:"vmis"`
+	VolumeAttachments int           `json:"volumeAttachments"`
+	QueueVMs          int           `json:"queueVMs"`
+	QueueSource       string        `json:"queueSource,omitempty"`
+	Notes             []string      `json:"notes"`
+	Findings          []JSONFinding `json:"findings"`
+	Disagreements     int           `json:"disagreements"`
+	ExitCode          int           `json:"exitCode"`
+}
+
+// ReportJSON prints the same as Report as one JSON object and returns the
+// same exit code.
+func ReportJSON(w io.Writer, in Input, findings []Finding) int {
+	out := JSONReport{Namespace: in.Namespace, Driver: in.Driver, VMs: len(in.VMs), VMIs: len(in.VMIs), VolumeAttachments: countAttachments(in),
+		QueueVMs: len(in.Queue), QueueSource: in.QueueSource, Notes: append([]string{}, in.Notes...), Findings: []JSONFinding{}, ExitCode: ExitClean}
+	for _, f := range findings {
+		sev := SeverityInfo
+		if !f.Info {
+			sev = SeverityDisagreement
+			out.Disagreements++
+			out.ExitCode = ExitFindings
+		}
+		out.Findings = append(out.Findings, JSONFinding{Kind: f.Kind, Severity: sev, Volume: f.Volume, VM: f.VM, Node: f.Node, Message: f.Detail})
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	if err := enc.Encode(out); err != nil {
+		return ExitCannotLook
+	}
+	return out.ExitCode
 }
 
 func countAttachments(in Input) int {

@@ -2,18 +2,24 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net/http/httptest"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	coordinationv1 "k8s.io/api/coordination/v1"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
@@ -304,4 +310,139 @@ func TestDiagnoseOrphansExportsAndReregisteringNodes(t *testing.T) {
 		diagnose.NodePluginNotRegistered + "///node-x",
 		diagnose.RWXExportNotEnabled + "/" + unexported + "/dr-a/node-a",
 	}, diagnose.ExitFindings)
+}
+
+// TestDiagnoseInThePodWithoutFlags runs the command as an operator does in
+// the controller pod, with no flag: the host kubeconfig at the chart's path,
+// the guest through the in-cluster config, the queue of the replica whose
+// external-attacher holds the leader Lease (two replicas serve their state;
+// only the leader's queue has the stuck publish), and -o json. It finds the
+// host side fabricated next to it: a guest PV whose host PVC is missing, one
+// whose host PVC stays Pending, a Pending attachment pod, a CSINode naming no
+// VM. Without the Lease every replica is read and merged.
+func TestDiagnoseInThePodWithoutFlags(t *testing.T) {
+	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0, Scale: 0.05, BindClasslessPVCs: true})
+	h.CreateVMs(t, "dp-a")
+	vols := h.CreateVolumes(t, "dp", 1)
+	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 50 * time.Millisecond, MaxHold: 1500 * time.Millisecond}})
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	g := framework.StartGuest(t)
+	g.AddNode(t, "node-a", "dp-a")
+	mustCreate(t, func() error {
+		_, err := g.Kube.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: "node-z"},
+			Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: "dp-gone"}}}}, metav1.CreateOptions{})
+		return err
+	})
+
+	// The chart's host kubeconfig, in a directory of the test.
+	dir := t.TempDir()
+	env := diagnose.Env{HostKubeconfig: dir + "/cloud-provider-config", HostFallback: dir + "/no-cloud-config",
+		InCluster: func() (*rest.Config, error) { return rest.CopyConfig(g.Env.Config), nil }, PodNamespace: func() string { return "kube-system" }}
+	if err := testenv.WriteKubeconfig(env.HostKubeconfig, h.Env.Config, h.Namespace); err != nil {
+		t.Fatal(err)
+	}
+
+	// Host side: a PVC no provisioner binds, and guest PVs of it and of a
+	// claim that does not exist.
+	admin := kubernetes.NewForConfigOrDie(h.Env.Config)
+	mustCreate(t, func() error {
+		_, err := admin.CoreV1().PersistentVolumeClaims(h.Namespace).Create(ctx, &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: "dp-unbound"},
+			Spec: corev1.PersistentVolumeClaimSpec{StorageClassName: ptr.To("no-such-class"), AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+				Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}}}}, metav1.CreateOptions{})
+		return err
+	})
+	for _, name := range []string{"dp-unbound", "dp-no-claim"} {
+		mustCreate(t, func() error {
+			_, err := g.Kube.CoreV1().PersistentVolumes().Create(ctx, guestPV(name), metav1.CreateOptions{})
+			return err
+		})
+	}
+	// A publish whose attachment pod never starts: the leader's queue keeps
+	// the intent, the host keeps the Pending pod.
+	h.Sim.Faults().SetAttachmentPodsStuck(h.Namespace, "dp-a", true)
+	defer h.Sim.Faults().SetAttachmentPodsStuck(h.Namespace, "dp-a", false)
+	mustCreate(t, func() error {
+		_, err := g.Kube.CoreV1().PersistentVolumes().Create(ctx, guestPV(vols[0]), metav1.CreateOptions{})
+		return err
+	})
+	cctx, c := context.WithTimeout(ctx, 3*time.Second)
+	_, err := ctrl.Client.ControllerPublishVolume(cctx, &csi.ControllerPublishVolumeRequest{VolumeId: vols[0], NodeId: "dp-a",
+		VolumeCapability: &csi.VolumeCapability{AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
+			AccessMode: &csi.VolumeCapability_AccessMode{Mode: csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER}}})
+	c()
+	if err == nil {
+		t.Fatal("a publish whose attachment pod never starts answered OK")
+	}
+
+	// Two controller replicas in the guest, at 127.0.0.1 on their own ports:
+	// the leader serves the controller's queue, the other an idle one.
+	leader := httptest.NewServer(diagnose.StateHandler(ctrl.Queue.State))
+	defer leader.Close()
+	idle := httptest.NewServer(diagnose.StateHandler(func() []hotplug.VMState { return nil }))
+	defer idle.Close()
+	replica := func(name, url string) {
+		t.Helper()
+		port, err := strconv.Atoi(url[strings.LastIndex(url, ":")+1:])
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "kube-system",
+			Labels: map[string]string{"component": "csi-controllers", "app.kubernetes.io/name": "harvester-csi-driver"}},
+			Spec: corev1.PodSpec{Containers: []corev1.Container{{Name: "harvester-csi-driver", Image: "driver",
+				Ports: []corev1.ContainerPort{{Name: diagnose.MetricsPortName, ContainerPort: int32(port)}}}}}}
+		p, err = g.Kube.CoreV1().Pods("kube-system").Create(ctx, p, metav1.CreateOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Status.Phase, p.Status.PodIP = corev1.PodRunning, "127.0.0.1"
+		if _, err := g.Kube.CoreV1().Pods("kube-system").UpdateStatus(ctx, p, metav1.UpdateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	replica("ctrl-idle", idle.URL)
+	replica("ctrl-leader", leader.URL)
+	mustCreate(t, func() error {
+		_, err := g.Kube.CoordinationV1().Leases("kube-system").Create(ctx, &coordinationv1.Lease{
+			ObjectMeta: metav1.ObjectMeta{Name: diagnose.AttacherLeaseName(driver.Name)}, Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To("ctrl-leader")}}, metav1.CreateOptions{})
+		return err
+	})
+
+	want := []string{
+		diagnose.AttachmentPodPending + "/" + vols[0] + "/dp-a/",
+		diagnose.CSINodeUnknownVM + "//dp-gone/node-z",
+		diagnose.HostClaimMissing + "/dp-no-claim//",
+		diagnose.HostClaimPending + "/dp-unbound//",
+		diagnose.SlowIntent + "/" + vols[0] + "/dp-a/",
+	}
+	run := func(step, wantSource string) {
+		t.Helper()
+		testwait.Until(ctx, t, step, func() (bool, string) {
+			var out, errOut strings.Builder
+			code := diagnose.Run(ctx, diagnose.Options{Driver: driver.Name, Output: diagnose.OutputJSON, SlowAfter: time.Second, Timeout: 30 * time.Second},
+				env, &out, &errOut)
+			var rep diagnose.JSONReport
+			if err := json.Unmarshal([]byte(out.String()), &rep); err != nil {
+				return false, fmt.Sprintf("exit %d, stderr %s, not JSON: %v", code, errOut.String(), err)
+			}
+			var got []string
+			for _, f := range rep.Findings {
+				got = append(got, f.Kind+"/"+f.Volume+"/"+f.VM+"/"+f.Node)
+			}
+			for _, w := range want {
+				if !slices.Contains(got, w) {
+					return false, fmt.Sprintf("missing %s in %v (notes %v)", w, got, rep.Notes)
+				}
+			}
+			if code != diagnose.ExitFindings || rep.ExitCode != code || rep.QueueSource != wantSource {
+				return false, fmt.Sprintf("exit %d (report %d), queue read from %q, want %q", code, rep.ExitCode, rep.QueueSource, wantSource)
+			}
+			return true, ""
+		})
+	}
+	run("diagnose in the pod reads the attacher leader's queue and the host side", "replica ctrl-leader (holder of Lease kube-system/"+diagnose.AttacherLeaseName(driver.Name)+")")
+	if err := g.Kube.CoordinationV1().Leases("kube-system").Delete(ctx, diagnose.AttacherLeaseName(driver.Name), metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	run("diagnose without the Lease merges every replica", "replicas ctrl-idle, ctrl-leader merged")
 }
