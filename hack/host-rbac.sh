@@ -36,7 +36,8 @@ usage: hack/host-rbac.sh --namespace NS [options]
   --secret-name NAME       guest Secret name (default: harvester-cloud-config)
   --secret-namespace NS    guest Secret namespace (default: kube-system)
   --restart                after updating the guest Secret, restart the driver (rollout restart of
-                           deploy/harvester-csi-driver-controllers and ds/harvester-csi-driver) to use the new token
+                           deploy/harvester-csi-driver-controllers and ds/harvester-csi-driver); without it the
+                           driver takes the new token once the kubelet has updated the mounted Secret
   --kubevirt-read          also grant listing KubeVirt CRs (cluster-wide), for exact hotplug backend detection
   --rotate                 only issue a new token and rewrite the kubeconfig / guest Secret
   --existing-service-account NAME
@@ -504,7 +505,7 @@ if [ -n "$guest_kubeconfig" ]; then
 			fi
 		done
 	else
-		log "the driver reads the kubeconfig at start-up: restart it to use the new token (or re-run with --restart)"
+		log "the driver reads the new token once the kubelet has updated the mounted Secret (a minute or two); --restart restarts it at once"
 	fi
 	$rotate || log "install the chart with: --set cloudConfig.secretName=$secret_name (namespace $secret_namespace)"
 fi
