@@ -90,6 +90,11 @@ func commands(snippet string) [][]string {
 		for len(words) > 0 && regexp.MustCompile(`^[A-Z_]+=`).MatchString(words[0]) {
 			words = words[1:]
 		}
+		// kubectl exec ... -- COMMAND: the command after "--" is checked too.
+		if i := slices.Index(words, "--"); i >= 0 {
+			out = append(out, commands(strings.Join(words[i+1:], " "))...)
+			words = words[:i]
+		}
 		if len(words) > 0 {
 			out = append(out, words)
 		}
