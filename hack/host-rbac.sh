@@ -248,12 +248,18 @@ ours() {
 # that never expires); only objects carrying this script's label. Those versions set no instance label, so the
 # names, which carry the namespace and the account, say whose they are.
 remove_legacy() {
-	ours clusterrolebinding "${namespace}-${sa}-csi-driver" && "${host[@]}" delete clusterrolebinding "${namespace}-${sa}-csi-driver" >/dev/null &&
+	if ours clusterrolebinding "${namespace}-${sa}-csi-driver"; then
+		"${host[@]}" delete clusterrolebinding "${namespace}-${sa}-csi-driver" >/dev/null
 		deleted "clusterrolebinding/${namespace}-${sa}-csi-driver"
-	ours rolebinding "${sa}-hotplug-requests" "$namespace" && "${host[@]}" -n "$namespace" delete rolebinding "${sa}-hotplug-requests" >/dev/null &&
+	fi
+	if ours rolebinding "${sa}-hotplug-requests" "$namespace"; then
+		"${host[@]}" -n "$namespace" delete rolebinding "${sa}-hotplug-requests" >/dev/null
 		deleted "rolebinding/${sa}-hotplug-requests in $namespace"
-	ours secret "${sa}-token" "$namespace" && "${host[@]}" -n "$namespace" delete secret "${sa}-token" >/dev/null &&
+	fi
+	if ours secret "${sa}-token" "$namespace"; then
+		"${host[@]}" -n "$namespace" delete secret "${sa}-token" >/dev/null
 		deleted "secret/${sa}-token in $namespace"
+	fi
 	delete_if_unused role harvester-csi-driver:hotplug-requests "$namespace"
 }
 
