@@ -13,6 +13,8 @@
 #               an identity someone else made, such as the one Rancher created for the guest cluster's cloud
 #               provider: grant only what it lacks (e.g. virtualmachines/status); no token, no kubeconfig.
 #   --print     print the RBAC objects of the default mode and exit, without contacting any cluster.
+#   --revoke    delete the identity: its ServiceAccount (its tokens die with it) and every binding and per-identity
+#               role this script made for it, then the shared roles no binding uses any more; prints each deletion.
 #
 # Every object carries the label app.kubernetes.io/managed-by=harvester-csi-driver-host-rbac.
 set -euo pipefail
@@ -34,18 +36,22 @@ usage: hack/host-rbac.sh --namespace NS [options]
   --secret-name NAME       guest Secret name (default: harvester-cloud-config)
   --secret-namespace NS    guest Secret namespace (default: kube-system)
   --restart                after updating the guest Secret, restart the driver (rollout restart of
-                           deploy/harvester-csi-driver-controllers and ds/harvester-csi-driver) to use the new token
+                           deploy/harvester-csi-driver-controllers and ds/harvester-csi-driver); without it the
+                           driver takes the new token once the kubelet has updated the mounted Secret
   --kubevirt-read          also grant listing KubeVirt CRs (cluster-wide), for exact hotplug backend detection
   --rotate                 only issue a new token and rewrite the kubeconfig / guest Secret
   --existing-service-account NAME
                            grant an existing identity (e.g. Rancher's) only what it lacks; no token
   --print                  print the RBAC objects and exit (no cluster needed)
+  --revoke                 delete the ServiceAccount and every binding this script made for it (with
+                           --existing-service-account NAME: only what the script granted, never the account)
 EOF
 }
 
 namespace="" host_kubeconfig="${KUBECONFIG:-$HOME/.kube/config}" host_context="" sa="harvester-csi-driver"
 duration="2160h" server="" output="" guest_kubeconfig="" guest_context="" secret_name="harvester-cloud-config"
 secret_namespace="kube-system" restart=false kubevirt_read=false rotate=false existing="" print=false
+revoke=false
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--namespace) namespace=$2; shift 2 ;;
@@ -64,6 +70,7 @@ while [ $# -gt 0 ]; do
 	--rotate) rotate=true; shift ;;
 	--existing-service-account) existing=$2; shift 2 ;;
 	--print) print=true; shift ;;
+	--revoke) revoke=true; shift ;;
 	-h | --help) usage; exit 0 ;;
 	*) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
 	esac
@@ -71,6 +78,10 @@ done
 [ -n "$namespace" ] || { echo "--namespace is required" >&2; usage >&2; exit 2; }
 if [ -n "$existing" ] && { $rotate || $print || [ -n "$output" ] || [ -n "$guest_kubeconfig" ]; }; then
 	echo "--existing-service-account only adds grants: it takes no --rotate, --print, --output or --guest-kubeconfig" >&2
+	exit 2
+fi
+if $revoke && { $rotate || $print || $restart || [ -n "$output" ] || [ -n "$guest_kubeconfig" ]; }; then
+	echo "--revoke only deletes: it takes no --rotate, --print, --restart, --output or --guest-kubeconfig" >&2
 	exit 2
 fi
 $restart && [ -z "$guest_kubeconfig" ] && { echo "--restart needs --guest-kubeconfig" >&2; exit 2; }
@@ -221,6 +232,91 @@ command -v kubectl >/dev/null || { echo "kubectl is required" >&2; exit 1; }
 host=(kubectl --kubeconfig "$host_kubeconfig")
 [ -z "$host_context" ] || host+=(--context "$host_context")
 
+# deleted WHAT: says what was deleted, on stdout for --revoke (its whole output), else in the log.
+deleted() {
+	if $revoke; then echo "deleted $*"; else log "deleted $*"; fi
+}
+
+# ours RESOURCE NAME [NS]: whether the object exists and carries this script's managed-by label.
+ours() {
+	local where=()
+	[ -z "${3-}" ] || where=(-n "$3")
+	[ "$("${host[@]}" "${where[@]}" get "$1" "$2" -o 'jsonpath={.metadata.labels.app\.kubernetes\.io/managed-by}' 2>/dev/null || true)" = "$managed" ]
+}
+
+# remove_legacy: what earlier versions of this script made for $namespace/$sa (Harvester's roles bound, a token
+# that never expires); only objects carrying this script's label. Those versions set no instance label, so the
+# names, which carry the namespace and the account, say whose they are.
+remove_legacy() {
+	if ours clusterrolebinding "${namespace}-${sa}-csi-driver"; then
+		"${host[@]}" delete clusterrolebinding "${namespace}-${sa}-csi-driver" >/dev/null
+		deleted "clusterrolebinding/${namespace}-${sa}-csi-driver"
+	fi
+	if ours rolebinding "${sa}-hotplug-requests" "$namespace"; then
+		"${host[@]}" -n "$namespace" delete rolebinding "${sa}-hotplug-requests" >/dev/null
+		deleted "rolebinding/${sa}-hotplug-requests in $namespace"
+	fi
+	if ours secret "${sa}-token" "$namespace"; then
+		"${host[@]}" -n "$namespace" delete secret "${sa}-token" >/dev/null
+		deleted "secret/${sa}-token in $namespace"
+	fi
+	delete_if_unused role harvester-csi-driver:hotplug-requests "$namespace"
+}
+
+# delete_labelled RESOURCE NS: delete every RESOURCE in NS ("": cluster-wide) that this script made for
+# $namespace/$sa (its managed-by label and the identity's instance label).
+delete_labelled() {
+	local resource=$1 ns=$2 objs obj where=()
+	[ -z "$ns" ] || where=(-n "$ns")
+	objs=$("${host[@]}" "${where[@]}" get "$resource" -o name \
+		-l "app.kubernetes.io/managed-by=${managed},app.kubernetes.io/instance=${namespace}.${sa}")
+	for obj in $objs; do
+		"${host[@]}" "${where[@]}" delete "$obj" --ignore-not-found >/dev/null
+		deleted "${obj}${ns:+ in $ns}"
+	done
+}
+
+# delete_if_unused KIND NAME [NS]: delete a role this script made and shares between identities (the Role of a
+# namespace, the ClusterRoles every guest cluster binds) once no binding refers to it any more: as long as one
+# does, another identity still needs it.
+delete_if_unused() {
+	local kind=$1 name=$2 ns=${3-} refs where=()
+	[ -z "$ns" ] || where=(-n "$ns")
+	ours "$kind" "$name" "$ns" || return 0
+	if [ "$kind" = role ]; then
+		refs=$("${host[@]}" -n "$ns" get rolebindings -o 'jsonpath={range .items[?(@.roleRef.kind=="Role")]}{.roleRef.name}{"\n"}{end}')
+	else
+		refs=$("${host[@]}" get clusterrolebindings,rolebindings -A -o 'jsonpath={range .items[?(@.roleRef.kind=="ClusterRole")]}{.roleRef.name}{"\n"}{end}')
+	fi
+	if grep -qxF "$name" <<<"$refs"; then
+		log "kept $kind/$name${ns:+ in $ns}: other bindings still use it"
+		return 0
+	fi
+	"${host[@]}" "${where[@]}" delete "$kind" "$name" --ignore-not-found >/dev/null
+	deleted "$kind/$name${ns:+ in $ns}"
+}
+
+if $revoke; then
+	# Bindings first: without them the identity can do nothing, even while its ServiceAccount still exists.
+	# The namespace may be gone already; the bindings in harvester-system and the cluster-wide ones are not.
+	log "revoking $namespace/$sa"
+	delete_labelled rolebindings "$namespace"
+	delete_labelled rolebindings "$hsns"
+	delete_labelled clusterrolebindings ""
+	remove_legacy
+	delete_labelled serviceaccounts "$namespace"
+	# Roles made for this identity alone (--existing-service-account), then the shared ones.
+	delete_labelled roles "$namespace"
+	delete_labelled roles "$hsns"
+	delete_labelled clusterroles ""
+	delete_if_unused role harvester-csi-driver "$namespace"
+	delete_if_unused role harvester-csi-driver:networkfilesystems "$hsns"
+	delete_if_unused clusterrole harvester-csi-driver:host-reads
+	delete_if_unused clusterrole harvester-csi-driver:kubevirt-reader
+	log "revoked $namespace/$sa; the guest's kubeconfig Secret, if any, holds a token that no longer authenticates"
+	exit 0
+fi
+
 "${host[@]}" get namespace "$namespace" >/dev/null ||
 	{ log "namespace $namespace does not exist on the Harvester cluster"; exit 1; }
 
@@ -354,19 +450,7 @@ else
 	fi
 	log "creating ServiceAccount $namespace/$sa and its grants"
 	manifests | "${host[@]}" apply -f - >&2
-	for obj in "clusterrolebinding/${namespace}-${sa}-csi-driver" \
-		"-n $namespace rolebinding/${sa}-hotplug-requests" "-n $namespace secret/${sa}-token"; do
-		# shellcheck disable=SC2086 # obj carries its own -n
-		if [ "$("${host[@]}" get $obj -o "jsonpath={.metadata.labels.app\.kubernetes\.io/managed-by}" 2>/dev/null || true)" = "$managed" ]; then
-			# shellcheck disable=SC2086
-			"${host[@]}" delete $obj >&2
-		fi
-	done
-	# The old Role stays if another ServiceAccount of the namespace is still bound to it.
-	if [ "$("${host[@]}" -n "$namespace" get role harvester-csi-driver:hotplug-requests -o 'jsonpath={.metadata.labels.app\.kubernetes\.io/managed-by}' 2>/dev/null || true)" = "$managed" ] &&
-		! "${host[@]}" -n "$namespace" get rolebindings -o 'jsonpath={range .items[*]}{.roleRef.name}{"\n"}{end}' | grep -qxF harvester-csi-driver:hotplug-requests; then
-		"${host[@]}" -n "$namespace" delete role harvester-csi-driver:hotplug-requests >&2
-	fi
+	remove_legacy
 fi
 
 log "issuing a token of $namespace/$sa for $duration"
@@ -427,7 +511,7 @@ if [ -n "$guest_kubeconfig" ]; then
 			fi
 		done
 	else
-		log "the driver reads the kubeconfig at start-up: restart it to use the new token (or re-run with --restart)"
+		log "the driver reads the new token once the kubelet has updated the mounted Secret (a minute or two); --restart restarts it at once"
 	fi
 	$rotate || log "install the chart with: --set cloudConfig.secretName=$secret_name (namespace $secret_namespace)"
 fi

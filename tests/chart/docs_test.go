@@ -118,7 +118,10 @@ func TestDocsNameRealValues(t *testing.T) {
 		for _, m := range token.FindAllStringSubmatch(text, -1) {
 			path := m[1]
 			top, _, _ := strings.Cut(path, ".")
-			if _, isValue := vals[top]; !isValue || top == "global" && !strings.HasPrefix(path, "global.cattle.") {
+			// Chart values are lowerCamelCase; a capital names Go code
+			// (hotplug.Queue.DetachBefore), not a value.
+			goName := regexp.MustCompile(`\.[A-Z]`).MatchString(path)
+			if _, isValue := vals[top]; !isValue || goName || top == "global" && !strings.HasPrefix(path, "global.cattle.") {
 				continue
 			}
 			if _, ok := valuePath(vals, path); !ok {

@@ -35,6 +35,7 @@ import (
 	sigsyaml "sigs.k8s.io/yaml"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
@@ -589,6 +590,7 @@ func TestHostIdentityRunsTheDriver(t *testing.T) {
 			if f.mode == kubevirtsim.ModeLegacy {
 				checkExistingServiceAccount(ctx, t, h, base)
 			}
+			checkRevoke(ctx, t, h, base, f.mode == kubevirtsim.ModeLegacy)
 		})
 	}
 	if t.Failed() {
@@ -763,6 +765,146 @@ func checkExistingServiceAccount(ctx context.Context, t *testing.T, h *framework
 		Queue: hotplug.Config{BatchWindow: 50 * time.Millisecond, MaxHold: 2 * time.Second}})
 	defer ctrl.Stop()
 	refusedVolumeFlow(ctx, t, h, ctrl, "rbac-vm", "pvc-rancher")
+}
+
+// identityObjects names every object of any kind that carries the script's
+// labels for the identity ns/sa, as "kind namespace/name".
+func identityObjects(ctx context.Context, t *testing.T, kube kubernetes.Interface, ns, sa string) []string {
+	t.Helper()
+	opts := metav1.ListOptions{LabelSelector: "app.kubernetes.io/managed-by=harvester-csi-driver-host-rbac,app.kubernetes.io/instance=" + ns + "." + sa}
+	var out []string
+	add := func(kind string, metas []metav1.ObjectMeta, err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, m := range metas {
+			out = append(out, kind+" "+m.Namespace+"/"+m.Name)
+		}
+	}
+	sas, err := kube.CoreV1().ServiceAccounts("").List(ctx, opts)
+	add("ServiceAccount", metas(sas.Items, func(o corev1.ServiceAccount) metav1.ObjectMeta { return o.ObjectMeta }), err)
+	rbs, err := kube.RbacV1().RoleBindings("").List(ctx, opts)
+	add("RoleBinding", metas(rbs.Items, func(o rbacv1.RoleBinding) metav1.ObjectMeta { return o.ObjectMeta }), err)
+	roles, err := kube.RbacV1().Roles("").List(ctx, opts)
+	add("Role", metas(roles.Items, func(o rbacv1.Role) metav1.ObjectMeta { return o.ObjectMeta }), err)
+	crbs, err := kube.RbacV1().ClusterRoleBindings().List(ctx, opts)
+	add("ClusterRoleBinding", metas(crbs.Items, func(o rbacv1.ClusterRoleBinding) metav1.ObjectMeta { return o.ObjectMeta }), err)
+	crs, err := kube.RbacV1().ClusterRoles().List(ctx, opts)
+	add("ClusterRole", metas(crs.Items, func(o rbacv1.ClusterRole) metav1.ObjectMeta { return o.ObjectMeta }), err)
+	return out
+}
+
+func metas[T any](items []T, meta func(T) metav1.ObjectMeta) []metav1.ObjectMeta {
+	out := make([]metav1.ObjectMeta, 0, len(items))
+	for _, o := range items {
+		out = append(out, meta(o))
+	}
+	return out
+}
+
+// sharedRoles are the roles hack/host-rbac.sh shares between identities, by
+// whether they exist now.
+func sharedRoles(ctx context.Context, t *testing.T, kube kubernetes.Interface) map[string]bool {
+	t.Helper()
+	exists := func(err error) bool {
+		t.Helper()
+		if err != nil && !apierrors.IsNotFound(err) {
+			t.Fatal(err)
+		}
+		return err == nil
+	}
+	_, errNFS := kube.RbacV1().Roles("harvester-system").Get(ctx, "harvester-csi-driver:networkfilesystems", metav1.GetOptions{})
+	_, errReads := kube.RbacV1().ClusterRoles().Get(ctx, "harvester-csi-driver:host-reads", metav1.GetOptions{})
+	return map[string]bool{"Role harvester-system/harvester-csi-driver:networkfilesystems": exists(errNFS),
+		"ClusterRole harvester-csi-driver:host-reads": exists(errReads)}
+}
+
+// checkRevoke: --revoke deletes the ServiceAccount and every binding the
+// script made for it (in the VM namespace, in harvester-system, cluster-wide),
+// so its token is refused; the roles shared with another guest cluster's
+// identity stay until that one is revoked too. With an existing identity
+// (Rancher's) only the script's own grants go, never the account.
+func checkRevoke(ctx context.Context, t *testing.T, h *framework.Host, base []string, withExisting bool) {
+	t.Helper()
+	admin := h.Kube
+	const sa, other = "harvester-csi-driver", "revoke-other-guests"
+	if _, err := admin.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: other}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	otherBase := []string{"--host-kubeconfig", h.Env.Kubeconfig, "--namespace", other}
+	script(t, ctx, append(otherBase, "--output", filepath.Join(t.TempDir(), "other"), "--kubevirt-read")...)
+	// Bind the optional KubeVirt read too, so that its binding has to go as well.
+	script(t, ctx, append(base, "--output", filepath.Join(t.TempDir(), "again"), "--kubevirt-read")...)
+	if len(identityObjects(ctx, t, admin, h.Namespace, sa)) < 5 {
+		t.Fatalf("before --revoke the identity has only %v", identityObjects(ctx, t, admin, h.Namespace, sa))
+	}
+
+	tr, err := admin.CoreV1().ServiceAccounts(h.Namespace).CreateToken(ctx, sa, &authnv1.TokenRequest{}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	whoami := func() error {
+		cfg := &rest.Config{Host: h.Sim.ProxyURL(), BearerToken: tr.Status.Token}
+		_, err := kubernetes.NewForConfigOrDie(cfg).AuthenticationV1().SelfSubjectReviews().Create(ctx, &authnv1.SelfSubjectReview{}, metav1.CreateOptions{})
+		return err
+	}
+	if err := whoami(); err != nil {
+		t.Fatalf("the identity's token before --revoke: %v", err)
+	}
+
+	out := script(t, ctx, append(base, "--revoke")...)
+	for _, want := range []string{"serviceaccount/" + sa, "rolebinding.rbac.authorization.k8s.io/" + sa + " in " + h.Namespace,
+		"rolebinding.rbac.authorization.k8s.io/" + h.Namespace + "-" + sa + "-networkfilesystems in harvester-system",
+		"clusterrolebinding.rbac.authorization.k8s.io/" + h.Namespace + "-" + sa + "-host-reads",
+		"clusterrolebinding.rbac.authorization.k8s.io/" + h.Namespace + "-" + sa + "-kubevirt-reader",
+		"role/harvester-csi-driver in " + h.Namespace} {
+		if !strings.Contains(out, "deleted "+want) {
+			t.Errorf("--revoke printed\n%s\nwithout %q", out, "deleted "+want)
+		}
+	}
+	if left := identityObjects(ctx, t, admin, h.Namespace, sa); len(left) > 0 {
+		t.Errorf("after --revoke the identity's objects remain: %v", left)
+	}
+	if _, err := admin.RbacV1().Roles(h.Namespace).Get(ctx, "harvester-csi-driver", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("the VM namespace's Role, bound by no one after --revoke, is still there (err %v)", err)
+	}
+	for role, exists := range sharedRoles(ctx, t, admin) {
+		if !exists {
+			t.Errorf("--revoke deleted %s, which the identity of namespace %s still uses", role, other)
+		}
+	}
+	testwait.Until(ctx, t, "the API server to refuse the revoked identity's token", func() (bool, string) {
+		err := whoami()
+		return apierrors.IsUnauthorized(err), fmt.Sprintf("the token's request answered %v", err)
+	})
+
+	if withExisting {
+		const rancher = "rancher-guest"
+		script(t, ctx, append(base, "--existing-service-account", rancher, "--revoke")...)
+		if left := identityObjects(ctx, t, admin, h.Namespace, rancher); len(left) > 0 {
+			t.Errorf("after --revoke of an existing identity the script's grants remain: %v", left)
+		}
+		if _, err := admin.CoreV1().ServiceAccounts(h.Namespace).Get(ctx, rancher, metav1.GetOptions{}); err != nil {
+			t.Errorf("--revoke of an existing identity deleted the account itself, which the script did not make (err %v)", err)
+		}
+		if _, err := admin.RbacV1().RoleBindings(h.Namespace).Get(ctx, rancher, metav1.GetOptions{}); err != nil {
+			t.Errorf("--revoke of an existing identity deleted a binding the script did not make (err %v)", err)
+		}
+	}
+
+	script(t, ctx, append(otherBase, "--revoke")...)
+	if left := identityObjects(ctx, t, admin, other, sa); len(left) > 0 {
+		t.Errorf("after --revoke of %s its objects remain: %v", other, left)
+	}
+	for role, exists := range sharedRoles(ctx, t, admin) {
+		if exists {
+			t.Errorf("%s is still there after the last identity using it was revoked", role)
+		}
+	}
+	if _, err := admin.RbacV1().ClusterRoles().Get(ctx, "harvester-csi-driver:kubevirt-reader", metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+		t.Errorf("ClusterRole harvester-csi-driver:kubevirt-reader is still there after every identity was revoked (err %v)", err)
+	}
 }
 
 func equalRules(a, b []rbacv1.PolicyRule) bool {
