@@ -26,15 +26,38 @@ const (
 )
 
 // waiting counts the publishes and unpublishes of one controller process
-// that are waiting for the hotplug queue.
+// that are waiting for the hotplug queue, and remembers which calls the
+// crowd freed.
 type waiting struct {
 	mu sync.Mutex
 	n  int
 	// changed is closed, and replaced, whenever n changes.
 	changed chan struct{}
+	// freed holds the operations (op, volume, VM) whose last call the
+	// crowd answered "in progress". Their intent is queued, so the retry
+	// waits up to its deadline: the external-attacher doubles its backoff
+	// after every error, and a second short answer would make the caller
+	// see the result up to twice as late as the work is done. An entry
+	// goes with the operation's next call.
+	freed map[string]bool
 }
 
-func newWaiting() *waiting { return &waiting{changed: make(chan struct{})} }
+func newWaiting() *waiting { return &waiting{changed: make(chan struct{}), freed: map[string]bool{}} }
+
+// retry says whether the crowd freed the last call of op, and forgets it.
+func (w *waiting) retry(op string) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	was := w.freed[op]
+	delete(w.freed, op)
+	return was
+}
+
+func (w *waiting) remember(op string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.freed[op] = true
+}
 
 func (w *waiting) add(d int) {
 	w.mu.Lock()
@@ -66,12 +89,14 @@ func (w *waiting) leaveIfCrowded(crowd int) (bool, <-chan struct{}) {
 	return true, nil
 }
 
-// publishWindow bounds how long a publish or unpublish waits for the queue:
-// up to the caller's deadline less the margin, and no longer than
-// PublishWait once PublishWaitCrowd calls (this one included) wait at once.
-// A crowd of 1 or less makes PublishWait a plain bound. The context ends
-// with DeadlineExceeded either way, which the caller sees as "in progress".
-func (s *controllerService) publishWindow(ctx context.Context) (context.Context, context.CancelFunc) {
+// publishWindow bounds how long a publish or unpublish (op names it:
+// operation, volume and VM) waits for the queue: up to the caller's
+// deadline less the margin, and no longer than PublishWait once
+// PublishWaitCrowd calls (this one included) wait at once, unless the crowd
+// freed the last call of op. A crowd of 1 or less makes PublishWait a plain
+// bound. The context ends with DeadlineExceeded either way, which the caller
+// sees as "in progress".
+func (s *controllerService) publishWindow(ctx context.Context, op string) (context.Context, context.CancelFunc) {
 	ctx, cancel := s.withMargin(ctx)
 	wait, crowd := s.opts.PublishWait, s.opts.PublishWaitCrowd
 	if wait <= 0 {
@@ -82,12 +107,18 @@ func (s *controllerService) publishWindow(ctx context.Context) (context.Context,
 		return short, func() { cancelShort(); cancel() }
 	}
 	s.waiting.add(1)
+	if s.waiting.retry(op) {
+		// Counted, so that first calls beside it are freed, but not freed.
+		return ctx, func() { cancel(); s.waiting.add(-1) }
+	}
 	c := &crowdedContext{Context: ctx, done: make(chan struct{})}
 	go c.watch(ctx, s.waiting, wait, crowd)
 	return c, func() {
 		cancel() // ends watch
 		<-c.done
-		if !c.freed() {
+		if c.freed() {
+			s.waiting.remember(op)
+		} else {
 			s.waiting.add(-1)
 		}
 	}
