@@ -83,7 +83,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.IntVar(&o.kubeBurst, "kube-api-burst", 40, "host API client burst")
 	fs.DurationVar(&o.publishMargin, "publish-margin", 2*time.Second, "time kept before the caller's deadline to answer a publish still in flight")
 	fs.DurationVar(&o.publishWait, "publish-wait", driver.DefaultPublishWait, "longest a publish or unpublish waits for KubeVirt, while --publish-wait-crowd calls wait at once, before answering \"in progress\" for the caller to retry (0: up to the caller's deadline)")
-	fs.IntVar(&o.publishWaitCrowd, "publish-wait-crowd", driver.DefaultPublishWaitCrowd, "how many publishes and unpublishes waiting at once make each of them answer after --publish-wait; fewer wait up to the caller's deadline (1: always after --publish-wait)")
+	fs.IntVar(&o.publishWaitCrowd, "publish-wait-crowd", driver.DefaultPublishWaitCrowd, "how many publishes and unpublishes waiting at once make each of them answer after --publish-wait; fewer, and the retry of a call answered so, wait up to the caller's deadline (1: always after --publish-wait)")
 	fs.StringVar(&o.metricsAddr, "metrics-address", "", "serve Prometheus metrics, and the hotplug queue's state at "+diagnose.StatePath+", on this address (empty: off)")
 	fs.BoolVar(&o.pprof, "enable-pprof", false, "also serve Go's profiles at /debug/pprof/ on --metrics-address")
 	fs.StringVar(&o.guestKubeconfig, "guest-kubeconfig", "", "guest cluster kubeconfig, for the detach guard and the guest node monitor (default: the pod's in-cluster configuration)")
