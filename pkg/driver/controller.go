@@ -353,7 +353,7 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 			return nil, err
 		}
 	}
-	ctx, cancel := s.publishWindow(ctx, "publish "+vol+" "+vm)
+	ctx, cancel := s.publishWindow(ctx, "publish", vol, vm)
 	defer cancel()
 	if err := s.hotplug.Attach(ctx, vm, vol, true); err != nil {
 		s.tellAttachment(ctx, vol, vm, err)
@@ -398,7 +398,7 @@ func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *
 		// CSI: no node means "from every node".
 		vms = s.hotplug.Holders(vol)
 	}
-	ctx, cancel := s.publishWindow(ctx, "unpublish "+vol+" "+req.GetNodeId())
+	ctx, cancel := s.publishWindow(ctx, "unpublish", vol, req.GetNodeId())
 	defer cancel()
 	for _, vm := range vms {
 		if err := s.guardDetach(ctx, vm, vol); err != nil {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 	"time"
+
+	"k8s.io/klog/v2"
 )
 
 // Defaults of --publish-wait and --publish-wait-crowd. The external-attacher
@@ -53,9 +55,17 @@ func (w *waiting) retry(op string) bool {
 	return was
 }
 
+// maxFreed bounds freed: an operation whose caller gave up (its
+// VolumeAttachment deleted) is never called again. Forgetting them all at
+// once costs at most one more short answer each.
+const maxFreed = 4096
+
 func (w *waiting) remember(op string) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	if len(w.freed) >= maxFreed {
+		clear(w.freed)
+	}
 	w.freed[op] = true
 }
 
@@ -89,14 +99,14 @@ func (w *waiting) leaveIfCrowded(crowd int) (bool, <-chan struct{}) {
 	return true, nil
 }
 
-// publishWindow bounds how long a publish or unpublish (op names it:
-// operation, volume and VM) waits for the queue: up to the caller's
+// publishWindow bounds how long a publish or unpublish (op) of vol on vm
+// waits for the queue: up to the caller's
 // deadline less the margin, and no longer than PublishWait once
 // PublishWaitCrowd calls (this one included) wait at once, unless the crowd
-// freed the last call of op. A crowd of 1 or less makes PublishWait a plain
+// freed the last call of the same op, vol and vm. A crowd of 1 or less makes PublishWait a plain
 // bound. The context ends with DeadlineExceeded either way, which the caller
 // sees as "in progress".
-func (s *controllerService) publishWindow(ctx context.Context, op string) (context.Context, context.CancelFunc) {
+func (s *controllerService) publishWindow(ctx context.Context, op, vol, vm string) (context.Context, context.CancelFunc) {
 	ctx, cancel := s.withMargin(ctx)
 	wait, crowd := s.opts.PublishWait, s.opts.PublishWaitCrowd
 	if wait <= 0 {
@@ -106,8 +116,9 @@ func (s *controllerService) publishWindow(ctx context.Context, op string) (conte
 		short, cancelShort := context.WithTimeout(ctx, wait)
 		return short, func() { cancelShort(); cancel() }
 	}
+	key := op + " " + vol + " " + vm
 	s.waiting.add(1)
-	if s.waiting.retry(op) {
+	if s.waiting.retry(key) {
 		// Counted, so that first calls beside it are freed, but not freed.
 		return ctx, func() { cancel(); s.waiting.add(-1) }
 	}
@@ -117,7 +128,9 @@ func (s *controllerService) publishWindow(ctx context.Context, op string) (conte
 		cancel() // ends watch
 		<-c.done
 		if c.freed() {
-			s.waiting.remember(op)
+			s.waiting.remember(key)
+			klog.FromContext(ctx).V(2).Info("answering \"in progress\" to free the caller's worker: the crowd of waiting calls is full",
+				"op", op, "volume", vol, "vm", vm, "wait", wait, "crowd", crowd)
 		} else {
 			s.waiting.add(-1)
 		}
