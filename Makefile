@@ -77,11 +77,12 @@ version: ## Print the version (from the VERSION file).
 	@echo $(TAG)
 
 .PHONY: set-version
-set-version: ## Set the version everywhere: make set-version NEW=0.3.1 (VERSION, Chart.yaml, the image list in docs).
+set-version: ## Set the version everywhere: make set-version NEW=0.3.1 (VERSION, Chart.yaml, the image list in docs, deploy/rke2).
 	@[[ "$(NEW)" =~ ^[0-9]+\.[0-9]+\.[0-9]+(-[0-9A-Za-z.-]+)?$$ ]] || { echo "NEW=<major.minor.patch[-pre]> is required, got '$(NEW)'" >&2; exit 2; }
 	echo "$(NEW)" > VERSION
 	sed -i -e 's/^version: .*/version: $(NEW)/' -e 's/^appVersion: .*/appVersion: "v$(NEW)"/' charts/harvester-csi-driver/Chart.yaml
 	[ ! -f docs/install.md ] || sed -i 's#^$(IMAGE_REPO):$(TAG)$$#$(IMAGE_REPO):v$(NEW)#' docs/install.md
+	sed -i 's#^\(          tag: \)v.*#\1v$(NEW)#' deploy/rke2/harvester-csi-driver-helmchartconfig.yaml
 
 .PHONY: image
 image: ## Build the image for this machine's architecture (IMAGE; needs Docker with BuildKit).

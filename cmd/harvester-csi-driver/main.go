@@ -47,6 +47,7 @@ type options struct {
 	kubeQPS                                        float64
 	kubeBurst                                      int
 	publishMargin, publishWait                     time.Duration
+	publishWaitCrowd                               int
 	metricsAddr                                    string
 	pprof                                          bool
 	guestKubeconfig                                string
@@ -81,7 +82,8 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.Float64Var(&o.kubeQPS, "kube-api-qps", 20, "host API client QPS")
 	fs.IntVar(&o.kubeBurst, "kube-api-burst", 40, "host API client burst")
 	fs.DurationVar(&o.publishMargin, "publish-margin", 2*time.Second, "time kept before the caller's deadline to answer a publish still in flight")
-	fs.DurationVar(&o.publishWait, "publish-wait", 0, "longest a publish or unpublish waits for KubeVirt before answering \"in progress\" for the caller to retry (0: up to the caller's deadline)")
+	fs.DurationVar(&o.publishWait, "publish-wait", driver.DefaultPublishWait, "longest a publish or unpublish waits for KubeVirt, while --publish-wait-crowd calls wait at once, before answering \"in progress\" for the caller to retry (0: up to the caller's deadline)")
+	fs.IntVar(&o.publishWaitCrowd, "publish-wait-crowd", driver.DefaultPublishWaitCrowd, "how many publishes and unpublishes waiting at once make each of them answer after --publish-wait; fewer, and the retry of a call answered so, wait up to the caller's deadline (1: always after --publish-wait)")
 	fs.StringVar(&o.metricsAddr, "metrics-address", "", "serve Prometheus metrics, and the hotplug queue's state at "+diagnose.StatePath+", on this address (empty: off)")
 	fs.BoolVar(&o.pprof, "enable-pprof", false, "also serve Go's profiles at /debug/pprof/ on --metrics-address")
 	fs.StringVar(&o.guestKubeconfig, "guest-kubeconfig", "", "guest cluster kubeconfig, for the detach guard and the guest node monitor (default: the pod's in-cluster configuration)")
@@ -128,6 +130,12 @@ func parseFlags(args []string) (*options, error) {
 	}
 	if o.detachGuardTimeout < 0 {
 		return nil, fmt.Errorf("invalid --detach-guard-timeout %s: want 0 (off) or more", o.detachGuardTimeout)
+	}
+	if o.publishWait < 0 {
+		return nil, fmt.Errorf("invalid --publish-wait %s: want 0 (up to the caller's deadline) or more", o.publishWait)
+	}
+	if o.publishWaitCrowd < 1 {
+		return nil, fmt.Errorf("invalid --publish-wait-crowd %d: want 1 (always answer after --publish-wait) or more", o.publishWaitCrowd)
 	}
 	return o, nil
 }
@@ -315,7 +323,7 @@ func run(ctx context.Context, o *options) error {
 			Host:               hostClient,
 			Backend:            o.backend,
 			Queue:              o.queue,
-			Options:            driver.ControllerOptions{HostStorageClass: o.hostStorageClass, PublishMargin: o.publishMargin, PublishWait: o.publishWait},
+			Options:            driver.ControllerOptions{HostStorageClass: o.hostStorageClass, PublishMargin: o.publishMargin, PublishWait: o.publishWait, PublishWaitCrowd: o.publishWaitCrowd},
 			Metrics:            reg,
 			Guest:              guestClient,
 			DetachGuardTimeout: o.detachGuardTimeout,

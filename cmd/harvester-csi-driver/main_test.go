@@ -60,6 +60,33 @@ func TestDefaults(t *testing.T) {
 	}
 }
 
+// TestDefaultPublishWaitFreesTheAttachersDefaultWorkers: upstream's chart
+// (and RKE2's copy of it) starts the driver without --publish-wait and the
+// external-attacher without --worker-threads, so 10 workers (external-attacher
+// v4.12.0 cmd/csi-attacher/main.go). A publish that waits for KubeVirt holds
+// its worker; the default must answer "in progress" before a crowd of
+// waiting calls can take every one of those 10.
+func TestDefaultPublishWaitFreesTheAttachersDefaultWorkers(t *testing.T) {
+	const attacherDefaultWorkers = 10
+	o, err := parseFlags(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.publishWait <= 0 {
+		t.Errorf("--publish-wait defaults to %s: every publish holds an attacher worker up to its deadline", o.publishWait)
+	}
+	if o.publishWaitCrowd < 1 || o.publishWaitCrowd >= attacherDefaultWorkers {
+		t.Errorf("--publish-wait-crowd defaults to %d, want 1 to %d: the attacher's %d workers could all wait", o.publishWaitCrowd, attacherDefaultWorkers-1, attacherDefaultWorkers)
+	}
+	o, err = parseFlags([]string{"--publish-wait=0", "--publish-wait-crowd=1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.publishWait != 0 || o.publishWaitCrowd != 1 {
+		t.Errorf("publish wait flags not taken: wait %s crowd %d", o.publishWait, o.publishWaitCrowd)
+	}
+}
+
 func TestGuestFlags(t *testing.T) {
 	o, err := parseFlags([]string{"--guest-kubeconfig=/etc/guest.yaml", "--detach-guard-timeout=0", "--node-monitor=false"})
 	if err != nil {
@@ -79,6 +106,8 @@ func TestBadCommandLinesAreClearErrors(t *testing.T) {
 		"--detach-guard-timeout=-1s": "invalid --detach-guard-timeout",
 		"--hotplug-backend=x":        "invalid --hotplug-backend",
 		"--logging-format=xml":       "invalid --logging-format",
+		"--publish-wait=-1s":         "invalid --publish-wait",
+		"--publish-wait-crowd=0":     "invalid --publish-wait-crowd",
 	} {
 		_, err := parseFlags([]string{args})
 		if err == nil || !strings.Contains(err.Error(), want) {

@@ -81,10 +81,14 @@ type ControllerOptions struct {
 	PublishMargin time.Duration
 	// PublishWait, when set, bounds how long a publish or unpublish waits
 	// for KubeVirt before it answers "still in progress" (the intent stays
-	// queued, and the caller's retry finds it done). Zero: up to the
-	// caller's deadline. A short wait frees the attacher's worker for the
-	// next volume, so every change of a wave reaches the queue at once.
-	PublishWait time.Duration
+	// queued, and the caller's retry finds it done) while PublishWaitCrowd
+	// calls wait at once (1 or less: always). Zero: up to the caller's
+	// deadline. A short wait frees the attacher's worker for the next
+	// volume, so every change of a wave reaches the queue at once; a call
+	// that waits alone holds a worker nobody needs and is answered as soon
+	// as KubeVirt is done, without the attacher's retry backoff.
+	PublishWait      time.Duration
+	PublishWaitCrowd int
 	// DetachGuard, when set, is asked before a volume is unplugged from a
 	// VM on ControllerUnpublishVolume (never for the queue's own cleanup).
 	DetachGuard DetachGuard
@@ -131,6 +135,7 @@ type controllerService struct {
 	hotplug Hotplug
 	volumes HostVolumes
 	rwx     rwxLocks
+	waiting *waiting
 	// snapNames serializes CreateSnapshot calls of one name.
 	snapNames nameLocks
 }
@@ -140,7 +145,7 @@ func NewControllerService(opts ControllerOptions, hp Hotplug, volumes HostVolume
 	if opts.PublishMargin <= 0 {
 		opts.PublishMargin = defaultMargin
 	}
-	return &controllerService{opts: opts, hotplug: hp, volumes: volumes}
+	return &controllerService{opts: opts, hotplug: hp, volumes: volumes, waiting: newWaiting()}
 }
 
 func (s *controllerService) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
@@ -348,7 +353,7 @@ func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *cs
 			return nil, err
 		}
 	}
-	ctx, cancel := s.withMargin(ctx)
+	ctx, cancel := s.publishWindow(ctx, "publish", vol, vm)
 	defer cancel()
 	if err := s.hotplug.Attach(ctx, vm, vol, true); err != nil {
 		s.tellAttachment(ctx, vol, vm, err)
@@ -393,7 +398,7 @@ func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *
 		// CSI: no node means "from every node".
 		vms = s.hotplug.Holders(vol)
 	}
-	ctx, cancel := s.withMargin(ctx)
+	ctx, cancel := s.publishWindow(ctx, "unpublish", vol, req.GetNodeId())
 	defer cancel()
 	for _, vm := range vms {
 		if err := s.guardDetach(ctx, vm, vol); err != nil {
@@ -501,22 +506,13 @@ func (s *controllerService) tellAttachment(ctx context.Context, vol, vm string, 
 func (s *controllerService) withMargin(ctx context.Context) (context.Context, context.CancelFunc) {
 	deadline, ok := ctx.Deadline()
 	if !ok {
-		if s.opts.PublishWait > 0 {
-			return context.WithTimeout(ctx, s.opts.PublishWait)
-		}
 		return context.WithCancel(ctx)
 	}
 	margin := s.opts.PublishMargin
 	if left := time.Until(deadline); margin > left/2 {
 		margin = left / 2
 	}
-	deadline = deadline.Add(-margin)
-	if s.opts.PublishWait > 0 {
-		if short := time.Now().Add(s.opts.PublishWait); short.Before(deadline) {
-			deadline = short
-		}
-	}
-	return context.WithDeadline(ctx, deadline)
+	return context.WithDeadline(ctx, deadline.Add(-margin))
 }
 
 func apiStatus(err error, format string, args ...any) error {

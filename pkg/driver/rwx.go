@@ -206,7 +206,7 @@ func (s *controllerService) publishRWX(ctx context.Context, vol, vm string, pvc 
 	if err := s.enableRWX(ctx, vol, fsName); err != nil {
 		return nil, err
 	}
-	waitCtx, cancel := s.withMargin(ctx)
+	waitCtx, cancel := s.publishWindow(ctx, "publish", vol, vm)
 	defer cancel()
 	fs, err := s.opts.NetworkFS.WaitNetworkFS(waitCtx, fsName, (*host.NetworkFS).Serving)
 	switch {

@@ -40,10 +40,12 @@ type ChurnConfig struct {
 	// Deadline: an operation not finished this long after it began counts
 	// as unfinished.
 	Deadline time.Duration
-	// PublishWait is the driver's --publish-wait (0: up to the deadline).
-	PublishWait time.Duration
-	Seed        uint64
-	Scale       float64
+	// PublishWait and PublishWaitCrowd are the driver's --publish-wait
+	// (0: up to the deadline) and --publish-wait-crowd.
+	PublishWait      time.Duration
+	PublishWaitCrowd int
+	Seed             uint64
+	Scale            float64
 }
 
 // DefaultChurn is the workload: 5 VMs, 40 volumes, a wave every 80 s,

@@ -36,7 +36,8 @@ var (
 	seed      = flag.Uint64("churn.seed", def.Seed, "seed of the plan")
 	scale     = flag.Float64("churn.scale", def.Scale, "time scale (0.1: an 8 s attachment-pod start takes 0.8 s)")
 	workers   = flag.String("churn.workers", "10,100", "attacher worker threads to run with (the attacher's default, the chart's)")
-	pubWait   = flag.Duration("churn.publish-wait", 0, "the driver's --publish-wait (simulated; 0: up to the call's deadline)")
+	pubWait   = flag.Duration("churn.publish-wait", driver.DefaultPublishWait, "the driver's --publish-wait (simulated; 0: up to the call's deadline)")
+	pubCrowd  = flag.Int("churn.publish-wait-crowd", driver.DefaultPublishWaitCrowd, "the driver's --publish-wait-crowd")
 	only      = flag.String("churn.flavor", "", "run only flavors whose name contains this")
 	resultDir = flag.String("churn.results", "../../bench/results", "where the JSON results go")
 )
@@ -120,12 +121,12 @@ func BenchmarkChurn(b *testing.B) {
 				cfg := DefaultChurn()
 				cfg.VMs, cfg.Volumes, cfg.Waves, cfg.Period, cfg.SameVM = *vmsFlag, *volsFlag, *wavesFlag, *period, *sameVM
 				cfg.CallTimeout, cfg.Deadline, cfg.Seed, cfg.Scale, cfg.Workers = *timeout, *deadline, *seed, *scale, n
-				cfg.PublishWait = *pubWait
+				cfg.PublishWait, cfg.PublishWaitCrowd = *pubWait, *pubCrowd
 				for range b.N {
 					res := churnOnce(b, f, cfg)
 					res.Name = fmt.Sprintf("churn-%s-w%d", f.name, n)
-					if *pubWait > 0 {
-						res.Name += "-wait" + pubWait.String()
+					if *pubWait != driver.DefaultPublishWait || *pubCrowd != driver.DefaultPublishWaitCrowd {
+						res.Name += fmt.Sprintf("-wait%s-crowd%d", pubWait, *pubCrowd)
 					}
 					path, err := res.Write(*resultDir)
 					if err != nil {
@@ -154,7 +155,7 @@ func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 	h.CreateVMs(b, vms...)
 	vols := h.CreateVolumes(b, "churn", cfg.Volumes)
 	ctrl := h.StartController(b, framework.ControllerOptions{Backend: host.BackendAuto,
-		Queue: scaledQueue(cfg.Scale), Driver: scaledDriver(cfg.Scale, cfg.PublishWait)})
+		Queue: scaledQueue(cfg.Scale), Driver: scaledDriver(cfg.Scale, cfg.PublishWait, cfg.PublishWaitCrowd)})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
 	defer cancel()
 	pods := countAttachmentPods(ctx, b, h)
@@ -261,7 +262,7 @@ func scaledQueue(scale float64) hotplug.Config {
 		QPS: d.QPS / scale, Burst: d.Burst, Workers: d.Workers}
 }
 
-func scaledDriver(scale float64, publishWait time.Duration) driver.ControllerOptions {
+func scaledDriver(scale float64, publishWait time.Duration, crowd int) driver.ControllerOptions {
 	sc := func(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
-	return driver.ControllerOptions{PublishMargin: sc(2 * time.Second), PublishWait: sc(publishWait)}
+	return driver.ControllerOptions{PublishMargin: sc(2 * time.Second), PublishWait: sc(publishWait), PublishWaitCrowd: crowd}
 }

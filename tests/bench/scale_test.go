@@ -35,7 +35,7 @@ var (
 	scaleTime      = flag.Float64("scale.scale", defScale.Scale, "time scale (0.5: an hour takes 30 minutes)")
 	scaleSeed      = flag.Uint64("scale.seed", defScale.Seed, "seed of the plan")
 	scaleFlavor    = flag.String("scale.flavor", "declarative-v1.7.0", "KubeVirt to run against (a churn flavor name)")
-	scalePubWait   = flag.Duration("scale.publish-wait", 0, "the driver's --publish-wait (simulated)")
+	scalePubWait   = flag.Duration("scale.publish-wait", 0, "the driver's --publish-wait (simulated), a plain bound (--publish-wait-crowd=1)")
 	scaleBinary    = flag.String("scale.binary", "", "driver binary to run as the controller (default: built from this tree)")
 	scaleInProcess = flag.Bool("scale.in-process", false, "run the controller inside the benchmark instead of as its own process (RSS and CPU are then the whole benchmark's)")
 )
@@ -94,7 +94,7 @@ func scaleOnce(b *testing.B, f flavor, cfg ScaleConfig) ScaleResult {
 	desc := ""
 	if *scaleInProcess {
 		d := scaledQueue(cfg.Scale)
-		ctrl := h.StartController(b, framework.ControllerOptions{Queue: d, Driver: scaledDriver(cfg.Scale, cfg.PublishWait)})
+		ctrl := h.StartController(b, framework.ControllerOptions{Queue: d, Driver: scaledDriver(cfg.Scale, cfg.PublishWait, 1)})
 		sh.ctrl = ctrl.Client
 		sampler = inProcessSampler{}
 		desc = "this driver in the benchmark's process, backend " + ctrl.Queue.BackendName()
@@ -200,6 +200,7 @@ func startControllerProcess(b *testing.B, h *framework.Host, cfg ScaleConfig, lo
 		// same work makes four times the requests per second.
 		"--kube-api-qps=" + strconv.FormatFloat(20/cfg.Scale, 'f', -1, 64), "--kube-api-burst=" + strconv.Itoa(int(40/cfg.Scale)),
 		"--publish-margin=" + sc(2*time.Second), "--publish-wait=" + sc(cfg.PublishWait),
+		"--publish-wait-crowd=1", // -scale.publish-wait is a plain bound, as in the in-process run
 	}
 	if err := os.MkdirAll(filepath.Dir(logPath), 0o755); err != nil {
 		b.Fatal(err)

@@ -1,0 +1,240 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"kubevirt.io/client-go/kubevirt"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
+)
+
+// TestUpstreamLayout runs the driver binary the way upstream's chart (and
+// RKE2's bundled copy of it, which deploy/rke2's HelmChartConfig points at
+// this image) runs it: one process per node with the DaemonSet's arguments
+// (harvester/charts charts/harvester-csi-driver templates/daemonset.yaml:
+// --nodeid, --endpoint=unix:///csi/csi.sock,
+// --kubeconfig=/var/lib/harvester/cloud-provider-config, no --mode), serving
+// the controller and the node service on one socket, and the real
+// external-attacher with upstream's arguments (templates/deployment.yaml:
+// --timeout=1m50s, leader election, default --worker-threads) connected to
+// that same socket. VolumeAttachments for several volumes end attached and
+// Ready on the VM, the node stages one of them from the hot-plugged disk,
+// and deleting them detaches every volume.
+func TestUpstreamLayout(t *testing.T) {
+	nodetest.RequireRealDevices(t)
+	const n = 4
+	h, disks := framework.StartHostWithDisks(t, kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_5_3, Scale: 0.05, BindClasslessPVCs: true})
+	vm := "guest-node-1"
+	h.CreateVMs(t, vm)
+	vols := h.CreateVolumes(t, "pvc-upstream", n)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	guestEnv, err := testenv.Start(ctx, testenv.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(guestEnv.Stop)
+	guest := kubernetes.NewForConfigOrDie(guestEnv.Config)
+
+	// The pod's paths, under a short root (unix socket paths are limited).
+	root, err := os.MkdirTemp("", "hcsi-up-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(root) })
+	hostKubeconfig := filepath.Join(root, "var", "lib", "harvester", "cloud-provider-config")
+	sock := filepath.Join(root, "csi", "csi.sock")
+	kubeletRoot := filepath.Join(root, "kubelet")
+	for _, d := range []string{filepath.Dir(hostKubeconfig), filepath.Dir(sock), kubeletRoot} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := h.Sim.WriteKubeconfig(ctx, hostKubeconfig, h.Namespace); err != nil {
+		t.Fatal(err)
+	}
+	startUpstreamDaemonSetDriver(t, root, []string{
+		// The DaemonSet's arguments, NODE_ID being the node's name, which
+		// on RKE2 provisioned by Rancher is the VM's name.
+		"--nodeid=" + vm, "--endpoint=unix://" + sock, "--kubeconfig=" + hostKubeconfig,
+		// What the pod gives the process besides: its in-cluster guest
+		// credentials (upstream's ServiceAccount), which a process outside
+		// a pod gets as a file, and the host paths the DaemonSet mounts
+		// where the driver looks by default, here under the test's root.
+		"--guest-kubeconfig=" + guestEnv.Kubeconfig,
+		"--by-id-dir=" + disks.ByIDDir(h.Namespace+"/"+vm), "--kubelet-root-dir=" + kubeletRoot,
+	})
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	testwait.Until(ctx, t, "the driver ready on the node socket", func() (bool, string) {
+		resp, err := csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{})
+		return err == nil && resp.GetReady().GetValue(), fmt.Sprintf("%v %v", resp, err)
+	})
+	// One process serves both services on the DaemonSet's socket.
+	caps, err := csi.NewIdentityClient(conn).GetPluginCapabilities(ctx, &csi.GetPluginCapabilitiesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.ContainsFunc(caps.GetCapabilities(), func(c *csi.PluginCapability) bool {
+		return c.GetService().GetType() == csi.PluginCapability_Service_CONTROLLER_SERVICE
+	}) {
+		t.Fatalf("the node socket does not offer the controller service: %v", caps)
+	}
+	node := csi.NewNodeClient(conn)
+	info, err := node.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
+	if err != nil || info.GetNodeId() != vm {
+		t.Fatalf("NodeGetInfo on the same socket: %v %v, want node ID %s", info, err, vm)
+	}
+
+	nodeName := vm
+	mustCreate(t, func() error {
+		_, err := guest.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{})
+		return err
+	})
+	mustCreate(t, func() error {
+		_, err := guest.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{
+			ObjectMeta: metav1.ObjectMeta{Name: nodeName},
+			Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: vm}}},
+		}, metav1.CreateOptions{})
+		return err
+	})
+	for _, vol := range vols {
+		mustCreate(t, func() error {
+			_, err := guest.CoreV1().PersistentVolumes().Create(ctx, guestPV(vol), metav1.CreateOptions{})
+			return err
+		})
+	}
+	// Upstream's csi-attacher container, arguments as its template writes
+	// them; the namespace is the release's.
+	if err := guestEnv.Run("csi-attacher", "--v=5", "--csi-address="+sock, "--timeout=1m50s",
+		"--leader-election", "--leader-election-namespace=kube-system", "--kubeconfig="+guestEnv.Kubeconfig); err != nil {
+		t.Fatal(err)
+	}
+	for _, vol := range vols {
+		mustCreate(t, func() error {
+			_, err := guest.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
+				ObjectMeta: metav1.ObjectMeta{Name: "csi-" + vol},
+				Spec: storagev1.VolumeAttachmentSpec{
+					Attacher: driver.Name, NodeName: nodeName,
+					Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol},
+				},
+			}, metav1.CreateOptions{})
+			return err
+		})
+	}
+	testwait.Until(ctx, t, "every VolumeAttachment attached", func() (bool, string) {
+		list, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		attached, lastErr := 0, ""
+		for _, va := range list.Items {
+			if va.Status.Attached {
+				attached++
+			} else if va.Status.AttachError != nil {
+				lastErr = va.Status.AttachError.Message
+			}
+		}
+		return attached == n, fmt.Sprintf("%d/%d attached, last error %q", attached, n, lastErr)
+	})
+	kv := kubevirt.NewForConfigOrDie(h.Env.Config)
+	vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, vol := range vols {
+		if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); !ok || e.Target == "" {
+			t.Errorf("VolumeAttachment of %s says attached but the VMI shows %+v", vol, e)
+		}
+	}
+
+	// kubelet's part, on the same process: stage the first volume from the
+	// disk that arrived on the VM, then unstage it.
+	staging := filepath.Join(kubeletRoot, "plugins", "kubernetes.io", "csi", driver.Name, "upstream-layout", "globalmount")
+	if _, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: vols[0], StagingTargetPath: staging, VolumeCapability: ext4Capability()}); err != nil {
+		t.Fatalf("stage %s: %v", vols[0], err)
+	}
+	mounts, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(mounts), " "+staging+" ") {
+		t.Errorf("NodeStageVolume answered OK but %s is not a mount point", staging)
+	}
+	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: vols[0], StagingTargetPath: staging}); err != nil {
+		t.Fatalf("unstage %s: %v", vols[0], err)
+	}
+
+	for _, vol := range vols {
+		if err := guest.StorageV1().VolumeAttachments().Delete(ctx, "csi-"+vol, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	testwait.Until(ctx, t, "every VolumeAttachment detached and gone", func() (bool, string) {
+		list, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return len(list.Items) == 0, fmt.Sprintf("%d left", len(list.Items))
+	})
+	for _, vol := range vols {
+		if dev, ok := disks.Device(h.Namespace+"/"+vm, vol); ok {
+			t.Errorf("VolumeAttachment of %s gone while the VM still has the disk as %s", vol, dev)
+		}
+	}
+}
+
+// startUpstreamDaemonSetDriver builds the driver binary and runs it with
+// args as one process, logging under dir; it is stopped as kubelet stops a
+// container (SIGTERM) when the test ends.
+func startUpstreamDaemonSetDriver(t *testing.T, dir string, args []string) {
+	t.Helper()
+	bin := filepath.Join(dir, "harvester-csi-driver")
+	if out, err := exec.Command("go", "build", "-o", bin, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver").CombinedOutput(); err != nil {
+		t.Fatalf("build the driver: %v\n%s", err, out)
+	}
+	logPath := filepath.Join(t.TempDir(), "driver.log")
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(bin, args...)
+	cmd.Stdout, cmd.Stderr = logFile, logFile
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(os.Interrupt)
+		_ = cmd.Wait()
+		logFile.Close()
+		if t.Failed() {
+			if b, err := os.ReadFile(logPath); err == nil {
+				t.Logf("driver log:\n%s", b)
+			}
+		}
+	})
+}
