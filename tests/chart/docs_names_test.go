@@ -378,10 +378,10 @@ func TestDocsNameRealThings(t *testing.T) {
 	}
 	// Flags of other programs that the docs name in prose, by program.
 	for _, f := range []string{
-		"help",                                                                            // every Go program here
-		"exec",                                                                            // tools/kubelet's hollow-kubelet
-		"no-canonicalize",                                                                 // mount(8)
-		"reconcile-sync", "worker-threads", "timeout", "leader-election", "http-endpoint", // CSI sidecars
+		"help",                                                                                                                          // every Go program here
+		"exec",                                                                                                                          // tools/kubelet's hollow-kubelet
+		"no-canonicalize",                                                                                                               // mount(8)
+		"reconcile-sync", "worker-threads", "timeout", "leader-election", "http-endpoint", "retry-interval-start", "retry-interval-max", // CSI sidecars
 		"service-account-max-token-expiration",                        // kube-apiserver
 		"set", "reset-then-reuse-values", "reuse-values", "namespace", // helm
 		"all", // skopeo copy

@@ -206,7 +206,8 @@ func TestSetVersion(t *testing.T) {
 		t.Skip("make not installed")
 	}
 	root, dir := render.RepoRoot(), t.TempDir()
-	for _, f := range []string{"Makefile", "VERSION", filepath.Join("charts", "harvester-csi-driver", "Chart.yaml"), filepath.Join("docs", "install.md")} {
+	rke2 := filepath.Join("deploy", "rke2", "harvester-csi-driver-helmchartconfig.yaml")
+	for _, f := range []string{"Makefile", "VERSION", filepath.Join("charts", "harvester-csi-driver", "Chart.yaml"), filepath.Join("docs", "install.md"), rke2} {
 		b, err := os.ReadFile(filepath.Join(root, f))
 		if err != nil {
 			t.Fatal(err)
@@ -232,6 +233,9 @@ func TestSetVersion(t *testing.T) {
 	}
 	if err := run("set-version", "NEW=1.2.3-rc.1"); err != nil {
 		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, rke2)); err != nil || !strings.Contains(string(b), "tag: v1.2.3-rc.1") {
+		t.Errorf("make set-version left the RKE2 HelmChartConfig's image tag (%v):\n%s", err, b)
 	}
 	meta, err := chartutil.LoadChartfile(filepath.Join(dir, "charts", "harvester-csi-driver", "Chart.yaml"))
 	if err != nil {
