@@ -73,18 +73,19 @@ func TestNodeMonitor(t *testing.T) {
 	if i := slices.IndexFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == corev1.TaintNodeOutOfService }); n.Spec.Taints[i].Value != "nodeshutdown" {
 		t.Errorf("taint %+v, want node.kubernetes.io/out-of-service=nodeshutdown:NoExecute", n.Spec.Taints[i])
 	}
-	for deadline := time.Now().Add(time.Minute); len(s.attachedTo(vols[0], vm1))+len(s.attachedTo(vols[1], vm1)) > 0; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the fenced node's volumes are still on its VM: %v %v", s.attachedTo(vols[0], vm1), s.attachedTo(vols[1], vm1))
-		}
-	}
-	// Through the queue of the replica that leads, never around it.
+	testwait.Until(ctx, t, "the fenced node's volumes to leave its VM", func() (bool, string) {
+		a, b := s.attachedTo(vols[0], vm1), s.attachedTo(vols[1], vm1)
+		return len(a)+len(b) == 0, fmt.Sprint(a, b)
+	})
+	// Through the queue of the replica that leads, never around it. The API
+	// server shows the volumes gone a moment before the leader's informers
+	// let its queue finish the detaches: wait for the queue.
+	testwait.Until(ctx, t, "the leader's queue to complete the fenced node's 2 detaches", func() (bool, string) {
+		got := detachesDone(t, replicas[leader])
+		return got >= 2, fmt.Sprintf("%d completed", got)
+	})
 	for id, r := range replicas {
-		got := detachesDone(t, r)
-		if id == leader && got < 2 {
-			t.Errorf("the leader's queue completed %d detaches, want the fenced node's 2", got)
-		}
-		if id != leader && got != 0 {
+		if got := detachesDone(t, r); id != leader && got != 0 {
 			t.Errorf("replica %s, not leading, detached %d volumes", id, got)
 		}
 	}
