@@ -4,7 +4,9 @@
 package sanity
 
 import (
+	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
@@ -45,7 +47,12 @@ func TestSanity(t *testing.T) {
 	})
 
 	cfg := sanity.NewTestConfig()
-	cfg.Address = ctrl.Endpoint
+	sockDir, err := os.MkdirTemp("", "hcsi-sanity-") // unix socket paths must stay short
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(sockDir) })
+	cfg.Address = slowStartSocket(t, sockDir, strings.TrimPrefix(ctrl.Endpoint, "unix://"))
 	cfg.TargetPath = filepath.Join(work, "target")
 	cfg.StagingPath = filepath.Join(work, "staging")
 	cfg.TestVolumeSize = 64 << 20
