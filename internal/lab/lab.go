@@ -368,11 +368,12 @@ func (r *run) dbStorageClass(ctx context.Context, chartClass *storagev1.StorageC
 }
 
 // startGrace is how long a pod may take to start before a run that ends
-// without it having run counts it as never started: the stuck bound, but
-// at most half the run, so a short run still judges its first pods.
-func (c *Config) startGrace() time.Duration {
-	return min(c.StuckBound, time.Duration(c.Minutes*float64(time.Minute))/2)
-}
+// without it having run counts it as never started: the stuck bound, which
+// leaves room for Kubernetes' own recovery (the attach/detach controller
+// waits up to 2 min for a VolumeAttachment it found still being deleted).
+// A run shorter than that judges its workload by the other checks (no
+// database moved, node calls failing for a missing tool).
+func (c *Config) startGrace() time.Duration { return c.StuckBound }
 
 // databasesUseXFS says whether the databases' claims are expanded on a
 // machine where a mounted ext4 cannot grow.

@@ -126,3 +126,13 @@ func TestComponentsAreThePinnedVersions(t *testing.T) {
 		t.Errorf("csi-attacher %s is not what tools/attacher pins", ver)
 	}
 }
+
+// A pod waits out Kubernetes' own recovery (up to 2 min for a VolumeAttachment
+// still being deleted) without counting as never started: the grace is the
+// stuck bound, not a share of the run.
+func TestStartGraceIsTheStuckBound(t *testing.T) {
+	c := Config{Minutes: 2, StuckBound: 3 * time.Minute}
+	if got := c.startGrace(); got != 3*time.Minute {
+		t.Errorf("start grace %v in a 2-minute run with a 3-minute stuck bound, want 3m", got)
+	}
+}
