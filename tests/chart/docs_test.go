@@ -1,6 +1,8 @@
 package chart
 
 import (
+	"go/parser"
+	"go/token"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -8,6 +10,7 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"unicode"
 
 	"sigs.k8s.io/yaml"
 
@@ -257,13 +260,113 @@ func TestDocsFlagsMatchTheBinary(t *testing.T) {
 	}
 }
 
-// TestDocsUseNoInternalShorthand: references to the project's private notes
-// ("seed 003", "pitfall 4", "§7") mean nothing to a user.
+// TestDocsUseNoInternalShorthand: references to notes kept outside the
+// repository (numbered seeds, items, pitfalls or sections, a bare issue
+// number) mean nothing to a user.
 func TestDocsUseNoInternalShorthand(t *testing.T) {
-	bad := regexp.MustCompile(`(?i)\bseed \d|\bseeds/|\bpitfall \d|§\s*\d`)
 	for doc, text := range userDocs(t) {
-		for _, m := range bad.FindAllString(text, -1) {
+		for _, m := range shorthand(text) {
 			t.Errorf("%s: internal shorthand %q", doc, m)
+		}
+	}
+}
+
+// TestGoCommentsUseNoInternalShorthand holds the comments of every Go file
+// (tools/ excepted: those modules only pin upstream binaries) to the same
+// rule as the docs: a comment states the fact or cites an upstream source.
+func TestGoCommentsUseNoInternalShorthand(t *testing.T) {
+	root := render.RepoRoot()
+	fset := token.NewFileSet()
+	err := filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			if p != root && (d.Name() == "vendor" || strings.HasPrefix(d.Name(), ".") ||
+				strings.HasPrefix(d.Name(), "_") || p == filepath.Join(root, "tools")) {
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		if !strings.HasSuffix(p, ".go") {
+			return nil
+		}
+		f, err := parser.ParseFile(fset, p, nil, parser.ParseComments)
+		if err != nil {
+			return err
+		}
+		for _, cg := range f.Comments {
+			for _, m := range shorthand(cg.Text()) {
+				pos := fset.Position(cg.Pos())
+				rel, _ := filepath.Rel(root, pos.Filename)
+				t.Errorf("%s:%d: internal shorthand %q in a comment", rel, pos.Line, m)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+var (
+	// internalNote matches numbered references into private notes.
+	internalNote = regexp.MustCompile(`(?i)\bseed[- ]?\d|\bseeds/|\bpitfall \d|\bitems? \d|§|\bshared reference`)
+	issueWord    = regexp.MustCompile(`(?i)\bissues? +#?\d+`)
+	// hashRef is "#N" on its own; "owner/repo#N" has a word character before the '#'.
+	hashRef = regexp.MustCompile(`(?:^|[^\w/&])(#\d+)\b`)
+	// upstreamProjects may precede "issue N": the number then has a tracker.
+	upstreamProjects = []string{"harvester", "kubevirt", "kubernetes", "longhorn", "rke2", "rancher", "helm",
+		"csi-test", "external-attacher", "external-provisioner", "external-resizer", "external-snapshotter", "etcd"}
+)
+
+// shorthand lists text's references to notes outside the repository.
+func shorthand(text string) []string {
+	out := internalNote.FindAllString(text, -1)
+	for _, loc := range issueWord.FindAllStringIndex(text, -1) {
+		if rest := text[loc[1]:]; rest != "" && (rest[0] == '-' || unicode.IsLetter(rune(rest[0]))) {
+			continue // the verb, as in "issues 90-day tokens"
+		}
+		if !namesTracker(lastWord(text[:loc[0]])) {
+			out = append(out, text[loc[0]:loc[1]])
+		}
+	}
+	for _, m := range hashRef.FindAllStringSubmatch(text, -1) {
+		out = append(out, m[1])
+	}
+	return out
+}
+
+func lastWord(s string) string {
+	s = strings.TrimRightFunc(s, unicode.IsSpace)
+	return s[strings.LastIndexFunc(s, unicode.IsSpace)+1:]
+}
+
+// namesTracker: "owner/repo" or a known upstream project.
+func namesTracker(word string) bool {
+	word = strings.ToLower(strings.Trim(word, "([{\"'`*_"))
+	return strings.Contains(word, "/") || slices.Contains(upstreamProjects, word)
+}
+
+func TestShorthand(t *testing.T) {
+	for text, want := range map[string][]string{
+		"the lab's workload (seed 002)":                 {"seed 0"},
+		"Package lab runs the seed-002 workload":        {"seed-0"},
+		"Item 6: a symlink":                             {"Item 6"},
+		"the shared reference, §1.1":                    {"shared reference", "§"},
+		"Targets of the lab benchmark (issue 9).":       {"issue 9"},
+		"From issue 13; churn":                          {"issue 13"},
+		"fixed in #42":                                  {"#42"},
+		"the CronJob churn of Harvester issue 9761":     nil,
+		"reproduces kubevirt\nissue 16937":              nil,
+		"(harvester issue 10588)":                       nil,
+		"see harvester/harvester#9761":                  nil,
+		"kubevirt/kubevirt issue 16937":                 nil,
+		"hack/host-rbac.sh issues 90-day tokens":        nil,
+		"Behaviour 5 of the package doc, 3 items to go": nil,
+	} {
+		if got := shorthand(text); !slices.Equal(got, want) {
+			t.Errorf("shorthand(%q) = %q, want %q", text, got, want)
 		}
 	}
 }
