@@ -18,9 +18,9 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/monitor"
 )
 
-// The lab's fixed benchmark scenario: the default `make lab` (seed 002: 3
-// guest nodes, 40 namespaces, 8 schedule minutes, real-world timings), once
-// per KubeVirt mode.
+// The lab's fixed benchmark scenario: the default `make lab` (Harvester issue
+// 9761's workload: 3 guest nodes, 40 namespaces, 8 schedule minutes,
+// real-world timings), once per KubeVirt mode.
 var (
 	labBenchKubeVirt   = flag.String("lab.kubevirt", "legacy-v1.5,declarative", "comma-separated --kubevirt values, one run each")
 	labBenchMinutes    = flag.Float64("lab.minutes", 8, "schedule minutes per run")
@@ -31,7 +31,7 @@ var (
 	labBenchRuns       = flag.String("lab.runs", "../../lab-runs", "where the run directories (logs, report.json) stay")
 )
 
-// Targets of the lab benchmark (issue 9). A simulated hotplug cycle
+// Targets of the lab benchmark. A simulated hotplug cycle
 // (attachment pod start and the volume becoming Ready) is about 10 s at time
 // scale 1: a VolumeAttachment should be attached within two.
 const (
@@ -172,7 +172,7 @@ func runLabBench(b *testing.B, tools, driver, labBin, kv, commit string) *LabBen
 	return res
 }
 
-// targets are issue 9's benchmark targets for rep. The writes target applies
+// targets are the lab benchmark's targets for rep. The writes target applies
 // to declarative hotplug only: the legacy API has no batch call, so each
 // attach and detach is one addvolume or removevolume call of its own.
 func targets(rep *lab.Report) []Target {

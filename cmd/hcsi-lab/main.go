@@ -1,7 +1,7 @@
 // Command hcsi-lab is the local Harvester-in-a-box lab (`make lab`): it runs
-// the seed-002 CronJob churn against a simulated Harvester and a real guest
-// control plane with this driver as separate processes, checks the
-// invariants, and writes a report. See docs/lab.md.
+// the CronJob churn of Harvester issue 9761 against a simulated Harvester and
+// a real guest control plane with this driver as separate processes, checks
+// the invariants, and writes a report. See docs/lab.md.
 //
 //	hcsi-lab [flags]               run the lab (as root)
 //	hcsi-lab agent db|backup ...   the workload's container process (run by the lab's kubelets)

@@ -1,8 +1,8 @@
 // Package lab runs the local Harvester-in-a-box lab (`make lab`): a simulated
 // Harvester host with loop-device disks, a real guest control plane, the
 // driver as separate OS processes, the real kubelet per guest node, and the
-// seed-002 workload (databases and backup CronJobs), while checking the
-// invariants all the time and at the end, and writing a report.
+// workload of Harvester issue 9761 (databases and backup CronJobs), while
+// checking the invariants all the time and at the end, and writing a report.
 //
 // Subpackages: host and guest start the two clusters, proc runs processes,
 // chart reads the rendered chart, nodetap sits between kubelets and node

@@ -311,8 +311,8 @@ func TestGoCommentsUseNoInternalShorthand(t *testing.T) {
 
 var (
 	// internalNote matches numbered references into private notes.
-	internalNote = regexp.MustCompile(`(?i)\bseed[- ]?\d|\bseeds/|\bpitfall \d|\bitems? \d|§|\bshared reference`)
-	issueWord    = regexp.MustCompile(`(?i)\bissues? +#?\d+`)
+	internalNote = regexp.MustCompile(`(?i)\bseed[-\s]?\d|\bseeds/|\bpitfall\s+\d|\bitems?\s+\d|§|\bshared\s+reference`)
+	issueWord    = regexp.MustCompile(`(?i)\bissues?\s+#?\d+`)
 	// hashRef is "#N" on its own; "owner/repo#N" has a word character before the '#'.
 	hashRef = regexp.MustCompile(`(?:^|[^\w/&])(#\d+)\b`)
 	// upstreamProjects may precede "issue N": the number then has a tracker.
@@ -359,6 +359,8 @@ func TestShorthand(t *testing.T) {
 		"fixed in #42":                                  {"#42"},
 		"the CronJob churn of Harvester issue 9761":     nil,
 		"reproduces kubevirt\nissue 16937":              nil,
+		"the workload of Harvester issue\n9761":         nil,
+		"From issue\n13":                                {"issue\n13"},
 		"(harvester issue 10588)":                       nil,
 		"see harvester/harvester#9761":                  nil,
 		"kubevirt/kubevirt issue 16937":                 nil,

@@ -21,7 +21,7 @@ import (
 
 // TestDetachGuardWithRealAttacher: the real external-attacher deletes two
 // VolumeAttachments of one guest node; the guest still lists one volume in
-// volumesInUse (kubelet has not unmounted it, seed 000). That one stays on
+// volumesInUse (kubelet has not unmounted it yet). That one stays on
 // the VM, its VolumeAttachment keeps its finalizer and shows the guard's
 // refusal as detachError, and the attacher keeps retrying; the other detaches
 // at once. When the guest stops listing the volume, the attacher's next

@@ -87,7 +87,7 @@ func (s *guestSuite) unpublishOnce(ctx context.Context, vm, vol string) error {
 	return err
 }
 
-// detachGuard (seed 000): the attach/detach controller asks for a detach
+// detachGuard: the attach/detach controller asks for a detach
 // while the guest still has the volume mounted (listed in volumesInUse and
 // volumesAttached). The unplug is refused with Aborted, the volume stays
 // Ready on the VM, and it leaves as soon as kubelet has unmounted it, even

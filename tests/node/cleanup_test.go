@@ -29,10 +29,10 @@ func runSweeper(t *testing.T, n *node) {
 	})
 }
 
-// Kubelet never calls NodeUnstage (seed 000) and the disk is unplugged under
-// the staging mount. The sweeper removes the stale mount and reports it, the
-// disk is then really released, a mount whose disk is still there is left
-// alone, and staging the volume again on the same node works.
+// Kubelet never calls NodeUnstage (a kubelet race) and the disk is unplugged
+// under the staging mount. The sweeper removes the stale mount and reports
+// it, the disk is then really released, a mount whose disk is still there is
+// left alone, and staging the volume again on the same node works.
 func TestSweeperCleansUpMissingUnstage(t *testing.T) {
 	h := newHarness(t, 64*mib)
 	ctx := testContext(t)

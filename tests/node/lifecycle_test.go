@@ -376,7 +376,7 @@ func TestUnstageRefusesWhileDeviceInUse(t *testing.T) {
 			_ = holder.Process.Kill()
 			_ = holder.Wait()
 
-			// Our own open (the driver's transient FDs, seed 003) is ignored.
+			// Our own open is ignored: the driver itself opens the device briefly.
 			own, err := os.Open(dev)
 			must(t, err, "open device ourselves")
 			defer func() { _ = own.Close() }()

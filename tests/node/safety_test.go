@@ -15,8 +15,8 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 )
 
-// The regression tests of issue 7 items 4 to 8: the node never touches
-// another volume's disk or anything outside its own paths.
+// The node never touches another volume's disk or anything outside its own
+// paths.
 
 // blank reports whether blkid finds nothing at all on dev.
 func blank(t *testing.T, dev string) bool {
@@ -31,7 +31,7 @@ func blank(t *testing.T, dev string) bool {
 	return false
 }
 
-// Item 4: with only pvc-node1 (and 00000) plugged, staging pvc-node (or 0000)
+// With only pvc-node1 (and 00000) plugged, staging pvc-node (or 0000)
 // finds nothing, and the other volume's blank disk is neither mounted nor
 // formatted.
 func TestStageNeverTakesAnotherVolumesDisk(t *testing.T) {
@@ -57,7 +57,7 @@ func TestStageNeverTakesAnotherVolumesDisk(t *testing.T) {
 	}
 }
 
-// Item 5: paths reach mount(8) only as absolute, clean operands. A staging
+// Paths reach mount(8) only as absolute, clean operands. A staging
 // path "--version" used to make mount print its version and the call answer
 // OK with nothing mounted.
 func TestPathsMustBeAbsoluteAndClean(t *testing.T) {
@@ -88,7 +88,7 @@ func TestPathsMustBeAbsoluteAndClean(t *testing.T) {
 	}
 }
 
-// Item 6: NodePublish onto a target that is a symlink to a directory (or, for
+// NodePublish onto a target that is a symlink to a directory (or, for
 // a block volume, a file) outside kubelet's directory is refused, and the
 // link's destination is not mounted over.
 func TestPublishNeverFollowsATargetSymlink(t *testing.T) {
@@ -132,7 +132,7 @@ func TestPublishNeverFollowsATargetSymlink(t *testing.T) {
 	}
 }
 
-// Item 6: NodeUnpublish (and NodeUnstage) of a path that is a symlink to an
+// NodeUnpublish (and NodeUnstage) of a path that is a symlink to an
 // unrelated mount leaves that mount alone.
 func TestTeardownOfASymlinkLeavesTheUnrelatedMount(t *testing.T) {
 	h := newHarness(t, 64*mib)
@@ -163,7 +163,7 @@ func TestTeardownOfASymlinkLeavesTheUnrelatedMount(t *testing.T) {
 	}
 }
 
-// Item 7: the sweeper only touches block-device mounts at this driver's
+// The sweeper only touches block-device mounts at this driver's
 // staging paths under the kubelet root. A tmpfs with a forged vol_data.json
 // inside it, and a stale disk mount with a genuine-looking vol_data.json
 // outside it, are left alone while a real stale staging mount is swept.
@@ -219,7 +219,7 @@ func TestSweeperStaysInsideItsScope(t *testing.T) {
 	h.waitNoLoops("pvc-outside")
 }
 
-// Item 8: stats (and expansion) answer only for a mount of the volume's own
+// Stats (and expansion) answer only for a mount of the volume's own
 // disk; "/" or another volume's mount is NotFound.
 func TestStatsAndExpandOnlyForTheVolumesOwnMount(t *testing.T) {
 	h := newHarness(t, 64*mib)

@@ -97,7 +97,8 @@ type Options struct {
 	// Verbosity of the guest components' logs.
 	Verbosity int
 	// SkipUnstage is the probability that a node's tap answers
-	// NodeUnstageVolume without passing it to the driver (seed 000).
+	// NodeUnstageVolume without passing it to the driver, as a kubelet that
+	// skips the unstage leaves the disk mounted.
 	SkipUnstage float64
 	// Seed seeds the taps' decisions.
 	Seed uint64

@@ -1,7 +1,7 @@
 // Package nodetap sits between a kubelet and a driver's node plugin: it
 // serves a CSI socket the kubelet registers, passes every call on to the
 // plugin's socket unchanged, tells the lab about each node call, and can
-// answer NodeUnstageVolume with success without passing it on (seed 000: the
+// answer NodeUnstageVolume with success without passing it on (the
 // kubelet's device unmount that never reaches the driver).
 package nodetap
 

@@ -1,8 +1,8 @@
-// Package workload makes the lab's guest workload (seed 002): per namespace a
-// database StatefulSet (1 replica, 1Gi RWO claim) and a backup CronJob
-// (`*/1 * * * *`, concurrencyPolicy Forbid) whose Job mounts a second RWO
-// claim; it moves databases between nodes now and then, and at the end
-// suspends the CronJobs and deletes everything.
+// Package workload makes the lab's guest workload, that of Harvester issue
+// 9761: per namespace a database StatefulSet (1 replica, 1Gi RWO claim) and a
+// backup CronJob (`*/1 * * * *`, concurrencyPolicy Forbid) whose Job mounts a
+// second RWO claim; it moves databases between nodes now and then, and at the
+// end suspends the CronJobs and deletes everything.
 package workload
 
 import (

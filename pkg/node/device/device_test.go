@@ -92,7 +92,7 @@ func TestLookup(t *testing.T) {
 	}
 }
 
-// Issue 7 item 4: only whole names count. "pvc-node" is a prefix of the
+// Only whole names count. "pvc-node" is a prefix of the
 // plugged "pvc-node1" and "0000" a substring of "00000"; neither may find
 // that disk, whatever the bus or serial form of the link.
 func TestLookupMatchesWholeNamesOnly(t *testing.T) {
@@ -305,7 +305,7 @@ func TestInUse(t *testing.T) {
 		t.Fatalf("idle device: %v", err)
 	}
 
-	// Our own descriptor is never a holder (seed 003).
+	// Our own descriptor is never a holder: the driver opens the device itself.
 	own, err := os.Open(dev)
 	if err != nil {
 		t.Fatal(err)

@@ -155,7 +155,7 @@ func TestDeviceSizeAndStats(t *testing.T) {
 	}
 }
 
-// Issue 7 item 6: a symlink at a mount target, bind source or unmount path is
+// A symlink at a mount target, bind source or unmount path is
 // never followed; what it points at is left exactly as it was.
 func TestSymlinksAreNeverFollowed(t *testing.T) {
 	ctx, m, dev, root := setup(t, 32<<20)

@@ -1,6 +1,6 @@
 // Package sweeper removes staging mounts whose disk has gone away. Kubelet
 // can skip NodeUnstageVolume entirely (its reconciler may detach a volume it
-// believes unmounted, seed 000); the disk is then hot-unplugged under a live
+// believes unmounted); the disk is then hot-unplugged under a live
 // staging mount, which keeps a dead filesystem mounted and, on loop-backed
 // test nodes, keeps the device busy. The sweeper finds such mounts, lazily
 // unmounts them, and says so in an Event and in the log. NodeStageVolume uses

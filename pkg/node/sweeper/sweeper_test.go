@@ -32,7 +32,7 @@ func (r *recorder) Event(_ context.Context, volumeID, eventType, reason, _ strin
 // After a driver restart nothing is tracked: kubelet's vol_data.json tells
 // which staging mounts are ours. Mounts of other drivers, and ours whose disk
 // is still there, are left alone; a volume busy with a node operation waits.
-// Issue 7 item 7: a staging-looking path outside the kubelet root and a tmpfs
+// A staging-looking path outside the kubelet root and a tmpfs
 // with a forged vol_data.json are never candidates.
 func TestSweepAfterRestart(t *testing.T) {
 	nodetest.RequireRealDevices(t)
