@@ -1,0 +1,161 @@
+package lab
+
+import (
+	"fmt"
+	"io"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+)
+
+// AgentImage is the image the hollow kubelets run the agent for.
+const AgentImage = "hcsi-lab.local/agent:v1"
+
+// KubeVirt versions the lab simulates.
+const (
+	KubeVirtLegacyV15   = "legacy-v1.5"
+	KubeVirtLegacyV17   = "legacy-v1.7"
+	KubeVirtDeclarative = "declarative"
+)
+
+// Config is one lab run.
+type Config struct {
+	Nodes      int           `json:"nodes"`
+	Namespaces int           `json:"namespaces"`
+	Minutes    float64       `json:"minutes"`
+	KubeVirt   string        `json:"kubevirt"`
+	TimeScale  float64       `json:"time_scale"`
+	Seed       uint64        `json:"seed"`
+	StuckBound time.Duration `json:"stuck_bound"`
+	// LabJobs: Jobs created by the lab every JobInterval instead of by
+	// CronJobs (the --quick preset).
+	LabJobs      bool          `json:"lab_jobs"`
+	JobInterval  time.Duration `json:"job_interval"`
+	MoveInterval time.Duration `json:"move_interval"`
+	// ExpandEvery: one database claim is expanded (by 512 MiB, online)
+	// this often, then its database moved; 0: never.
+	ExpandEvery time.Duration `json:"expand_every"`
+	// DBFSType is set when the databases' claims do not use the chart's
+	// class as is (see dbStorageClass).
+	DBFSType string `json:"db_fstype,omitempty"`
+
+	// Faults.
+	SkipUnstage         float64       `json:"fault_skip_unstage"`
+	ControllerKillEvery time.Duration `json:"fault_controller_kill_every"`
+	APIPause            time.Duration `json:"fault_api_pause"`
+	APIPauseEvery       time.Duration `json:"fault_api_pause_every"`
+	AttachPodStuck      time.Duration `json:"fault_attachment_pod_stuck"`
+	AttachPodStuckEvery time.Duration `json:"fault_attachment_pod_stuck_every"`
+	StuckDetachOnReadd  bool          `json:"fault_stuck_detach_on_readd"`
+	DenyHotplug         float64       `json:"fault_deny_hotplug"`
+
+	// Out is the run directory; Bin the upstream binaries; DriverBinary the
+	// driver; ControllerBinary an alternative controller process; Manifests
+	// the rendered chart; AgentCommand how the hollow kubelets run the agent.
+	Out              string   `json:"out"`
+	Bin              string   `json:"-"`
+	DriverBinary     string   `json:"driver_binary"`
+	ControllerBinary string   `json:"controller_binary,omitempty"`
+	Manifests        string   `json:"manifests"`
+	AgentCommand     []string `json:"-"`
+	// PrivateMountNamespace: the lab runs in its own mount namespace, so it
+	// may mount in-cluster credentials for the driver processes at the
+	// path every in-cluster client reads (upstream's driver needs them).
+	PrivateMountNamespace bool `json:"-"`
+	// Progress receives the live progress line; TTY updates it in place.
+	Progress io.Writer `json:"-"`
+	TTY      bool      `json:"-"`
+}
+
+// scaled is d at the run's time scale.
+func (c *Config) scaled(d time.Duration) time.Duration {
+	return time.Duration(float64(d) * c.TimeScale)
+}
+
+func (c *Config) simOptions() (kubevirtsim.Options, error) {
+	o := kubevirtsim.Options{Scale: c.TimeScale, Jitter: 0.2, Seed: c.Seed}
+	mode, version, err := ParseKubeVirt(c.KubeVirt)
+	if err != nil {
+		return o, err
+	}
+	o.Mode, o.Version = mode, version
+	// The simulator reproduces the stuck re-add of the versions before
+	// 1.8.2 by itself; the fault only makes sure the run uses one.
+	if c.StuckDetachOnReadd && (version == kubevirtsim.V1_8_2 || version == kubevirtsim.VMain) {
+		return o, fmt.Errorf("the stuck-detach-on-readd fault exists in KubeVirt before 1.8.2, not in %s: pick an older --kubevirt", version)
+	}
+	return o, nil
+}
+
+// ParseKubeVirt reads --kubevirt: "[legacy-|declarative-]VERSION" with a
+// simulated KubeVirt version (v1.5.3, v1.6.3, v1.7.0, v1.8.2, main), or one
+// of the short names legacy-v1.5, legacy-v1.7 and declarative. Without a
+// mode, a version gets the hotplug Harvester ships it with: legacy up to
+// 1.6.3 (Harvester 1.6 and 1.7), declarative from 1.7.0 (Harvester 1.8).
+func ParseKubeVirt(name string) (kubevirtsim.Mode, kubevirtsim.Version, error) {
+	switch name {
+	case KubeVirtLegacyV15, "":
+		return kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, nil
+	case KubeVirtLegacyV17:
+		return kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3, nil
+	case KubeVirtDeclarative:
+		return kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, nil
+	}
+	mode, rest := kubevirtsim.Mode(""), name
+	for _, m := range []kubevirtsim.Mode{kubevirtsim.ModeLegacy, kubevirtsim.ModeDeclarative} {
+		if after, ok := strings.CutPrefix(name, string(m)+"-"); ok {
+			mode, rest = m, after
+		}
+	}
+	version, err := kubevirtsim.ParseVersion(rest)
+	if err != nil {
+		return "", "", fmt.Errorf("--kubevirt %q: %w (or %s, %s, %s)", name, err, KubeVirtLegacyV15, KubeVirtLegacyV17, KubeVirtDeclarative)
+	}
+	if mode == "" {
+		mode = kubevirtsim.ModeDeclarative
+		if version == kubevirtsim.V1_5_3 || version == kubevirtsim.V1_6_3 {
+			mode = kubevirtsim.ModeLegacy
+		}
+	}
+	if mode == kubevirtsim.ModeDeclarative && version == kubevirtsim.V1_5_3 {
+		return "", "", fmt.Errorf("--kubevirt %q: KubeVirt 1.5 has no declarative hotplug", name)
+	}
+	return mode, version, nil
+}
+
+// capSysResource is the capability ext4's online resize (EXT4_IOC_RESIZE_FS)
+// needs.
+const capSysResource = 24
+
+// startGrace is how long a pod may take to start before a run that ends
+// without it having run counts it as never started: the stuck bound, which
+// leaves room for Kubernetes' own recovery (the attach/detach controller
+// waits up to 2 min for a VolumeAttachment it found still being deleted).
+// A run shorter than that judges its workload by the other checks (no
+// database moved, node calls failing for a missing tool).
+func (c *Config) startGrace() time.Duration { return c.StuckBound }
+
+// databasesUseXFS says whether the databases' claims are expanded on a
+// machine where a mounted ext4 cannot grow.
+func (c *Config) databasesUseXFS() bool {
+	return c.ExpandEvery > 0 && !hasCapability(capSysResource)
+}
+
+// hasCapability reports whether capability bit c is in this process's
+// effective set.
+func hasCapability(c uint) bool {
+	data, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return false
+	}
+	for _, l := range strings.Split(string(data), "\n") {
+		if v, ok := strings.CutPrefix(l, "CapEff:"); ok {
+			caps, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64)
+			return err == nil && caps&(1<<c) != 0
+		}
+	}
+	return false
+}
