@@ -35,11 +35,11 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/agent"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/guest"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/monitor"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/nodetap"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/workload"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -170,7 +170,7 @@ type run struct {
 	start time.Time
 	log   klog.Logger
 
-	h       *host.Host
+	h       *simhost.Host
 	g       *guest.Guest
 	mon     *monitor.Monitor
 	wl      *workload.Workload
@@ -251,7 +251,7 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	defer r.cleanup(ctx)
 
 	r.setPhase("host")
-	if r.h, err = host.Start(ctx, host.Options{Dir: filepath.Join(c.Out, "host"), LogDir: filepath.Join(c.Out, "logs"), Sim: simOpts}); err != nil {
+	if r.h, err = simhost.Start(ctx, simhost.Options{Dir: filepath.Join(c.Out, "host"), LogDir: filepath.Join(c.Out, "logs"), Sim: simOpts}); err != nil {
 		return nil, err
 	}
 	for i := range c.Nodes {

@@ -19,7 +19,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -60,7 +60,7 @@ func TestPodWithVolumeRunsAndDetaches(t *testing.T) {
 		t.Fatal(err)
 	}
 	logs := filepath.Join(work, "logs")
-	h, err := host.Start(ctx, host.Options{Dir: filepath.Join(work, "host"), LogDir: logs, Sim: kubevirtsim.Options{
+	h, err := simhost.Start(ctx, simhost.Options{Dir: filepath.Join(work, "host"), LogDir: logs, Sim: kubevirtsim.Options{
 		Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_5_3, Scale: 0.1,
 	}})
 	if err != nil {

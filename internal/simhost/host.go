@@ -2,7 +2,7 @@
 // (internal/testenv), the KubeVirt simulator (internal/kubevirtsim) with
 // loop-device disks (internal/loopdisk), and one VM with its VMI per guest
 // node.
-package host
+package simhost
 
 import (
 	"context"
