@@ -122,6 +122,16 @@ func (c *Config) simOptions() (kubevirtsim.Options, error) {
 	return o, nil
 }
 
+// hostOptions is the lab's Harvester: one VM per guest node, real disks
+// that stop answering once unplugged, and what an installed Harvester gives
+// the driver process (default class, online-expansion setting).
+func hostOptions(out string, sim kubevirtsim.Options, nodes []string) simhost.Options {
+	return simhost.Options{
+		Dir: filepath.Join(out, "host"), LogDir: filepath.Join(out, "logs"), Sim: sim, VMs: nodes,
+		Disks: true, HardUnplug: true, Harvester: true,
+	}
+}
+
 // ParseKubeVirt reads --kubevirt: "[legacy-|declarative-]VERSION" with a
 // simulated KubeVirt version (v1.5.3, v1.6.3, v1.7.0, v1.8.2, main), or one
 // of the short names legacy-v1.5, legacy-v1.7 and declarative. Without a
@@ -251,16 +261,11 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	defer r.cleanup(ctx)
 
 	r.setPhase("host")
-	if r.h, err = simhost.Start(ctx, simhost.Options{Dir: filepath.Join(c.Out, "host"), LogDir: filepath.Join(c.Out, "logs"), Sim: simOpts}); err != nil {
-		return nil, err
-	}
 	for i := range c.Nodes {
 		r.nodes = append(r.nodes, fmt.Sprintf("node-%d", i))
 	}
-	for _, n := range r.nodes {
-		if err := r.h.CreateVM(ctx, n); err != nil {
-			return nil, fmt.Errorf("VM %s: %w", n, err)
-		}
+	if r.h, err = simhost.Start(ctx, hostOptions(c.Out, simOpts, r.nodes)); err != nil {
+		return nil, err
 	}
 	r.setPhase("guest")
 	status := max(time.Second, c.scaled(10*time.Second))

@@ -62,14 +62,11 @@ func TestPodWithVolumeRunsAndDetaches(t *testing.T) {
 	logs := filepath.Join(work, "logs")
 	h, err := simhost.Start(ctx, simhost.Options{Dir: filepath.Join(work, "host"), LogDir: logs, Sim: kubevirtsim.Options{
 		Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_5_3, Scale: 0.1,
-	}})
+	}, VMs: []string{"node-0"}, Disks: true, HardUnplug: true, Harvester: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = h.Stop(context.Background()) })
-	if err := h.CreateVM(ctx, "node-0"); err != nil {
-		t.Fatal(err)
-	}
 	g, err := Start(ctx, Options{Dir: filepath.Join(work, "guest"), SocketDir: sockets, LogDir: logs, Bin: bin,
 		DriverBinary: driver, Manifests: m, Host: h, NodeStatusUpdate: 2 * time.Second})
 	if err != nil {
