@@ -17,12 +17,10 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -50,12 +48,8 @@ func TestUpstreamLayout(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	guestEnv, err := testenv.Start(ctx, testenv.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(guestEnv.Stop)
-	guest := kubernetes.NewForConfigOrDie(guestEnv.Config)
+	g := framework.StartGuest(t)
+	guestEnv, guest := g.Env, g.Kube
 
 	// The pod's paths, under a short root (unix socket paths are limited).
 	root, err := os.MkdirTemp("", "hcsi-up-")
