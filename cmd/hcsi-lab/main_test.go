@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
@@ -260,5 +262,35 @@ func TestHelpSaysWhatTheLabIs(t *testing.T) {
 		if !strings.Contains(flags, name) {
 			t.Errorf("--help lacks %s", name)
 		}
+	}
+}
+
+// The defaults that live in the checkout (the run directory) come from the
+// checkout, not from wherever --manifests points.
+func TestDefaultsComeFromTheCheckoutWhateverTheManifests(t *testing.T) {
+	dir := t.TempDir()
+	manifests := filepath.Join(dir, "elsewhere", "rendered.yaml")
+	driver := filepath.Join(dir, "harvester-csi-driver")
+	for _, p := range []string{manifests, driver} {
+		if err := os.MkdirAll(filepath.Dir(p), 0o750); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f, err := parse([]string{"--manifests", manifests, "--driver-binary", driver}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	root, err := checkout.Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := filepath.Dir(f.cfg.Out); got != filepath.Join(root, "lab-runs") {
+		t.Errorf("run directory %s, want one in %s", f.cfg.Out, filepath.Join(root, "lab-runs"))
+	}
+	if f.cfg.Manifests != manifests || f.cfg.DriverBinary != driver {
+		t.Errorf("--manifests %s and --driver-binary %s became %s and %s", manifests, driver, f.cfg.Manifests, f.cfg.DriverBinary)
 	}
 }

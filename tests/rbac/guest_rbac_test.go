@@ -46,7 +46,7 @@ type permission struct {
 // binary itself uses (sidecars' needs are their releases' business).
 func rulesFor(t *testing.T, sa string) []rbacv1.PolicyRule {
 	t.Helper()
-	raw, err := os.ReadFile(filepath.Join("..", "..", "charts", "harvester-csi-driver", "ci", "required-guest-permissions.yaml"))
+	raw, err := os.ReadFile(filepath.Join(repoRoot(t), "charts", "harvester-csi-driver", "ci", "required-guest-permissions.yaml"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -17,6 +17,7 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
@@ -51,11 +52,11 @@ func TestPodWithVolumeRunsAndDetaches(t *testing.T) {
 	if out, err := build.CombinedOutput(); err != nil {
 		t.Fatalf("build driver: %v\n%s", err, out)
 	}
-	manifestsPath, err := chart.Find(".")
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := chart.Load(manifestsPath)
+	m, err := chart.Load(filepath.Join(root, chart.File))
 	if err != nil {
 		t.Fatal(err)
 	}
