@@ -17,6 +17,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab"
+	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -107,10 +108,8 @@ func buildLab(t testing.TB, dir string) (tools, driver, labBin string) {
 	}
 	build := func(out, pkg string) string {
 		p := filepath.Join(dir, out)
-		cmd := exec.Command("go", "build", "-o", p, pkg)
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("build %s: %v\n%s", pkg, err, b)
+		if err := proc.Build(context.Background(), p, pkg); err != nil {
+			t.Fatal(err)
 		}
 		return p
 	}

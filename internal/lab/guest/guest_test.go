@@ -20,6 +20,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
+	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
@@ -47,10 +48,8 @@ func TestPodWithVolumeRunsAndDetaches(t *testing.T) {
 		t.Fatal(err)
 	}
 	driver := filepath.Join(work, "harvester-csi-driver")
-	build := exec.Command("go", "build", "-o", driver, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build driver: %v\n%s", err, out)
+	if err := proc.Build(ctx, driver, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver"); err != nil {
+		t.Fatal(err)
 	}
 	root, err := checkout.Root()
 	if err != nil {
