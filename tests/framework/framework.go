@@ -1,6 +1,7 @@
-// Package framework starts what the integration, sanity and benchmark suites
-// run against: a real kube-apiserver with the KubeVirt simulator (the host
-// cluster) and the driver's controller service on a unix socket.
+// Package framework starts what the integration, sanity, e2e, rbac and
+// benchmark suites run against: the simulated host cluster that
+// internal/simhost builds (the lab's too), a guest API server, the driver's
+// controller service on a unix socket, and driver processes.
 package framework
 
 import (
