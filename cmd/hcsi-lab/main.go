@@ -23,6 +23,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
 )
@@ -70,7 +71,6 @@ type flags struct {
 	pauseFor, pauseEvery time.Duration
 	verbosity            int
 	set                  map[string]bool
-	repo                 string
 }
 
 func parse(args []string, out io.Writer) (*flags, error) {
@@ -150,22 +150,10 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	if (f.pauseFor > 0) != (f.pauseEvery > 0) {
 		return nil, errors.New("--pause-api-for and --pause-api-every go together")
 	}
-	wd, err := os.Getwd()
-	if err != nil {
+	if err := checkoutDefaults(c); err != nil {
 		return nil, err
 	}
-	if c.Manifests == "" {
-		if c.Manifests, err = chart.Find(wd); err != nil {
-			return nil, err
-		}
-	}
-	f.repo = filepath.Dir(filepath.Dir(c.Manifests))
-	if c.DriverBinary == "" {
-		c.DriverBinary = filepath.Join(f.repo, "bin", "harvester-csi-driver")
-	}
-	if c.Out == "" {
-		c.Out = filepath.Join(f.repo, "lab-runs", time.Now().Format("20060102-150405"))
-	}
+	var err error
 	for _, p := range []*string{&c.Out, &c.DriverBinary, &c.Manifests, &c.ControllerBinary, &f.compare} {
 		if *p != "" {
 			if *p, err = filepath.Abs(*p); err != nil {
@@ -182,6 +170,28 @@ func parse(args []string, out io.Writer) (*flags, error) {
 		}
 	}
 	return f, nil
+}
+
+// checkoutDefaults fills in the paths that default to the checkout's: the
+// rendered chart, the driver binary make lab builds and the run directory.
+func checkoutDefaults(c *lab.Config) error {
+	if c.Manifests != "" && c.DriverBinary != "" && c.Out != "" {
+		return nil
+	}
+	root, err := checkout.Root()
+	if err != nil {
+		return fmt.Errorf("%w; or give --manifests, --driver-binary and --out", err)
+	}
+	if c.Manifests == "" {
+		c.Manifests = filepath.Join(root, chart.File)
+	}
+	if c.DriverBinary == "" {
+		c.DriverBinary = filepath.Join(root, "bin", "harvester-csi-driver")
+	}
+	if c.Out == "" {
+		c.Out = filepath.Join(root, "lab-runs", time.Now().Format("20060102-150405"))
+	}
+	return nil
 }
 
 func labMain(args []string) int {

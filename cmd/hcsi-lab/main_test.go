@@ -7,6 +7,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,7 +15,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab"
+	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -105,10 +108,8 @@ func buildLab(t testing.TB, dir string) (tools, driver, labBin string) {
 	}
 	build := func(out, pkg string) string {
 		p := filepath.Join(dir, out)
-		cmd := exec.Command("go", "build", "-o", p, pkg)
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			t.Fatalf("build %s: %v\n%s", pkg, err, b)
+		if err := proc.Build(context.Background(), p, pkg); err != nil {
+			t.Fatal(err)
 		}
 		return p
 	}
@@ -260,5 +261,35 @@ func TestHelpSaysWhatTheLabIs(t *testing.T) {
 		if !strings.Contains(flags, name) {
 			t.Errorf("--help lacks %s", name)
 		}
+	}
+}
+
+// The defaults that live in the checkout (the run directory) come from the
+// checkout, not from wherever --manifests points.
+func TestDefaultsComeFromTheCheckoutWhateverTheManifests(t *testing.T) {
+	dir := t.TempDir()
+	manifests := filepath.Join(dir, "elsewhere", "rendered.yaml")
+	driver := filepath.Join(dir, "harvester-csi-driver")
+	for _, p := range []string{manifests, driver} {
+		if err := os.MkdirAll(filepath.Dir(p), 0o750); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f, err := parse([]string{"--manifests", manifests, "--driver-binary", driver}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	root, err := checkout.Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := filepath.Dir(f.cfg.Out); got != filepath.Join(root, "lab-runs") {
+		t.Errorf("run directory %s, want one in %s", f.cfg.Out, filepath.Join(root, "lab-runs"))
+	}
+	if f.cfg.Manifests != manifests || f.cfg.DriverBinary != driver {
+		t.Errorf("--manifests %s and --driver-binary %s became %s and %s", manifests, driver, f.cfg.Manifests, f.cfg.DriverBinary)
 	}
 }

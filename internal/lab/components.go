@@ -4,14 +4,20 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 )
 
 // components names what the lab ran, with the versions tools/ pins (what
 // hack/tools.sh built): read, not written down twice, so the report cannot
 // drift from the binaries.
-func components(repo, kubevirt string) map[string]string {
+func components(kubevirt string) map[string]string {
+	root, rootErr := checkout.Root()
 	pinned := func(dir, module string) string {
-		data, err := os.ReadFile(filepath.Join(repo, "tools", dir, "go.mod"))
+		if rootErr != nil {
+			return "unknown"
+		}
+		data, err := os.ReadFile(filepath.Join(root, "tools", dir, "go.mod"))
 		if err != nil {
 			return "unknown"
 		}

@@ -4,11 +4,13 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 )
 
 // AgentImage is the image the hollow kubelets run the agent for.
@@ -88,6 +90,16 @@ func (c *Config) simOptions() (kubevirtsim.Options, error) {
 		return o, fmt.Errorf("the stuck-detach-on-readd fault exists in KubeVirt before 1.8.2, not in %s: pick an older --kubevirt", version)
 	}
 	return o, nil
+}
+
+// hostOptions is the lab's Harvester: one VM per guest node, real disks
+// that stop answering once unplugged, and what an installed Harvester gives
+// the driver process (default class, online-expansion setting).
+func hostOptions(out string, sim kubevirtsim.Options, nodes []string) simhost.Options {
+	return simhost.Options{
+		Dir: filepath.Join(out, "host"), LogDir: filepath.Join(out, "logs"), Sim: sim, VMs: nodes,
+		Disks: true, HardUnplug: true, Harvester: true,
+	}
 }
 
 // ParseKubeVirt reads --kubevirt: "[legacy-|declarative-]VERSION" with a

@@ -31,11 +31,11 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/guest"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/monitor"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/nodetap"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/workload"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -51,7 +51,7 @@ type run struct {
 	start time.Time
 	log   klog.Logger
 
-	h       *host.Host
+	h       *simhost.Host
 	g       *guest.Guest
 	mon     *monitor.Monitor
 	wl      *workload.Workload
@@ -132,16 +132,11 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	defer r.cleanup(ctx)
 
 	r.setPhase("host")
-	if r.h, err = host.Start(ctx, host.Options{Dir: filepath.Join(c.Out, "host"), LogDir: filepath.Join(c.Out, "logs"), Sim: simOpts}); err != nil {
-		return nil, err
-	}
 	for i := range c.Nodes {
 		r.nodes = append(r.nodes, fmt.Sprintf("node-%d", i))
 	}
-	for _, n := range r.nodes {
-		if err := r.h.CreateVM(ctx, n); err != nil {
-			return nil, fmt.Errorf("VM %s: %w", n, err)
-		}
+	if r.h, err = simhost.Start(ctx, hostOptions(c.Out, simOpts, r.nodes)); err != nil {
+		return nil, err
 	}
 	r.setPhase("guest")
 	status := max(time.Second, c.scaled(10*time.Second))

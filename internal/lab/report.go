@@ -319,7 +319,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		}
 		rep.DriverBreakdown = bd
 	}
-	rep.Components = components(filepath.Dir(filepath.Dir(r.c.Manifests)), r.c.KubeVirt)
+	rep.Components = components(r.c.KubeVirt)
 	if outcome == "done" {
 		rep.WorkloadFailures = workloadFailures(r.c, rep, unstarted)
 	}

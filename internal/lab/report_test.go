@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/monitor"
 )
@@ -107,17 +108,17 @@ func TestProgressLineFits100Columns(t *testing.T) {
 
 // The report names the versions tools/ pins, read from this repository.
 func TestComponentsAreThePinnedVersions(t *testing.T) {
-	repo, err := filepath.Abs(filepath.Join("..", ".."))
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := components(repo, KubeVirtDeclarative)
+	got := components(KubeVirtDeclarative)
 	for name, v := range got {
 		if strings.Contains(v, "unknown") {
 			t.Errorf("%s: %s", name, v)
 		}
 	}
-	mod, err := os.ReadFile(filepath.Join(repo, "tools", "attacher", "go.mod"))
+	mod, err := os.ReadFile(filepath.Join(root, "tools", "attacher", "go.mod"))
 	if err != nil {
 		t.Fatal(err)
 	}

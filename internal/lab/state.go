@@ -13,9 +13,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/guest"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 )
 
 // mount is one line of the mount table.
@@ -92,7 +92,7 @@ func devNumber(path string) string {
 
 // staged lists every staging mount on the guest nodes, and whether its device
 // is still the disk plugged into that node's VM.
-func staged(h *host.Host, nodes []*guest.Node) ([]invariants.Staged, error) {
+func staged(h *simhost.Host, nodes []*guest.Node) ([]invariants.Staged, error) {
 	mounts, err := readMounts()
 	if err != nil {
 		return nil, err
@@ -110,7 +110,7 @@ func staged(h *host.Host, nodes []*guest.Node) ([]invariants.Staged, error) {
 }
 
 // vmiVolumes is every VMI's volumeStatus (hotplug entries).
-func vmiVolumes(h *host.Host, nodes []string) map[string]invariants.VMIVolumes {
+func vmiVolumes(h *simhost.Host, nodes []string) map[string]invariants.VMIVolumes {
 	out := map[string]invariants.VMIVolumes{}
 	for _, n := range nodes {
 		_, vmi := h.Sim.VM(h.Namespace, n)
@@ -128,7 +128,7 @@ func vmiVolumes(h *host.Host, nodes []string) map[string]invariants.VMIVolumes {
 }
 
 // finalState gathers every view of the attachments.
-func finalState(ctx context.Context, kube kubernetes.Interface, h *host.Host, nodes []*guest.Node, backing string) (invariants.Final, error) {
+func finalState(ctx context.Context, kube kubernetes.Interface, h *simhost.Host, nodes []*guest.Node, backing string) (invariants.Final, error) {
 	var f invariants.Final
 	vas, err := kube.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
 	if err != nil {

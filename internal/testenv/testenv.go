@@ -12,7 +12,6 @@ import (
 	"crypto/x509"
 	"encoding/hex"
 	"encoding/pem"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -27,6 +26,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 )
 
 // Env is a running control plane. Stop it when done.
@@ -67,7 +68,7 @@ func BinDir() (string, error) {
 	if d := os.Getenv("HCSI_TOOLS_BIN"); d != "" {
 		return d, nil
 	}
-	root, err := repoRoot()
+	root, err := checkout.Root()
 	if err != nil {
 		return "", err
 	}
@@ -79,23 +80,6 @@ func BinDir() (string, error) {
 		return "", fmt.Errorf("hack/tools.sh: %v: %s", err, stderr.String())
 	}
 	return strings.TrimSpace(string(out)), nil
-}
-
-func repoRoot() (string, error) {
-	dir, err := os.Getwd()
-	if err != nil {
-		return "", err
-	}
-	for {
-		if _, err := os.Stat(filepath.Join(dir, "hack", "tools.sh")); err == nil {
-			return dir, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", errors.New("cannot find the repository root (hack/tools.sh) above the working directory")
-		}
-		dir = parent
-	}
 }
 
 // Start runs etcd and kube-apiserver and waits until the API server is ready.

@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -20,6 +19,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -102,7 +102,7 @@ func scaleOnce(b *testing.B, f flavor, cfg ScaleConfig) ScaleResult {
 		p := startControllerProcess(b, h, cfg, filepath.Join(*resultDir, name+"-controller.log"))
 		sh.ctrl = p.client
 		sampler = p
-		desc = "this driver's binary as its own process (pid " + strconv.Itoa(p.cmd.Process.Pid) + ")"
+		desc = "this driver's binary as its own process (pid " + strconv.Itoa(p.proc.Pid()) + ")"
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Hour)
 	defer cancel()
@@ -154,7 +154,7 @@ func (s *scaleHost) Counts() (int, int, map[string]int) {
 
 // controllerProcess is the driver binary running the controller service.
 type controllerProcess struct {
-	cmd     *exec.Cmd
+	proc    *proc.Proc
 	metrics string // http://127.0.0.1:port
 	client  csi.ControllerClient
 }
@@ -171,11 +171,7 @@ func startControllerProcess(b *testing.B, h *framework.Host, cfg ScaleConfig, lo
 	b.Cleanup(func() { os.RemoveAll(dir) })
 	bin := *scaleBinary
 	if bin == "" {
-		bin = filepath.Join(dir, "harvester-csi-driver")
-		out, err := exec.Command("go", "build", "-o", bin, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver").CombinedOutput()
-		if err != nil {
-			b.Fatalf("build the driver: %v\n%s", err, out)
-		}
+		bin = framework.BuildDriver(b, dir)
 	}
 	kcCtx, kcCancel := context.WithCancel(context.Background())
 	b.Cleanup(kcCancel)
@@ -202,30 +198,7 @@ func startControllerProcess(b *testing.B, h *framework.Host, cfg ScaleConfig, lo
 		"--publish-margin=" + sc(2*time.Second), "--publish-wait=" + sc(cfg.PublishWait),
 		"--publish-wait-crowd=1", // -scale.publish-wait is a plain bound, as in the in-process run
 	}
-	if err := os.MkdirAll(filepath.Dir(logPath), 0o755); err != nil {
-		b.Fatal(err)
-	}
-	logFile, err := os.Create(logPath)
-	if err != nil {
-		b.Fatal(err)
-	}
-	cmd := exec.Command(bin, args...)
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	if err := cmd.Start(); err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-		logFile.Close()
-	})
+	p := framework.StartProcess(b, filepath.Dir(logPath), proc.Spec{Name: strings.TrimSuffix(filepath.Base(logPath), ".log"), Path: bin, Args: args})
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		b.Fatal(err)
@@ -240,12 +213,12 @@ func startControllerProcess(b *testing.B, h *framework.Host, cfg ScaleConfig, lo
 		if err == nil && resp.GetReady().GetValue() {
 			break
 		}
-		if cmd.ProcessState != nil || time.Now().After(deadline) {
+		if exited, _ := p.Exited(); exited || time.Now().After(deadline) {
 			b.Fatalf("controller process did not come up: %v (log: %s)", err, logPath)
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	return &controllerProcess{cmd: cmd, metrics: "http://127.0.0.1:" + strconv.Itoa(port), client: csi.NewControllerClient(conn)}
+	return &controllerProcess{proc: p, metrics: "http://127.0.0.1:" + strconv.Itoa(port), client: csi.NewControllerClient(conn)}
 }
 
 // Sample forces a garbage collection (through the heap profile's gc=1), so
@@ -272,7 +245,7 @@ func (p *controllerProcess) Sample(ctx context.Context) (ProcessSample, error) {
 
 // peakRSS reads the process's resident high-water mark (VmHWM) in MiB.
 func (p *controllerProcess) peakRSS() float64 {
-	f, err := os.Open(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
+	f, err := os.Open(fmt.Sprintf("/proc/%d/status", p.proc.Pid()))
 	if err != nil {
 		return 0
 	}

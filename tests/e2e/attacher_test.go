@@ -12,12 +12,10 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
@@ -47,12 +45,8 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	guestEnv, err := testenv.Start(ctx, testenv.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(guestEnv.Stop)
-	guest := kubernetes.NewForConfigOrDie(guestEnv.Config)
+	g := framework.StartGuest(t)
+	guestEnv, guest := g.Env, g.Kube
 
 	// The attacher maps a node name to the CSI node ID (the VM name) through
 	// CSINode, as the node-driver-registrar would have registered it.

@@ -49,12 +49,7 @@ func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 50 * time.Millisecond, MaxHold: 1500 * time.Millisecond}})
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	guestEnv, err := testenv.Start(ctx, testenv.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(guestEnv.Stop)
-	guest := kubernetes.NewForConfigOrDie(guestEnv.Config)
+	guest := framework.StartGuest(t).Kube
 	mustCreate(t, func() error {
 		_, err := guest.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: "node-a"},
 			Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: "dg-a"}}}}, metav1.CreateOptions{})

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -17,12 +16,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -50,12 +48,8 @@ func TestUpstreamLayout(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	guestEnv, err := testenv.Start(ctx, testenv.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(guestEnv.Stop)
-	guest := kubernetes.NewForConfigOrDie(guestEnv.Config)
+	g := framework.StartGuest(t)
+	guestEnv, guest := g.Env, g.Kube
 
 	// The pod's paths, under a short root (unix socket paths are limited).
 	root, err := os.MkdirTemp("", "hcsi-up-")
@@ -213,28 +207,6 @@ func TestUpstreamLayout(t *testing.T) {
 // container (SIGTERM) when the test ends.
 func startUpstreamDaemonSetDriver(t *testing.T, dir string, args []string) {
 	t.Helper()
-	bin := filepath.Join(dir, "harvester-csi-driver")
-	if out, err := exec.Command("go", "build", "-o", bin, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver").CombinedOutput(); err != nil {
-		t.Fatalf("build the driver: %v\n%s", err, out)
-	}
-	logPath := filepath.Join(t.TempDir(), "driver.log")
-	logFile, err := os.Create(logPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(bin, args...)
-	cmd.Stdout, cmd.Stderr = logFile, logFile
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(os.Interrupt)
-		_ = cmd.Wait()
-		logFile.Close()
-		if t.Failed() {
-			if b, err := os.ReadFile(logPath); err == nil {
-				t.Logf("driver log:\n%s", b)
-			}
-		}
-	})
+	bin := framework.BuildDriver(t, dir)
+	framework.StartProcess(t, dir, proc.Spec{Name: "driver", Path: bin, Args: args})
 }

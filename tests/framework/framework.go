@@ -1,12 +1,11 @@
-// Package framework starts what the integration, sanity and benchmark suites
-// run against: a real kube-apiserver with the KubeVirt simulator (the host
-// cluster) and the driver's controller service on a unix socket.
+// Package framework starts what the integration, sanity, e2e, rbac and
+// benchmark suites run against: the simulated host cluster that
+// internal/simhost builds (the lab's too), a guest API server, the driver's
+// controller service on a unix socket, and driver processes.
 package framework
 
 import (
 	"context"
-	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 	"sync"
@@ -17,55 +16,54 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	corev1 "k8s.io/api/core/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
-// Host is a simulated Harvester cluster: a real API server, the KubeVirt
-// simulator and a namespace for the guest cluster's VMs.
+// Host is a simulated Harvester cluster (internal/simhost): a real API
+// server, the KubeVirt simulator and a namespace for the guest cluster's
+// VMs.
 type Host struct {
-	Env       *testenv.Env
-	Sim       *kubevirtsim.Sim
-	Namespace string
-	Kube      kubernetes.Interface
+	*simhost.Host
 }
 
 // StartHost starts a host cluster; it is stopped when tb ends.
 func StartHost(tb testing.TB, opts kubevirtsim.Options) *Host {
 	tb.Helper()
+	return startHost(tb, simhost.Options{Namespace: opts.Namespace, Sim: opts})
+}
+
+// StartHostWithDisks starts a host cluster whose hot-plugged disks are real
+// loop devices: one sparse backing file per host PVC, sized from the PVC, and
+// a by-id directory per VM (LoopDisks.ByIDDir("<namespace>/<vm>")).
+func StartHostWithDisks(tb testing.TB, opts kubevirtsim.Options) (*Host, *loopdisk.LoopDisks) {
+	tb.Helper()
+	h := startHost(tb, simhost.Options{Namespace: opts.Namespace, Sim: opts, Disks: true})
+	return h, h.Disks
+}
+
+func startHost(tb testing.TB, o simhost.Options) *Host {
+	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	env, err := testenv.Start(ctx, testenv.Options{})
+	h, err := simhost.Start(ctx, o)
 	if err != nil {
-		tb.Fatalf("start control plane: %v", err)
+		tb.Fatalf("start host: %v", err)
 	}
-	tb.Cleanup(env.Stop)
-	if opts.Namespace == "" {
-		opts.Namespace = "guests"
-	}
-	kube := kubernetes.NewForConfigOrDie(env.Config)
-	if _, err := kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: opts.Namespace}}, metav1.CreateOptions{}); err != nil {
-		tb.Fatalf("create namespace: %v", err)
-	}
-	sim, err := kubevirtsim.New(env.Config, opts)
-	if err != nil {
-		tb.Fatalf("simulator: %v", err)
-	}
-	if err := sim.Start(context.Background()); err != nil {
-		tb.Fatalf("start simulator: %v", err)
-	}
-	tb.Cleanup(sim.Stop)
-	return &Host{Env: env, Sim: sim, Namespace: opts.Namespace, Kube: kube}
+	tb.Cleanup(func() {
+		if err := h.Stop(context.Background()); err != nil {
+			tb.Errorf("stop host: %v", err)
+		}
+	})
+	return &Host{Host: h}
 }
 
 // CreateVMs creates running VMs (guest nodes) and waits for their VMIs.
@@ -73,17 +71,7 @@ func (h *Host) CreateVMs(tb testing.TB, names ...string) {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	var wg sync.WaitGroup
-	errs := make([]error, len(names))
-	for i, n := range names {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			_, errs[i] = h.Sim.CreateVM(ctx, kubevirtsim.VMSpec{Namespace: h.Namespace, Name: n})
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	if err := h.Host.CreateVMs(ctx, names...); err != nil {
 		tb.Fatalf("create VMs: %v", err)
 	}
 }
@@ -93,19 +81,8 @@ func (h *Host) CreateVolumes(tb testing.TB, prefix string, n int) []string {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	names := make([]string, n)
-	errs := make([]error, n)
-	var wg sync.WaitGroup
-	for i := range names {
-		names[i] = fmt.Sprintf("%s-%02d", prefix, i)
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			_, errs[i] = h.Sim.CreatePVC(ctx, h.Namespace, names[i], "1Gi", false)
-		}()
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
+	names, err := h.Host.CreateVolumes(ctx, prefix, n)
+	if err != nil {
 		tb.Fatalf("create host PVCs: %v", err)
 	}
 	return names
@@ -246,32 +223,4 @@ func (c *Controller) Stop() {
 	c.cancel()
 	<-c.done
 	_ = c.Conn.Close()
-}
-
-// StartHostWithDisks starts a host cluster whose hot-plugged disks are real
-// loop devices: one sparse backing file per host PVC, sized from the PVC, and
-// a by-id directory per VM (LoopDisks.ByIDDir("<namespace>/<vm>")).
-func StartHostWithDisks(tb testing.TB, opts kubevirtsim.Options) (*Host, *loopdisk.LoopDisks) {
-	tb.Helper()
-	work := tb.TempDir()
-	var h *Host
-	disks, err := loopdisk.New(loopdisk.Options{
-		BackingDir: filepath.Join(work, "backing"),
-		ByIDRoot:   filepath.Join(work, "by-id"),
-		Size: func(ctx context.Context, claim string) (int64, error) {
-			pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, claim, metav1.GetOptions{})
-			if err != nil {
-				return 0, err
-			}
-			q := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
-			return q.Value(), nil
-		},
-	})
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { _ = disks.Close(context.Background()) })
-	opts.DiskHook = disks
-	h = StartHost(tb, opts)
-	return h, disks
 }

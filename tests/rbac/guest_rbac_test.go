@@ -25,12 +25,12 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"sigs.k8s.io/yaml"
 
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/sweeper"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
 type permission struct {
@@ -46,7 +46,7 @@ type permission struct {
 // binary itself uses (sidecars' needs are their releases' business).
 func rulesFor(t *testing.T, sa string) []rbacv1.PolicyRule {
 	t.Helper()
-	raw, err := os.ReadFile(filepath.Join("..", "..", "charts", "harvester-csi-driver", "ci", "required-guest-permissions.yaml"))
+	raw, err := os.ReadFile(filepath.Join(repoRoot(t), "charts", "harvester-csi-driver", "ci", "required-guest-permissions.yaml"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -116,12 +116,8 @@ func waitAuthorized(t *testing.T, ctx context.Context, kube kubernetes.Interface
 func TestNodePluginGuestCallsFitTheListedPermissions(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	env, err := testenv.Start(ctx, testenv.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer env.Stop()
-	admin := kubernetes.NewForConfigOrDie(env.Config)
+	g := framework.StartGuest(t)
+	env, admin := g.Env, g.Kube
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "guest-node-1"}}
 	if _, err := admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -173,12 +169,8 @@ func resourceQuantity(s string) *resource.Quantity {
 func TestControllerGuestCallsFitTheListedPermissions(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	env, err := testenv.Start(ctx, testenv.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer env.Stop()
-	admin := kubernetes.NewForConfigOrDie(env.Config)
+	g := framework.StartGuest(t)
+	env, admin := g.Env, g.Kube
 	node := &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "rke2-worker-1"}}
 	if _, err := admin.CoreV1().Nodes().Create(ctx, node, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)

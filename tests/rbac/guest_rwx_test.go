@@ -8,12 +8,11 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/client-go/kubernetes"
 
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
 // TestControllerRWXCallsFitTheListedPermissions: an RWX unpublish asks the
@@ -24,12 +23,8 @@ import (
 func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	env, err := testenv.Start(ctx, testenv.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer env.Stop()
-	admin := kubernetes.NewForConfigOrDie(env.Config)
+	g := framework.StartGuest(t)
+	env, admin := g.Env, g.Kube
 	for _, pv := range []struct{ name, handle, claim string }{{"pvc-rwx", "pvc-rwx", "shared"}, {"renamed-pv", "vol-other", "other"}} {
 		if _, err := admin.CoreV1().PersistentVolumes().Create(ctx, &corev1.PersistentVolume{
 			ObjectMeta: metav1.ObjectMeta{Name: pv.name},

@@ -34,6 +34,7 @@ import (
 	"kubevirt.io/client-go/kubevirt"
 	sigsyaml "sigs.k8s.io/yaml"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
@@ -77,12 +78,20 @@ func orCore(group string) string {
 	return group
 }
 
-func repoRoot() string { return filepath.Join("..", "..") }
+// repoRoot is the checkout's root (internal/repo).
+func repoRoot(t testing.TB) string {
+	t.Helper()
+	root, err := checkout.Root()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return root
+}
 
 // script runs hack/host-rbac.sh and returns its stdout; stderr is logged.
 func script(t *testing.T, ctx context.Context, args ...string) string {
 	t.Helper()
-	cmd := exec.CommandContext(ctx, "bash", append([]string{filepath.Join(repoRoot(), "hack", "host-rbac.sh")}, args...)...)
+	cmd := exec.CommandContext(ctx, "bash", append([]string{filepath.Join(repoRoot(t), "hack", "host-rbac.sh")}, args...)...)
 	var stdout, stderr strings.Builder
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
@@ -137,7 +146,7 @@ func scriptGrants(t *testing.T, args ...string) (grants []grant, objects []map[s
 // documentedGrants parses the rules table of docs/host-rbac.md.
 func documentedGrants(t *testing.T) []grant {
 	t.Helper()
-	doc, err := os.ReadFile(filepath.Join(repoRoot(), "docs", "host-rbac.md"))
+	doc, err := os.ReadFile(filepath.Join(repoRoot(t), "docs", "host-rbac.md"))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"regexp"
 	"strings"
 
@@ -43,26 +42,6 @@ func Load(path string) (*Manifests, error) {
 		return nil, err
 	}
 	return Parse(data)
-}
-
-// Find looks for the rendered chart in dir and its parents (the lab may run
-// from any directory of the working tree).
-func Find(dir string) (string, error) {
-	dir, err := filepath.Abs(dir)
-	if err != nil {
-		return "", err
-	}
-	for {
-		p := filepath.Join(dir, File)
-		if _, err := os.Stat(p); err == nil {
-			return p, nil
-		}
-		parent := filepath.Dir(dir)
-		if parent == dir {
-			return "", fmt.Errorf("chart: %s not found above the working directory (give the lab --manifests)", File)
-		}
-		dir = parent
-	}
 }
 
 var docSep = regexp.MustCompile(`(?m)^---\s*$`)

@@ -1,17 +1,20 @@
 package chart
 
 import (
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 )
 
 func TestTheRenderedChartHasWhatTheLabRuns(t *testing.T) {
-	path, err := Find(".")
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := Load(path)
+	m, err := Load(filepath.Join(root, File))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -29,9 +29,9 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/nodetap"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/proc"
+	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -84,7 +84,7 @@ type Options struct {
 	// Manifests are the chart's rendered objects and flags.
 	Manifests *chart.Manifests
 	// Host is the simulated Harvester.
-	Host *host.Host
+	Host *simhost.Host
 	// NodeStatusUpdate is the kubelets' node status period (volumesInUse
 	// goes out with it).
 	NodeStatusUpdate time.Duration
@@ -473,7 +473,7 @@ func (g *Guest) Stop(ctx context.Context) error {
 	}
 	if g.Env != nil {
 		if g.o.LogDir != "" {
-			errs = append(errs, host.CopyLogs(g.Env.Dir, g.o.LogDir, "guest-"))
+			errs = append(errs, simhost.CopyLogs(g.Env.Dir, g.o.LogDir, "guest-"))
 		}
 		g.Env.Stop()
 	}

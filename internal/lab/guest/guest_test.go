@@ -17,9 +17,11 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
+	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -46,30 +48,25 @@ func TestPodWithVolumeRunsAndDetaches(t *testing.T) {
 		t.Fatal(err)
 	}
 	driver := filepath.Join(work, "harvester-csi-driver")
-	build := exec.Command("go", "build", "-o", driver, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build driver: %v\n%s", err, out)
+	if err := proc.Build(ctx, driver, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver"); err != nil {
+		t.Fatal(err)
 	}
-	manifestsPath, err := chart.Find(".")
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := chart.Load(manifestsPath)
+	m, err := chart.Load(filepath.Join(root, chart.File))
 	if err != nil {
 		t.Fatal(err)
 	}
 	logs := filepath.Join(work, "logs")
-	h, err := host.Start(ctx, host.Options{Dir: filepath.Join(work, "host"), LogDir: logs, Sim: kubevirtsim.Options{
+	h, err := simhost.Start(ctx, simhost.Options{Dir: filepath.Join(work, "host"), LogDir: logs, Sim: kubevirtsim.Options{
 		Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_5_3, Scale: 0.1,
-	}})
+	}, VMs: []string{"node-0"}, Disks: true, HardUnplug: true, Harvester: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = h.Stop(context.Background()) })
-	if err := h.CreateVM(ctx, "node-0"); err != nil {
-		t.Fatal(err)
-	}
 	g, err := Start(ctx, Options{Dir: filepath.Join(work, "guest"), SocketDir: sockets, LogDir: logs, Bin: bin,
 		DriverBinary: driver, Manifests: m, Host: h, NodeStatusUpdate: 2 * time.Second})
 	if err != nil {

@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"sort"
 	"strings"
 
@@ -22,6 +21,8 @@ import (
 	"helm.sh/helm/v3/pkg/repo"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/yaml"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 )
 
 const (
@@ -31,10 +32,14 @@ const (
 	Namespace   = "kube-system"
 )
 
-// RepoRoot is the repository root, found from this source file.
+// RepoRoot is the checkout's root (internal/repo). The chart tests and
+// chartctl only make sense inside a checkout, so outside one it panics.
 func RepoRoot() string {
-	_, file, _, _ := runtime.Caller(0)
-	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", "..", ".."))
+	root, err := checkout.Root()
+	if err != nil {
+		panic(err)
+	}
+	return root
 }
 
 // ChartDir is charts/harvester-csi-driver.

@@ -1,7 +1,8 @@
-// Package proc runs the lab's OS processes (control-plane components,
-// sidecars, kubelets, driver processes): each with its log file in one
-// directory, stopped in reverse start order, and open to the lab's faults
-// (kill and restart, pause and resume).
+// Package proc runs OS processes for the lab and the tests (control-plane
+// components, sidecars, kubelets, driver processes): each with its log file
+// in one directory, stopped in reverse start order, and open to the lab's
+// faults (kill and restart, pause and resume). Build compiles the binaries
+// they run from this checkout.
 package proc
 
 import (
@@ -166,6 +167,16 @@ func (p *Proc) supervise() {
 
 // Name is the spec's name.
 func (p *Proc) Name() string { return p.spec.Name }
+
+// Pid is the current incarnation's process ID.
+func (p *Proc) Pid() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cmd == nil || p.cmd.Process == nil {
+		return 0
+	}
+	return p.cmd.Process.Pid
+}
 
 // Starts counts how often the process was started (1 + restarts).
 func (p *Proc) Starts() int {

@@ -28,6 +28,10 @@ func TestRestartKillStop(t *testing.T) {
 	if exited, err := once.Exited(); !exited || err == nil || !strings.Contains(g.Dead().Error(), "once") {
 		t.Fatalf("once: exited %v err %v, group says %v", exited, err, g.Dead())
 	}
+	first := sleeper.Pid()
+	if first == 0 {
+		t.Fatal("a running process has no pid")
+	}
 	if err := sleeper.Kill(); err != nil {
 		t.Fatal(err)
 	}
@@ -35,6 +39,9 @@ func TestRestartKillStop(t *testing.T) {
 		exited, _ := sleeper.Exited()
 		return sleeper.Starts() == 2 && !exited
 	})
+	if pid := sleeper.Pid(); pid == first || pid == 0 {
+		t.Fatalf("the restarted process has pid %d, the killed one had %d", pid, first)
+	}
 	sleeper.Stop(time.Second)
 	if exited, _ := sleeper.Exited(); !exited {
 		t.Fatal("Stop did not end the process")

@@ -1,0 +1,61 @@
+package simhost
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
+	"k8s.io/client-go/dynamic"
+)
+
+// onlineExpandSetting is the Harvester setting (1.4 and later) upstream's
+// driver reads before it grows a volume in use; it refuses the expansion
+// when the setting cannot be read.
+const onlineExpandSetting = "csi-online-expand-validation"
+
+// harvesterDefaults makes Harvester's class the default: the API server's
+// DefaultStorageClass admission gives it to the classless PVCs the driver
+// creates, which the PersistentVolumeClaimResize admission needs before it
+// lets one grow. And it writes the online-expansion setting.
+func (h *Host) harvesterDefaults(ctx context.Context) error {
+	if err := h.markDefaultClass(ctx); err != nil {
+		return fmt.Errorf("default storage class: %w", err)
+	}
+	if err := h.onlineExpansionSetting(ctx); err != nil {
+		return fmt.Errorf("harvester setting %s: %w", onlineExpandSetting, err)
+	}
+	return nil
+}
+
+func (h *Host) onlineExpansionSetting(ctx context.Context) error {
+	dyn, err := dynamic.NewForConfig(h.Env.Config)
+	if err != nil {
+		return err
+	}
+	res := dyn.Resource(schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"})
+	obj := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "harvesterhci.io/v1beta1", "kind": "Setting",
+		"metadata": map[string]any{"name": onlineExpandSetting},
+		"default":  "true",
+	}}
+	// The simulator installs the Setting CRD as it starts; it may not be
+	// served yet.
+	return wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := res.Create(ctx, obj, metav1.CreateOptions{})
+		return err == nil || apierrors.IsAlreadyExists(err), nil
+	})
+}
+
+func (h *Host) markDefaultClass(ctx context.Context) error {
+	patch := []byte(`{"metadata":{"annotations":{"storageclass.kubernetes.io/is-default-class":"true"}}}`)
+	return wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		_, err := h.Kube.StorageV1().StorageClasses().Patch(ctx, h.StorageClass(), types.MergePatchType, patch, metav1.PatchOptions{})
+		return err == nil, nil // the simulator creates the class as it starts
+	})
+}

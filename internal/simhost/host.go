@@ -1,0 +1,234 @@
+// Package simhost assembles a simulated Harvester cluster, the one place the
+// test suites (tests/framework) and the lab build it: a real etcd and
+// kube-apiserver (internal/testenv), the KubeVirt simulator
+// (internal/kubevirtsim), a namespace for the guest cluster's VMs with one
+// running VM and its VMI per guest node, and, when asked, loop-device disks
+// (internal/loopdisk) that grow with their claims. What differs between its
+// users is in Options.
+package simhost
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+
+	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/klog/v2"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+)
+
+// DefaultNamespace holds the guest VMs when Options.Namespace is empty.
+const DefaultNamespace = "guests"
+
+// Options configure the host.
+type Options struct {
+	// Dir holds the host's state: control plane, backing files, by-id
+	// directories. Empty: a temporary directory that Stop removes.
+	Dir string
+	// LogDir receives the control plane's logs when the host stops; empty:
+	// they go with the control plane's directory.
+	LogDir string
+	// Namespace holds the guest VMs (default DefaultNamespace).
+	Namespace string
+	// Sim are the simulator's options; Namespace is set from the host's and,
+	// with Disks, DiskHook is the host's loop disks.
+	Sim kubevirtsim.Options
+	// VMs are the guest nodes whose running VMs (and VMIs) exist when Start
+	// returns.
+	VMs []string
+	// Disks makes every hot-plugged volume a real loop device (root only):
+	// one sparse file per host PVC sized from its request, grown when its
+	// capacity grows, as Longhorn grows an attached volume.
+	Disks bool
+	// HardUnplug makes an unplugged disk stop answering at once, as a disk
+	// removed from a VM does (see hardUnplug). Only with Disks.
+	HardUnplug bool
+	// Harvester sets up what an installed Harvester has and a driver process
+	// relies on: the simulator's class is the default class, classless PVCs
+	// bind, and the online-expansion setting exists.
+	Harvester bool
+}
+
+// Host is a running simulated Harvester cluster.
+type Host struct {
+	Env *testenv.Env
+	Sim *kubevirtsim.Sim
+	// Disks are the loop disks (nil without Options.Disks).
+	Disks     *loopdisk.LoopDisks
+	Kube      kubernetes.Interface
+	Namespace string
+
+	o      Options
+	tmp    string // Dir when Start made it
+	cancel context.CancelFunc
+}
+
+// Start starts the host cluster. ctx bounds the start only: the host runs
+// until Stop, and the simulator logs to ctx's logger.
+func Start(ctx context.Context, o Options) (*Host, error) {
+	if o.Namespace == "" {
+		o.Namespace = DefaultNamespace
+	}
+	if o.HardUnplug && !o.Disks {
+		return nil, errors.New("simhost: HardUnplug needs Disks")
+	}
+	h := &Host{Namespace: o.Namespace, o: o}
+	if err := h.start(ctx); err != nil {
+		return nil, errors.Join(err, h.Stop(ctx))
+	}
+	return h, nil
+}
+
+func (h *Host) start(ctx context.Context) error {
+	if h.o.Dir == "" {
+		dir, err := os.MkdirTemp("", "hcsi-host-")
+		if err != nil {
+			return err
+		}
+		h.o.Dir, h.tmp = dir, dir
+	}
+	cp := filepath.Join(h.o.Dir, "control-plane")
+	if err := os.MkdirAll(cp, 0o750); err != nil {
+		return err
+	}
+	env, err := testenv.Start(ctx, testenv.Options{Dir: cp})
+	if err != nil {
+		return fmt.Errorf("host control plane: %w", err)
+	}
+	h.Env = env
+	if h.Kube, err = kubernetes.NewForConfig(env.Config); err != nil {
+		return err
+	}
+	if _, err := h.Kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: h.Namespace}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("namespace %s: %w", h.Namespace, err)
+	}
+	so := h.o.Sim
+	so.Namespace = h.Namespace
+	if h.o.Disks {
+		if so.DiskHook, err = h.newDisks(); err != nil {
+			return err
+		}
+	}
+	if h.o.Harvester {
+		// The driver leaves the host class to Harvester's default when the
+		// guest StorageClass names none (the chart's does not).
+		so.BindClasslessPVCs = true
+	}
+	if h.Sim, err = kubevirtsim.New(env.Config, so); err != nil {
+		return err
+	}
+	runCtx, cancel := context.WithCancel(klog.NewContext(context.WithoutCancel(ctx), klog.FromContext(ctx)))
+	h.cancel = cancel
+	if err := h.Sim.Start(runCtx); err != nil {
+		h.Sim = nil
+		return fmt.Errorf("simulator: %w", err)
+	}
+	if h.o.Harvester {
+		if err := h.harvesterDefaults(ctx); err != nil {
+			return err
+		}
+	}
+	if h.o.Disks {
+		if err := h.growDisks(runCtx); err != nil {
+			return fmt.Errorf("disk growth: %w", err)
+		}
+	}
+	if err := h.CreateVMs(ctx, h.o.VMs...); err != nil {
+		return err
+	}
+	return nil
+}
+
+// CreateVMs creates the running VMs of these guest nodes, at once, and
+// returns when their VMIs run.
+func (h *Host) CreateVMs(ctx context.Context, names ...string) error {
+	var wg sync.WaitGroup
+	errs := make([]error, len(names))
+	for i, n := range names {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := h.Sim.CreateVM(ctx, kubevirtsim.VMSpec{Namespace: h.Namespace, Name: n}); err != nil {
+				errs[i] = fmt.Errorf("VM %s/%s: %w", h.Namespace, n, err)
+			}
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// CreateVolumes creates n bound 1Gi host PVCs named prefix-00, prefix-01, ...
+// and returns their names.
+func (h *Host) CreateVolumes(ctx context.Context, prefix string, n int) ([]string, error) {
+	names := make([]string, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range names {
+		names[i] = fmt.Sprintf("%s-%02d", prefix, i)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := h.Sim.CreatePVC(ctx, h.Namespace, names[i], "1Gi", false); err != nil {
+				errs[i] = fmt.Errorf("host PVC %s/%s: %w", h.Namespace, names[i], err)
+			}
+		}()
+	}
+	wg.Wait()
+	return names, errors.Join(errs...)
+}
+
+// ByIDDir is the by-id directory the node plugin of VM name reads (needs
+// Options.Disks).
+func (h *Host) ByIDDir(name string) string { return h.Disks.ByIDDir(h.Namespace + "/" + name) }
+
+// WriteDriverKubeconfig writes the kubeconfig a driver process uses to reach
+// the host (TLS front of the simulator's proxy, admin token, VM namespace);
+// it works until ctx is done.
+func (h *Host) WriteDriverKubeconfig(ctx context.Context, path string) error {
+	return h.Sim.WriteKubeconfig(ctx, path, h.Namespace)
+}
+
+// StorageClass is the host storage class the simulated provisioner binds.
+func (h *Host) StorageClass() string {
+	if h.o.Sim.StorageClass != "" {
+		return h.o.Sim.StorageClass
+	}
+	return kubevirtsim.DefaultStorageClass
+}
+
+// Stop stops the simulator, unplugs every disk, keeps the control plane's
+// logs in LogDir and stops the control plane. It stops what a failed Start
+// left running too.
+func (h *Host) Stop(ctx context.Context) error {
+	var errs []error
+	if h.cancel != nil {
+		h.cancel()
+	}
+	if h.Sim != nil {
+		h.Sim.Stop()
+	}
+	if h.Disks != nil {
+		errs = append(errs, h.Disks.Close(context.WithoutCancel(ctx)))
+	}
+	if h.Env != nil {
+		if h.o.LogDir != "" {
+			errs = append(errs, CopyLogs(h.Env.Dir, h.o.LogDir, "host-"))
+		}
+		h.Env.Stop()
+	}
+	// HCSI_KEEP_ENV keeps the control plane's directory (internal/testenv);
+	// the host's lives around it.
+	if h.tmp != "" && os.Getenv("HCSI_KEEP_ENV") == "" {
+		errs = append(errs, os.RemoveAll(h.tmp))
+	}
+	return errors.Join(errs...)
+}
