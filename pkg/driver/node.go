@@ -191,12 +191,16 @@ func toStatus(err error) error {
 	var ambiguous *device.AmbiguousError
 	var mismatch *mounter.MismatchError
 	var symlink *mounter.SymlinkError
+	var damaged *mounter.FilesystemError
 	switch {
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return status.FromContextError(err).Err()
 	case errors.Is(err, device.ErrNotFound):
 		return status.Error(codes.NotFound, err.Error())
-	case errors.As(err, &inUse), errors.As(err, &ambiguous), errors.As(err, &mismatch), errors.As(err, &symlink):
+	// A damaged filesystem, like the others, waits for a person: kubelet
+	// retries, but only a repair by hand changes the answer.
+	case errors.As(err, &inUse), errors.As(err, &ambiguous), errors.As(err, &mismatch), errors.As(err, &symlink),
+		errors.As(err, &damaged):
 		return status.Error(codes.FailedPrecondition, err.Error())
 	default:
 		return status.Error(codes.Internal, err.Error())
