@@ -157,6 +157,10 @@ func (s *NodeService) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilit
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 		csi.NodeServiceCapability_RPC_VOLUME_CONDITION,
+		// Kubelet sends the new single-node modes only when the node
+		// plugin offers this too; NodePublishVolume then refuses a second
+		// target of a SINGLE_NODE_SINGLE_WRITER volume.
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: t}}})
 	}
