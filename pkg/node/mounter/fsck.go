@@ -36,7 +36,8 @@ func (e *FilesystemError) Error() string {
 }
 
 // checkFilesystem checks a filesystem before it is mounted read-write, as
-// Kubernetes' own mount code does (k8s.io/mount-utils v0.35.4 mount_linux.go,
+// Kubernetes' own mount code does (k8s.io/mount-utils v0.35.4, the version
+// tools/kubelet/go.mod builds the kubelet with, mount_linux.go,
 // checkAndRepairFilesystem, called from formatAndMountSensitive for a disk
 // that is already formatted and not mounted read-only). A disk comes here
 // after a forced detach, an out-of-service fence or a VM that died, with its
