@@ -32,7 +32,7 @@ type FilesystemError struct {
 
 func (e *FilesystemError) Error() string {
 	return fmt.Sprintf("the %s filesystem on %s has errors that cannot be repaired automatically (%s): %s; "+
-		"it was not mounted: repair it by hand (%s) with the volume attached to no node", e.FSType, e.Device, e.Tool, e.Output, e.Repair)
+		"it was not mounted: repair it by hand (%s) while nothing mounts it", e.FSType, e.Device, e.Tool, e.Output, e.Repair)
 }
 
 // checkFilesystem checks a filesystem before it is mounted read-write, as
