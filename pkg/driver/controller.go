@@ -160,6 +160,11 @@ func (s *controllerService) ControllerGetCapabilities(context.Context, *csi.Cont
 		csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
 		csi.ControllerServiceCapability_RPC_GET_VOLUME,
 		csi.ControllerServiceCapability_RPC_VOLUME_CONDITION,
+		// With it the sidecars send ReadWriteOncePod as
+		// SINGLE_NODE_SINGLE_WRITER and ReadWriteOnce as
+		// SINGLE_NODE_MULTI_WRITER instead of SINGLE_NODE_WRITER for both
+		// (CSI spec v1.5.0); checkCapability accepts all three.
+		csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{
 			Rpc: &csi.ControllerServiceCapability_RPC{Type: c},

@@ -157,6 +157,10 @@ func (s *NodeService) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilit
 		csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 		csi.NodeServiceCapability_RPC_VOLUME_CONDITION,
+		// Kubelet sends the new single-node modes only when the node
+		// plugin offers this too; NodePublishVolume then refuses a second
+		// target of a SINGLE_NODE_SINGLE_WRITER volume.
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		caps = append(caps, &csi.NodeServiceCapability{Type: &csi.NodeServiceCapability_Rpc{Rpc: &csi.NodeServiceCapability_RPC{Type: t}}})
 	}
@@ -191,12 +195,16 @@ func toStatus(err error) error {
 	var ambiguous *device.AmbiguousError
 	var mismatch *mounter.MismatchError
 	var symlink *mounter.SymlinkError
+	var damaged *mounter.FilesystemError
 	switch {
 	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
 		return status.FromContextError(err).Err()
 	case errors.Is(err, device.ErrNotFound):
 		return status.Error(codes.NotFound, err.Error())
-	case errors.As(err, &inUse), errors.As(err, &ambiguous), errors.As(err, &mismatch), errors.As(err, &symlink):
+	// A damaged filesystem, like the others, waits for a person: kubelet
+	// retries, but only a repair by hand changes the answer.
+	case errors.As(err, &inUse), errors.As(err, &ambiguous), errors.As(err, &mismatch), errors.As(err, &symlink),
+		errors.As(err, &damaged):
 		return status.Error(codes.FailedPrecondition, err.Error())
 	default:
 		return status.Error(codes.Internal, err.Error())

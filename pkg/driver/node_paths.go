@@ -32,3 +32,16 @@ func (b *pathBook) owner(path string) (string, bool) {
 	v, ok := b.paths[mountinfo.Canonical(path)]
 	return v, ok
 }
+
+// pathsOf lists the paths recorded for volumeID.
+func (b *pathBook) pathsOf(volumeID string) []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var out []string
+	for p, v := range b.paths {
+		if v == volumeID {
+			out = append(out, p)
+		}
+	}
+	return out
+}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/device"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/mounter"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/node/mountinfo"
 )
 
 func (s *NodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
@@ -36,6 +37,9 @@ func (s *NodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 		}
 		if done, err := s.checkExistingPublish(target, dev, readOnly); err != nil || done {
 			return &csi.NodePublishVolumeResponse{}, err
+		}
+		if err := s.checkSingleWriter(id, target, capability); err != nil {
+			return nil, err
 		}
 		if err := mounter.EnsureFile(target); err != nil {
 			return nil, toStatus(err)
@@ -80,6 +84,9 @@ func (s *NodeService) NodePublishVolume(ctx context.Context, req *csi.NodePublis
 	if done, err := s.checkExistingPublish(target, stagedDev, readOnly); err != nil || done {
 		return &csi.NodePublishVolumeResponse{}, err
 	}
+	if err := s.checkSingleWriter(id, target, capability); err != nil {
+		return nil, err
+	}
 	if err := mounter.EnsureDir(target); err != nil {
 		return nil, toStatus(err)
 	}
@@ -112,6 +119,30 @@ func (s *NodeService) checkExistingPublish(target string, dev device.Device, rea
 		return false, status.Errorf(codes.AlreadyExists, "target %s is already published with read-only=%t", target, isRO)
 	}
 	return true, nil
+}
+
+// checkSingleWriter refuses a second target of a SINGLE_NODE_SINGLE_WRITER
+// (ReadWriteOncePod) volume on this node, as the CSI spec's table for
+// plugins with the SINGLE_NODE_MULTI_WRITER capability says
+// (FAILED_PRECONDITION). Kubernetes already keeps a second pod of such a
+// claim off every node (the scheduler's VolumeRestrictions plugin); this is
+// the node's own word on it. The targets are those this process published
+// and that are still mounted.
+func (s *NodeService) checkSingleWriter(id, target string, c *csi.VolumeCapability) error {
+	if c.GetAccessMode().GetMode() != csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
+		return nil
+	}
+	for _, other := range s.published.pathsOf(id) {
+		if other == mountinfo.Canonical(target) {
+			continue
+		}
+		if mounted, err := s.mounter.IsMountPoint(other); err != nil {
+			return toStatus(err)
+		} else if mounted {
+			return status.Errorf(codes.FailedPrecondition, "volume %s is SINGLE_NODE_SINGLE_WRITER (ReadWriteOncePod) and already published at %s on this node", id, other)
+		}
+	}
+	return nil
 }
 
 func hasMountOption(options, o string) bool {

@@ -3,6 +3,7 @@ package node
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -421,4 +422,39 @@ func TestUnstageRefusesWhilePublished(t *testing.T) {
 	}
 	must(t, a.unpublish(ctx, vol, target), "unpublish")
 	must(t, a.unstage(ctx, vol, staging), "unstage")
+}
+
+// harvester/harvester#11716 on the node: the disk of a 1G claim is the host's
+// 1000341504 bytes (954Mi, Longhorn's 2 MiB steps). Node expansion to any
+// size up to that is done (the filesystem already fills the disk), answered
+// with the disk's size; nothing says shrink or "not grown yet".
+func TestNodeExpandInsideTheHostRounding(t *testing.T) {
+	const hostPVC = int64(1_000_341_504)
+	for _, block := range []bool{false, true} {
+		name := map[bool]string{false: "ext4", true: "block"}[block]
+		t.Run(name, func(t *testing.T) {
+			h := newHarness(t, hostPVC)
+			ctx := testContext(t)
+			vol := "pvc-repro-" + name
+			c := mountCap("ext4", rwo)
+			if block {
+				c = blockCap()
+			}
+			a := h.node("vm-a", nil)
+			h.plug("vm-a", vol)
+			staging, target := a.paths(vol, "pod")
+			must(t, a.stage(ctx, vol, staging, c), "stage")
+			must(t, a.publish(ctx, vol, staging, target, c, false), "publish")
+			for _, required := range []int64{1_000_000_001, 1_000_300_000, hostPVC} {
+				resp, err := a.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: vol, VolumePath: target,
+					StagingTargetPath: staging, VolumeCapability: c, CapacityRange: &csi.CapacityRange{RequiredBytes: required}})
+				must(t, err, fmt.Sprintf("node expansion to %d bytes, inside the host's rounding", required))
+				if resp.GetCapacityBytes() != hostPVC {
+					t.Errorf("node expansion to %d answered %d bytes, want the disk's %d", required, resp.GetCapacityBytes(), hostPVC)
+				}
+			}
+			must(t, a.unpublish(ctx, vol, target), "unpublish")
+			must(t, a.unstage(ctx, vol, staging), "unstage")
+		})
+	}
 }

@@ -184,7 +184,15 @@ func (m *Mounter) FormatAndMount(ctx context.Context, dev, target, fsType string
 	case want != have:
 		return false, &MismatchError{Device: dev, Want: want, Have: have}
 	}
+	if !formatted && !hasOption(options, "ro") {
+		if err := m.checkFilesystem(ctx, dev, want); err != nil {
+			return false, err
+		}
+	}
 	if err := m.Mount(ctx, dev, target, want, options); err != nil {
+		if !formatted && want == "xfs" {
+			return false, m.explainXFSMountFailure(ctx, dev, err)
+		}
 		return formatted, err
 	}
 	return formatted, nil

@@ -1,0 +1,212 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/klog/v2"
+	"k8s.io/utils/ptr"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
+	labguest "github.com/harvester-csi/harvester-csi-driver/internal/lab/guest"
+	labhost "github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
+)
+
+// TestReadWriteOncePodClaim runs a ReadWriteOncePod claim through a real guest
+// control plane (the lab's: real kube-apiserver, controller-manager,
+// scheduler, csi-provisioner and csi-attacher with the chart's flags, a real
+// kubelet as a hollow node, the driver's controller and node processes): the
+// first pod gets the volume and runs; a second pod of the same claim is
+// refused by Kubernetes (the scheduler's VolumeRestrictions plugin) and stays
+// Pending while the first runs. The sidecars sent the claim to the driver as
+// SINGLE_NODE_SINGLE_WRITER, which they do only for a driver that offers
+// SINGLE_NODE_MULTI_WRITER (CSI spec v1.5.0); without it ReadWriteOncePod
+// arrives as SINGLE_NODE_WRITER, indistinguishable from ReadWriteOnce.
+// Follows internal/lab/guest TestPodWithVolumeRunsAndDetaches.
+func TestReadWriteOncePodClaim(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the guest's kubelet needs root (loop devices, mounts)")
+	}
+	if testing.Short() {
+		t.Skip("starts two control planes")
+	}
+	ctx, cancel := context.WithTimeout(klog.NewContext(context.Background(), klog.Background()), 6*time.Minute)
+	defer cancel()
+	bin, err := testenv.BinDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	work := t.TempDir()
+	// Unix socket paths are limited to 107 bytes: not under the test's
+	// (long) temporary directory.
+	sockets, err := os.MkdirTemp("/tmp", "hcsi-rwop-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	driverBin := filepath.Join(work, "harvester-csi-driver")
+	build := exec.Command("go", "build", "-o", driverBin, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build driver: %v\n%s", err, out)
+	}
+	manifestsPath, err := chart.Find(".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := chart.Load(manifestsPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs := filepath.Join(work, "logs")
+	h, err := labhost.Start(ctx, labhost.Options{Dir: filepath.Join(work, "host"), LogDir: logs, Sim: kubevirtsim.Options{
+		Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0, Scale: 0.1,
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = h.Stop(context.Background()) })
+	const nodeName = "node-0"
+	if err := h.CreateVM(ctx, nodeName); err != nil {
+		t.Fatal(err)
+	}
+	// Verbosity 5: the sidecars log each CSI request they send.
+	g, err := labguest.Start(ctx, labguest.Options{Dir: filepath.Join(work, "guest"), SocketDir: sockets, LogDir: logs, Bin: bin,
+		DriverBinary: driverBin, Manifests: m, Host: h, NodeStatusUpdate: 2 * time.Second, Verbosity: 5})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = g.Stop(context.Background())
+		unmountAllUnder(t, sockets)
+		_ = os.RemoveAll(sockets)
+		if t.Failed() {
+			logTails(t, logs)
+		}
+	})
+	if _, err := g.AddNode(ctx, nodeName); err != nil {
+		t.Fatal(err)
+	}
+	if err := g.WaitNodesReady(ctx, []string{nodeName}); err != nil {
+		t.Fatal(err)
+	}
+
+	ns, claim := "default", "single"
+	if _, err := g.Kube.CoreV1().PersistentVolumeClaims(ns).Create(ctx, &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: claim, Namespace: ns},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOncePod},
+			StorageClassName: ptr.To(m.StorageClass.Name),
+			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
+		},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pod := func(name string) *corev1.Pod {
+		return &corev1.Pod{
+			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+			Spec: corev1.PodSpec{
+				RestartPolicy: corev1.RestartPolicyNever,
+				Containers: []corev1.Container{{Name: "c", Image: "busybox", Command: []string{"sleep", "3600"},
+					VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}}},
+				Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
+					PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}},
+			},
+		}
+	}
+	if _, err := g.Kube.CoreV1().Pods(ns).Create(ctx, pod("first"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(ctx, t, "the first pod running with the volume", func() (bool, string) {
+		if err := g.Procs.Dead(); err != nil {
+			t.Fatal(err)
+		}
+		p, err := g.Kube.CoreV1().Pods(ns).Get(ctx, "first", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return p.Status.Phase == corev1.PodRunning, fmt.Sprintf("pod %s on %q", p.Status.Phase, p.Spec.NodeName)
+	})
+
+	if _, err := g.Kube.CoreV1().Pods(ns).Create(ctx, pod("second"), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(ctx, t, "the second pod refused by the scheduler for the ReadWriteOncePod claim", func() (bool, string) {
+		p, err := g.Kube.CoreV1().Pods(ns).Get(ctx, "second", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		if p.Spec.NodeName != "" {
+			t.Fatalf("the second pod of a ReadWriteOncePod claim was scheduled to %s", p.Spec.NodeName)
+		}
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && c.Reason == corev1.PodReasonUnschedulable {
+				return strings.Contains(c.Message, "ReadWriteOncePod"), c.Message
+			}
+		}
+		return false, fmt.Sprintf("conditions %v", p.Status.Conditions)
+	})
+	first, err := g.Kube.CoreV1().Pods(ns).Get(ctx, "first", metav1.GetOptions{})
+	if err != nil || first.Status.Phase != corev1.PodRunning {
+		t.Fatalf("the first pod no longer runs: %v %v", first.Status.Phase, err)
+	}
+
+	// What the driver was asked for: the sidecars log every request at
+	// verbosity 5 (csi-lib-utils, "GRPC request").
+	for _, sidecar := range []string{"csi-provisioner", "csi-attacher"} {
+		data, err := os.ReadFile(g.Procs.LogPath(sidecar))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(string(data), "SINGLE_NODE_SINGLE_WRITER") && !strings.Contains(string(data), `"mode":6`) {
+			t.Errorf("%s never asked for SINGLE_NODE_SINGLE_WRITER; its log:\n%s", sidecar, tail(string(data), 60))
+		}
+	}
+}
+
+// unmountAllUnder lazily unmounts what the guest's kubelet left mounted
+// under dir, deepest first.
+func unmountAllUnder(t *testing.T, dir string) {
+	data, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return
+	}
+	var mps []string
+	for _, l := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(l); len(f) > 4 && strings.HasPrefix(f[4], dir) {
+			mps = append(mps, f[4])
+		}
+	}
+	for i := len(mps) - 1; i >= 0; i-- {
+		if out, err := exec.Command("umount", "-l", mps[i]).CombinedOutput(); err != nil {
+			t.Logf("umount %s: %v %s", mps[i], err, out)
+		}
+	}
+}
+
+func logTails(t *testing.T, dir string) {
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		data, _ := os.ReadFile(filepath.Join(dir, e.Name()))
+		t.Logf("---- %s (tail)\n%s", e.Name(), tail(string(data), 40))
+	}
+}
+
+func tail(s string, n int) string {
+	lines := strings.Split(s, "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
