@@ -16,10 +16,12 @@ import (
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
 	labguest "github.com/harvester-csi/harvester-csi-driver/internal/lab/guest"
-	labhost "github.com/harvester-csi/harvester-csi-driver/internal/lab/host"
+	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
@@ -56,31 +58,26 @@ func TestReadWriteOncePodClaim(t *testing.T) {
 		t.Fatal(err)
 	}
 	driverBin := filepath.Join(work, "harvester-csi-driver")
-	build := exec.Command("go", "build", "-o", driverBin, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build driver: %v\n%s", err, out)
+	if err := proc.Build(ctx, driverBin, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver"); err != nil {
+		t.Fatal(err)
 	}
-	manifestsPath, err := chart.Find(".")
+	root, err := checkout.Root()
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := chart.Load(manifestsPath)
+	m, err := chart.Load(filepath.Join(root, chart.File))
 	if err != nil {
 		t.Fatal(err)
 	}
 	logs := filepath.Join(work, "logs")
-	h, err := labhost.Start(ctx, labhost.Options{Dir: filepath.Join(work, "host"), LogDir: logs, Sim: kubevirtsim.Options{
+	const nodeName = "node-0"
+	h, err := simhost.Start(ctx, simhost.Options{Dir: filepath.Join(work, "host"), LogDir: logs, Sim: kubevirtsim.Options{
 		Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0, Scale: 0.1,
-	}})
+	}, VMs: []string{nodeName}, Disks: true, HardUnplug: true, Harvester: true})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = h.Stop(context.Background()) })
-	const nodeName = "node-0"
-	if err := h.CreateVM(ctx, nodeName); err != nil {
-		t.Fatal(err)
-	}
 	// Verbosity 5: the sidecars log each CSI request they send.
 	g, err := labguest.Start(ctx, labguest.Options{Dir: filepath.Join(work, "guest"), SocketDir: sockets, LogDir: logs, Bin: bin,
 		DriverBinary: driverBin, Manifests: m, Host: h, NodeStatusUpdate: 2 * time.Second, Verbosity: 5})
