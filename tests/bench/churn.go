@@ -20,6 +20,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/percentile"
 )
 
 // ChurnConfig is the wave workload. Durations are simulated time: the
@@ -247,10 +249,7 @@ func percentiles(xs []float64) Percentiles {
 		return Percentiles{}
 	}
 	slices.Sort(xs)
-	at := func(p float64) float64 {
-		i := int(math.Ceil(p*float64(len(xs)))) - 1
-		return math.Round(xs[max(i, 0)]*10) / 10
-	}
+	at := func(p float64) float64 { return math.Round(percentile.Nearest(xs, p)*10) / 10 }
 	return Percentiles{P50: at(0.5), P95: at(0.95), P99: at(0.99), Max: at(1)}
 }
 
