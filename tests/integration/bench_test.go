@@ -55,7 +55,7 @@ func BenchmarkPublishBurst(b *testing.B) {
 								defer wg.Done()
 								var err error
 								if mode == "queued" {
-									err = newAttacher(func() csiClient { return ctrl.Client }).publish(ctx, vm, vol)
+									err = newAttacher(func() csiClient { return ctrl.Client }).Publish(ctx, publishReq(vm, vol))
 								} else {
 									err = baselineAttach(ctx, kv, h.Namespace, f.backend, vm, vol)
 								}

@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/csiattacher"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -51,7 +52,7 @@ func (s *suite) concurrentPublishes(t *testing.T) {
 	}
 	st := s.host.Sim.Stats()
 	t.Logf("%s: VM spec writes %d, status writes %d, addvolume %d, conflicts %d/%d, answers %v",
-		s.f.name, st.VMSpecWrites, st.VMStatusWrites, st.AddVolume, st.Conflicts, st.Unprocessable, a.seen)
+		s.f.name, st.VMSpecWrites, st.VMStatusWrites, st.AddVolume, st.Conflicts, st.Unprocessable, a.Answers())
 	if s.f.backend == host.BackendDeclarative && st.VMSpecWrites > 3 {
 		t.Errorf("20 publishes took %d VM spec writes, want at most 3", st.VMSpecWrites)
 	}
@@ -101,12 +102,12 @@ func (s *suite) storm(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	t.Logf("%s: answers %v", s.f.name, a.seen)
+	t.Logf("%s: answers %v", s.f.name, a.Answers())
 	if l := a.leaked(); len(l) > 0 {
 		t.Errorf("KubeVirt duplicate errors reached the caller: %q", l)
 	}
-	if n := a.seen[codes.FailedPrecondition]; n > 0 {
-		t.Errorf("%d FailedPrecondition answers for volumes that were never held elsewhere: %v", n, a.msgs)
+	if n := a.Answers()[codes.FailedPrecondition]; n > 0 {
+		t.Errorf("%d FailedPrecondition answers for volumes that were never held elsewhere: %v", n, a.Errors())
 	}
 }
 
@@ -359,7 +360,7 @@ func (s *suite) restartMidBatch(t *testing.T) {
 	s.ctrl.Stop()
 	for range vols {
 		// The cut-off calls must answer something retriable, never OK.
-		if err := <-first; final(status.Code(err)) {
+		if err := <-first; csiattacher.Final(err) {
 			t.Errorf("a publish cut off by the restart answered %v", err)
 		}
 	}
