@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -232,19 +233,17 @@ func startControllerProcess(b *testing.B, h *framework.Host, cfg ScaleConfig, lo
 	}
 	b.Cleanup(func() { conn.Close() })
 	// Wait until Probe says ready (informers synced), as the sidecars do.
-	deadline := time.Now().Add(time.Minute)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	up, cancelUp := context.WithTimeout(context.Background(), time.Minute)
+	defer cancelUp()
+	testwait.Until(up, b, "the controller process to come up (log: "+logPath+")", func() (bool, string) {
+		if cmd.ProcessState != nil {
+			b.Fatalf("controller process exited: %v (log: %s)", cmd.ProcessState, logPath)
+		}
+		ctx, cancel := context.WithTimeout(up, time.Second)
 		resp, err := csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{})
 		cancel()
-		if err == nil && resp.GetReady().GetValue() {
-			break
-		}
-		if cmd.ProcessState != nil || time.Now().After(deadline) {
-			b.Fatalf("controller process did not come up: %v (log: %s)", err, logPath)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return err == nil && resp.GetReady().GetValue(), fmt.Sprintf("probe: %v", err)
+	})
 	return &controllerProcess{cmd: cmd, metrics: "http://127.0.0.1:" + strconv.Itoa(port), client: csi.NewControllerClient(conn)}
 }
 

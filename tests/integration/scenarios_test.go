@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/csiattacher"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -221,12 +223,12 @@ func (s *suite) webhookDenied(t *testing.T) {
 	}
 	// Whatever the refused attach left (a queued request, a VMI that took the
 	// volume) is undone by the queue on its own.
-	for deadline := time.Now().Add(15 * time.Second); len(s.attachedTo(bad, vm)) > 0; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Errorf("denied volume still held by %v", s.attachedTo(bad, vm))
-			break
-		}
-	}
+	undone, cancelUndone := context.WithTimeout(ctx, 15*time.Second)
+	defer cancelUndone()
+	testwait.Until(undone, t, "the denied volume to leave the VM", func() (bool, string) {
+		on := s.attachedTo(bad, vm)
+		return len(on) == 0, fmt.Sprintf("held by %v", on)
+	})
 	for _, vol := range vols {
 		if vol != bad {
 			if err := a.unpublish(ctx, vm, vol); err != nil {
@@ -350,13 +352,12 @@ func (s *suite) restartMidBatch(t *testing.T) {
 		}()
 	}
 	// Kill the controller as soon as its first write is visible on the VM.
-	deadline := time.Now().Add(20 * time.Second)
-	for !s.anyWritten("rs-a", vols) {
-		if time.Now().After(deadline) {
-			t.Fatal("the controller never wrote")
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	// Every 2 ms: the kill must come while the batch is still in flight.
+	written, cancelWritten := context.WithTimeout(ctx, 20*time.Second)
+	defer cancelWritten()
+	testwait.UntilEvery(written, t, 2*time.Millisecond, "the controller's first write to rs-a", func() (bool, string) {
+		return s.anyWritten("rs-a", vols), "nothing written"
+	})
 	s.ctrl.Stop()
 	for range vols {
 		// The cut-off calls must answer something retriable, never OK.
