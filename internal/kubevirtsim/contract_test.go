@@ -17,6 +17,8 @@ import (
 	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 // The contract tests pin, per KubeVirt version, the behaviours the package
@@ -106,15 +108,17 @@ func describe(s *Sim, vmi *kubevirtv1.VirtualMachineInstance) string {
 // stuck entry must stay stuck while virt-handler keeps polling it.
 func waitPasses(t *testing.T, s *Sim, ns string, n int) {
 	t.Helper()
-	key := ns + "/vm1"
+	waitPassesOf(t, s, ns+"/vm1", n)
+}
+
+// waitPassesOf waits until virt-handler has looked at the VM key n more
+// times.
+func waitPassesOf(t *testing.T, s *Sim, key string, n int) {
+	t.Helper()
 	want := s.handler.pass(key) + n
-	deadline := time.Now().Add(30 * time.Second)
-	for s.handler.pass(key) < want {
-		if time.Now().After(deadline) {
-			t.Fatalf("virt-handler made %d of %d passes", s.handler.pass(key)-want+n, n)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	testwait.Until(testCtx(t, 30*time.Second), t, fmt.Sprintf("%d virt-handler passes over %s", n, key), func() (bool, string) {
+		return s.handler.pass(key) >= want, fmt.Sprintf("%d made", s.handler.pass(key)-want+n)
+	})
 }
 
 // runningPodHolding returns the running, not deleting attachment pod
@@ -348,12 +352,10 @@ func TestSetChangeResetsVolumesInFlight(t *testing.T) {
 					e.Reason == reasonPVCNotReady && e.Message == "PVC is in phase Bound"
 			})
 		}
-		for deadline := time.Now().Add(30 * time.Second); !reset(); time.Sleep(10 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				_, vmi := s.VM(ns, "vm1")
-				t.Fatalf("pvc-a was not reset from MountedToPod to Bound:\n%s", describe(s, vmi))
-			}
-		}
+		testwait.Until(testCtx(t, 30*time.Second), t, "pvc-a to be reset from MountedToPod to Bound", func() (bool, string) {
+			_, vmi := s.VM(ns, "vm1")
+			return reset(), describe(s, vmi)
+		})
 		s.Faults().SetAttachmentPodsStuck(ns, "vm1", false)
 		for _, c := range []string{"pvc-a", "pvc-b", "pvc-c"} {
 			ready(t, s, ns, "vm1", c, 60*time.Second)
@@ -625,9 +627,7 @@ func TestVMStopAndStart(t *testing.T) {
 		}); err != nil {
 			t.Fatal(err)
 		}
-		key := ns + "/vm2"
-		for p := s.handler.pass(key) + 5; s.handler.pass(key) < p; time.Sleep(10 * time.Millisecond) {
-		}
+		waitPassesOf(t, s, ns+"/vm2", 5)
 		if _, vmi := s.VM(ns, "vm2"); vmi.Status.Phase != want {
 			t.Errorf("VMI %s with its hotplug volume not mounted, want %s", vmi.Status.Phase, want)
 		}

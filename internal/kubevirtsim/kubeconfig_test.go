@@ -10,6 +10,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 // A process given the kubeconfig must act as the admin, not as
@@ -52,14 +54,10 @@ func TestWriteKubeconfigKeepsTheToken(t *testing.T) {
 	stopFront()
 	short, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	for {
-		_, err := kube.CoreV1().Namespaces().Get(short, ns, metav1.GetOptions{})
-		if err != nil {
-			break // the front is gone with its context
-		}
-		if short.Err() != nil {
-			t.Fatal("the TLS front still answers after its context ended")
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	testwait.Until(short, t, "the TLS front to stop answering once its context ended", func() (bool, string) {
+		// The parent context: an error must come from the front, not from
+		// the wait's own deadline.
+		_, err := kube.CoreV1().Namespaces().Get(ctx, ns, metav1.GetOptions{})
+		return err != nil, "it still answers"
+	})
 }

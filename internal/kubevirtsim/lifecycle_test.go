@@ -1,6 +1,7 @@
 package kubevirtsim
 
 import (
+	"fmt"
 	"slices"
 	"sync"
 	"testing"
@@ -15,6 +16,8 @@ import (
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 func TestInstall(t *testing.T) {
@@ -109,17 +112,10 @@ func TestProvisioner(t *testing.T) {
 	if err := s.c.kube.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, "data", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	for {
+	testwait.Until(ctx, t, "the claim's PV to be deleted", func() (bool, string) {
 		_, err := s.c.kube.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
-		if apierrors.IsNotFound(err) {
-			break
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatal("PV not deleted")
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+		return apierrors.IsNotFound(err), fmt.Sprint(err)
+	})
 }
 
 func TestBindClasslessPVCs(t *testing.T) {
@@ -136,17 +132,13 @@ func TestBindClasslessPVCs(t *testing.T) {
 	if _, err := s.c.kube.CoreV1().PersistentVolumeClaims(ns).Create(ctx, p, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	for {
+	testwait.Until(ctx, t, "the class-less PVC to be bound", func() (bool, string) {
 		got, err := s.c.kube.CoreV1().PersistentVolumeClaims(ns).Get(ctx, "none", metav1.GetOptions{})
-		if err == nil && got.Status.Phase == corev1.ClaimBound && got.Spec.VolumeName != "" {
-			break
+		if err != nil {
+			return false, err.Error()
 		}
-		select {
-		case <-ctx.Done():
-			t.Fatal("class-less PVC not bound")
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+		return got.Status.Phase == corev1.ClaimBound && got.Spec.VolumeName != "", fmt.Sprintf("%s, volume %q", got.Status.Phase, got.Spec.VolumeName)
+	})
 }
 
 // TestStartWithHotplugVolumes (behaviour 6): template hotplug volumes go
@@ -185,18 +177,12 @@ func TestStartWithHotplugVolumes(t *testing.T) {
 	}
 	ready(t, s, ns, "vm1", "pvc-a", 20*time.Second)
 	want := []string{"", "Scheduled/AttachedToNode", "Running/MountedToPod", "Running/Ready"}
-	for deadline := time.Now().Add(3 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	testwait.Until(testCtx(t, 3*time.Second), t, fmt.Sprintf("the phases %v", want), func() (bool, string) {
 		mu.Lock()
 		got := slices.Clone(phases)
 		mu.Unlock()
-		if slices.Equal(got, want) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Errorf("phases %v, want %v", got, want)
-			break
-		}
-	}
+		return slices.Equal(got, want), fmt.Sprintf("phases %v", got)
+	})
 	_, vmi := s.VM(ns, "vm1")
 	if vmi.Status.NodeName != "node-7" || len(vmi.Status.Interfaces) != 1 || vmi.Status.Interfaces[0].MAC == "" {
 		t.Errorf("VMI status %+v", vmi.Status)
@@ -262,17 +248,13 @@ func TestStopDeleteVM(t *testing.T) {
 	if err := s.Wait(ctx, ns, "vm1", func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool { return vmi == nil }); err != nil {
 		t.Fatal(err)
 	}
-	for {
-		pods, _ := s.c.kube.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-		if len(pods.Items) == 0 {
-			break
+	testwait.Until(ctx, t, "the attachment pods to go", func() (bool, string) {
+		pods, err := s.c.kube.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
 		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%d attachment pods left", len(pods.Items))
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+		return len(pods.Items) == 0, fmt.Sprintf("%d attachment pods left", len(pods.Items))
+	})
 	want := []string{"plug " + ns + "/vm1 pvc-a pvc-a", "unplug " + ns + "/vm1 pvc-a", "plug " + ns + "/vm1 pvc-a pvc-a", "unplug " + ns + "/vm1 pvc-a"}
 	if got := hook.get(); !slices.Equal(got, want) {
 		t.Errorf("hook calls %q, want %q", got, want)

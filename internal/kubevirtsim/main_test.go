@@ -25,6 +25,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 // One API server for the whole package; every test runs its own simulator
@@ -260,20 +261,11 @@ func recordPhases(s *Sim, ns, vm string) *phaseLog {
 // race and the retry finds the pod gone.
 func (l *phaseLog) waitFor(t *testing.T, volume string, want []string, d time.Duration) {
 	t.Helper()
-	deadline := time.Now().Add(d)
 	notDetaching := func(p string) bool { return p == string(kubevirtv1.HotplugVolumeDetaching) }
 	want = slices.DeleteFunc(slices.Clone(want), notDetaching)
-	for {
-		got := slices.DeleteFunc(l.get(volume), notDetaching)
-		if slices.Equal(got, want) {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Errorf("%s phases %v, want %v", volume, got, want)
-			return
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	testwait.For(t, fmt.Sprintf("%s phases %v", volume, want), d, func() bool {
+		return slices.Equal(slices.DeleteFunc(l.get(volume), notDetaching), want)
+	})
 }
 
 func (l *phaseLog) get(volume string) []string {

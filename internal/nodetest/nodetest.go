@@ -18,6 +18,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 // Main runs the package's tests with TMPDIR pointed at a fresh directory, so
@@ -57,26 +59,20 @@ const patience = 2 * time.Minute
 // mount gone), never for a fixed time.
 func Eventually(t testing.TB, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(patience)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", patience, what)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	testwait.For(t, what, patience, cond)
 }
 
 // waitNoLeaks polls: a loop device with autoclear is released by the kernel
 // only after its last user goes.
 func waitNoLeaks(root string, wait time.Duration) []string {
-	deadline := time.Now().Add(wait)
-	for {
-		leaks := Leaks(root)
-		if len(leaks) == 0 || time.Now().After(deadline) {
-			return leaks
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	var leaks []string
+	_ = testwait.Poll(ctx, "no leaks under "+root, func() (bool, string, error) {
+		leaks = Leaks(root)
+		return len(leaks) == 0, "", nil
+	})
+	return leaks
 }
 
 // Leaks lists mounts below root and loop devices backed by files below root.

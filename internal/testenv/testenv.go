@@ -28,6 +28,7 @@ import (
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 // Env is a running control plane. Stop it when done.
@@ -179,31 +180,25 @@ func WriteKubeconfig(path string, cfg *rest.Config, namespace string) error {
 
 func (e *Env) waitReady(ctx context.Context, host, token string) error {
 	client := &http.Client{Transport: &http.Transport{TLSClientConfig: insecureTLS()}, Timeout: 2 * time.Second}
-	deadline := time.Now().Add(90 * time.Second)
-	var last string
-	for time.Now().Before(deadline) {
+	ready, cancel := context.WithTimeout(ctx, 90*time.Second)
+	defer cancel()
+	err := testwait.Poll(ready, "kube-apiserver's /readyz", func() (bool, string, error) {
 		if err := e.exited(); err != nil {
-			return err
+			return false, "", err
 		}
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, host+"/readyz", nil)
+		req, _ := http.NewRequestWithContext(ready, http.MethodGet, host+"/readyz", nil)
 		req.Header.Set("Authorization", "Bearer "+token)
 		resp, err := client.Do(req)
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-			last = resp.Status
-		} else {
-			last = err.Error()
+		if err != nil {
+			return false, err.Error(), nil
 		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(200 * time.Millisecond):
-		}
+		resp.Body.Close()
+		return resp.StatusCode == http.StatusOK, resp.Status, nil
+	})
+	if err != nil {
+		return fmt.Errorf("%w; logs in %s", err, e.Dir)
 	}
-	return fmt.Errorf("kube-apiserver not ready after 90s (last: %s); logs in %s", last, e.Dir)
+	return nil
 }
 
 // Run starts one of the upstream binaries with its output in Dir/<name>.log;

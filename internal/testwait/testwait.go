@@ -5,6 +5,7 @@ package testwait
 
 import (
 	"context"
+	"fmt"
 	"testing"
 	"time"
 )
@@ -17,18 +18,19 @@ const interval = 20 * time.Millisecond
 // what it waited for and the last state cond described.
 func Until(ctx context.Context, tb testing.TB, what string, cond func() (bool, string)) {
 	tb.Helper()
-	var last string
-	for {
+	UntilEvery(ctx, tb, interval, what, cond)
+}
+
+// UntilEvery is Until looking every `every` instead of the shared interval,
+// for a state that lasts only a moment (a test that must act while a write is
+// in flight).
+func UntilEvery(ctx context.Context, tb testing.TB, every time.Duration, what string, cond func() (bool, string)) {
+	tb.Helper()
+	if err := PollEvery(ctx, every, what, func() (bool, string, error) {
 		ok, state := cond()
-		if ok {
-			return
-		}
-		last = state
-		select {
-		case <-ctx.Done():
-			tb.Fatalf("timed out waiting for %s: %s", what, last)
-		case <-time.After(interval):
-		}
+		return ok, state, nil
+	}); err != nil {
+		tb.Fatalf("%v", err)
 	}
 }
 
@@ -43,4 +45,32 @@ func For(tb testing.TB, what string, within time.Duration, cond func() bool) {
 // Bool adapts a condition without a state to report to Until.
 func Bool(cond func() bool) func() (bool, string) {
 	return func() (bool, string) { return cond(), "condition false" }
+}
+
+// Poll is Until for code without a testing.TB (TestMain, helpers that start
+// processes and return errors): it returns nil once cond holds, cond's error
+// at once when it gives one (the state can no longer come), and an error
+// naming what and the last state when ctx ends first.
+func Poll(ctx context.Context, what string, cond func() (bool, string, error)) error {
+	return PollEvery(ctx, interval, what, cond)
+}
+
+// PollEvery is Poll looking every `every`.
+func PollEvery(ctx context.Context, every time.Duration, what string, cond func() (bool, string, error)) error {
+	var last string
+	for {
+		ok, state, err := cond()
+		if err != nil {
+			return err
+		}
+		if ok {
+			return nil
+		}
+		last = state
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("timed out waiting for %s: %s (%w)", what, last, ctx.Err())
+		case <-time.After(every):
+		}
+	}
 }

@@ -2,6 +2,8 @@ package testwait
 
 import (
 	"context"
+	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -52,5 +54,29 @@ func TestUntilFailsWithTheLastStateWhenTheContextEnds(t *testing.T) {
 	})
 	if !r.failed.Load() {
 		t.Fatal("Until returned for a condition that never held")
+	}
+}
+
+func TestPollStopsAtTheConditionsError(t *testing.T) {
+	gone := errors.New("the process exited")
+	calls := 0
+	err := Poll(context.Background(), "a process that exited", func() (bool, string, error) {
+		calls++
+		if calls == 2 {
+			return false, "", gone
+		}
+		return false, "starting", nil
+	})
+	if !errors.Is(err, gone) || calls != 2 {
+		t.Fatalf("Poll = %v after %d calls, want the condition's error at the second", err, calls)
+	}
+}
+
+func TestPollNamesTheLastStateWhenTheContextEnds(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	err := PollEvery(ctx, time.Millisecond, "readiness", func() (bool, string, error) { return false, "503", nil })
+	if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "readiness: 503") {
+		t.Fatalf("Poll = %v, want the context's error naming what and the last state", err)
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/validation"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
@@ -197,14 +198,12 @@ func serveTest(t *testing.T, d *Driver) *grpc.ClientConn {
 	done := make(chan error, 1)
 	go func() { done <- d.Serve(ctx, endpoint) }()
 	t.Cleanup(func() { cancel(); <-done })
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-		if _, err := os.Stat(dir + "/csi.sock"); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the driver never listened")
-		}
-	}
+	listening, cancelListening := context.WithTimeout(ctx, 10*time.Second)
+	defer cancelListening()
+	testwait.Until(listening, t, "the driver to listen", func() (bool, string) {
+		_, err := os.Stat(dir + "/csi.sock")
+		return err == nil, fmt.Sprint(err)
+	})
 	conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithDefaultCallOptions(grpc.WaitForReady(true)))
 	if err != nil {
 		t.Fatal(err)

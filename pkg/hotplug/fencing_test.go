@@ -142,11 +142,13 @@ func TestUnobservedWriteFencesTheVolume(t *testing.T) {
 
 	attached := make(chan error, 1)
 	go func() { attached <- q.Attach(ctx, "vm1", "pvc-a", true) }()
-	for deadline := time.Now().Add(5 * time.Second); !slices.Contains(f.specHolders("pvc-a"), "vm1"); time.Sleep(time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the attach to vm1 was never written")
-		}
-	}
+	// Every millisecond: the detach must come before the informers show
+	// the write.
+	written, cancelWritten := context.WithTimeout(ctx, 5*time.Second)
+	defer cancelWritten()
+	testwait.UntilEvery(written, t, time.Millisecond, "the attach to vm1 to be written", func() (bool, string) {
+		return slices.Contains(f.specHolders("pvc-a"), "vm1"), fmt.Sprintf("spec holders %v", f.specHolders("pvc-a"))
+	})
 	detached := make(chan error, 1)
 	go func() { detached <- q.Detach(ctx, "vm1", "pvc-a") }()
 	waitIntent(t, q, "vm1", "pvc-a", Detach)
@@ -247,20 +249,18 @@ func TestDeadlineAnswerNamesTheLastFailure(t *testing.T) {
 
 func waitIntent(t *testing.T, q *Queue, vm, volume string, op Op) {
 	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	// Every millisecond: the test acts while the intent is pending.
+	testwait.UntilEvery(ctx, t, time.Millisecond, fmt.Sprintf("a %s intent for %s on %s", op, volume, vm), func() (bool, string) {
 		q.mu.Lock()
-		var got *intent
-		if w := q.work[q.key(vm)]; w != nil {
-			got = w.intents[volume]
+		defer q.mu.Unlock()
+		if w := q.work[q.key(vm)]; w != nil && w.intents[volume] != nil {
+			got := w.intents[volume].op
+			return got == op, fmt.Sprintf("a %s intent", got)
 		}
-		q.mu.Unlock()
-		if got != nil && got.op == op {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no %s intent for %s on %s after 5s", op, volume, vm)
-		}
-	}
+		return false, "no intent"
+	})
 }
 
 // A caller whose deadline comes while KubeVirt is still at work learns what
@@ -322,16 +322,16 @@ func TestStateSaysWhatEachIntentWaitsFor(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	go func() { _ = q.Attach(ctx, "vm1", "pvc-a", true) }()
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+	failing, cancelFailing := context.WithTimeout(ctx, 5*time.Second)
+	defer cancelFailing()
+	testwait.Until(failing, t, "the state to show the failing attach", func() (bool, string) {
 		st := q.State()
 		if len(st) == 1 && strings.Contains(st[0].LastError, "connection refused") && len(st[0].Intents) == 1 {
 			if st[0].VM != "vm1" || st[0].Intents[0].Volume != "pvc-a" || st[0].Intents[0].Op != Attach || st[0].FailingSince.IsZero() {
 				t.Fatalf("state %+v", st)
 			}
-			return
+			return true, ""
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("state never showed the failing attach: %+v", st)
-		}
-	}
+		return false, fmt.Sprintf("%+v", st)
+	})
 }

@@ -2,12 +2,15 @@ package hotplug
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 // gatedReader lists the VMs it holds at the moment of the call; the first
@@ -81,19 +84,12 @@ func TestLiveReadsAreSharedButNeverOlderThanTheAsk(t *testing.T) {
 			answers <- r
 		}()
 	}
-	for {
+	testwait.UntilEvery(ctx, t, time.Millisecond, fmt.Sprintf("%d workers waiting for the next read", later), func() (bool, string) {
 		l.mu.Lock()
 		n := l.joined
 		l.mu.Unlock()
-		if n == later {
-			break
-		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("%d of %d workers waiting for the next read", n, later)
-		case <-time.After(time.Millisecond):
-		}
-	}
+		return n == later, fmt.Sprintf("%d waiting", n)
+	})
 	close(g.release)
 
 	if r := <-first; len(r.vms) != 1 {

@@ -22,6 +22,8 @@ import (
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt/fake"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 const ns = "ns"
@@ -296,20 +298,18 @@ func startQueue(t *testing.T, f *fakeKubeVirt, cfg Config) (*Queue, *prometheus.
 // they are pending instead of guessing how long the caller takes to get there.
 func waitPending(t *testing.T, q *Queue, vm string, n int) {
 	t.Helper()
-	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	// Every millisecond: the test acts within the batch window (50 ms).
+	testwait.UntilEvery(ctx, t, time.Millisecond, fmt.Sprintf("%d intents pending on %s", n, vm), func() (bool, string) {
 		q.mu.Lock()
 		got := 0
 		if w := q.work[q.key(vm)]; w != nil {
 			got = len(w.intents)
 		}
 		q.mu.Unlock()
-		if got >= n {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d intents pending on %s after 5s, want %d", got, vm, n)
-		}
-	}
+		return got >= n, fmt.Sprintf("%d pending", got)
+	})
 }
 
 func fastConfig() Config {

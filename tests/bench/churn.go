@@ -6,8 +6,6 @@ package bench
 import (
 	"context"
 	"encoding/json"
-	"fmt"
-	"maps"
 	"math"
 	"math/rand/v2"
 	"os"
@@ -18,8 +16,9 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/csiattacher"
+	"github.com/harvester-csi/harvester-csi-driver/internal/percentile"
 )
 
 // ChurnConfig is the wave workload. Durations are simulated time: the
@@ -182,10 +181,7 @@ func RunChurn(ctx context.Context, h Host, cfg ChurnConfig, vms, vols []string) 
 				}
 				o.start = time.Now()
 				opCtx, opCancel := context.WithDeadline(runCtx, o.start.Add(sim(cfg.Deadline)))
-				o.publishErr = att.do(opCtx, func(c context.Context, cl csi.ControllerClient) error {
-					_, err := cl.ControllerPublishVolume(c, publishReq(o.vm, o.vol))
-					return err
-				})
+				o.publishErr = att.Publish(opCtx, publishReq(o.vm, o.vol))
 				o.published, o.publishOK = time.Now(), o.publishErr == nil
 				opCancel()
 				if !sleepUntil(runCtx, time.Now().Add(sim(o.hold))) {
@@ -193,10 +189,7 @@ func RunChurn(ctx context.Context, h Host, cfg ChurnConfig, vms, vols []string) 
 				}
 				o.unpublishAsked = time.Now()
 				opCtx, opCancel = context.WithDeadline(runCtx, o.unpublishAsked.Add(sim(cfg.Deadline)))
-				o.unpubErr = att.do(opCtx, func(c context.Context, cl csi.ControllerClient) error {
-					_, err := cl.ControllerUnpublishVolume(c, &csi.ControllerUnpublishVolumeRequest{VolumeId: o.vol, NodeId: o.vm})
-					return err
-				})
+				o.unpubErr = att.Unpublish(opCtx, o.vm, o.vol)
 				o.unpublished, o.unpublishOK = time.Now(), o.unpubErr == nil
 				opCancel()
 			}
@@ -206,7 +199,7 @@ func RunChurn(ctx context.Context, h Host, cfg ChurnConfig, vms, vols []string) 
 	wall := time.Since(start)
 
 	res := ChurnResult{Config: cfg, WallSeconds: wall.Seconds(), SimulatedSeconds: wall.Seconds() / cfg.Scale,
-		OperationFigures: OperationFigures{Operations: cfg.Volumes * cfg.Waves, Answers: att.answers()}}
+		OperationFigures: OperationFigures{Operations: cfg.Volumes * cfg.Waves, Answers: answers(att)}}
 	var pubs, unpubs []float64
 	for v := range plan {
 		for _, o := range plan[v] {
@@ -247,10 +240,7 @@ func percentiles(xs []float64) Percentiles {
 		return Percentiles{}
 	}
 	slices.Sort(xs)
-	at := func(p float64) float64 {
-		i := int(math.Ceil(p*float64(len(xs)))) - 1
-		return math.Round(xs[max(i, 0)]*10) / 10
-	}
+	at := func(p float64) float64 { return math.Round(percentile.Nearest(xs, p)*10) / 10 }
 	return Percentiles{P50: at(0.5), P95: at(0.95), P99: at(0.99), Max: at(1)}
 }
 
@@ -270,56 +260,19 @@ func publishReq(vm, vol string) *csi.ControllerPublishVolumeRequest {
 	}}
 }
 
-// attacher models the external-attacher's processing: a fixed number of
-// workers, each making one call at a time with the call timeout; a call that
-// fails with a non-final answer is retried with per-item exponential backoff,
-// and the worker is free in between.
-type attacher struct {
-	h     Host
-	cfg   ChurnConfig
-	slots chan struct{}
-	mu    sync.Mutex
-	seen  map[string]int
+// newAttacher is the external-attacher with cfg's flags, its durations
+// scaled as the simulator's: it retries every answer but OK
+// (internal/csiattacher).
+func newAttacher(h Host, cfg ChurnConfig) *csiattacher.Attacher {
+	return csiattacher.New(csiattacher.Config{Workers: cfg.Workers, Timeout: cfg.CallTimeout, RetryStart: cfg.RetryStart,
+		RetryMax: cfg.RetryMax}.Scaled(cfg.Scale), h.Controller)
 }
 
-func newAttacher(h Host, cfg ChurnConfig) *attacher {
-	return &attacher{h: h, cfg: cfg, slots: make(chan struct{}, cfg.Workers), seen: map[string]int{}}
-}
-
-func (a *attacher) answers() map[string]int {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return maps.Clone(a.seen)
-}
-
-// do retries call until it answers OK or ctx ends.
-func (a *attacher) do(ctx context.Context, call func(context.Context, csi.ControllerClient) error) error {
-	backoff := time.Duration(float64(a.cfg.RetryStart) * a.cfg.Scale)
-	retryMax := time.Duration(float64(a.cfg.RetryMax) * a.cfg.Scale)
-	for {
-		select { // wait for a free worker
-		case a.slots <- struct{}{}:
-		case <-ctx.Done():
-			return ctx.Err()
-		}
-		cctx, cancel := context.WithTimeout(ctx, time.Duration(float64(a.cfg.CallTimeout)*a.cfg.Scale))
-		err := call(cctx, a.h.Controller())
-		cancel()
-		<-a.slots
-		code := status.Code(err)
-		a.mu.Lock()
-		a.seen[code.String()]++
-		a.mu.Unlock()
-		if code == codes.OK {
-			return nil
-		}
-		// The external-attacher retries every error (it records it on the
-		// VolumeAttachment and requeues the item with backoff).
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%w (last answer: %v)", ctx.Err(), err)
-		case <-time.After(backoff):
-		}
-		backoff = min(2*backoff, retryMax)
+// answers counts att's answers by the code's name, as the results store them.
+func answers(att *csiattacher.Attacher) map[string]int {
+	out := map[string]int{}
+	for c, n := range att.Answers() {
+		out[c.String()] = n
 	}
+	return out
 }

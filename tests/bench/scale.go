@@ -6,8 +6,6 @@ import (
 	"math/rand/v2"
 	"sync"
 	"time"
-
-	"github.com/container-storage-interface/spec/lib/go/csi"
 )
 
 // ScaleConfig is the scale workload: Volumes volumes attached over VMs VMs,
@@ -138,10 +136,7 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 			defer wg.Done()
 			c, cancel := context.WithDeadline(ctx, initialDeadline)
 			defer cancel()
-			err := att.do(c, func(c context.Context, cl csi.ControllerClient) error {
-				_, err := cl.ControllerPublishVolume(c, publishReq(vm, v))
-				return err
-			})
+			err := att.Publish(c, publishReq(vm, v))
 			mu.Lock()
 			defer mu.Unlock()
 			if err != nil {
@@ -180,10 +175,7 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 		o.counted = !time.Now().Before(steadyAt)
 		o.unpubAsked = time.Now()
 		c, cc := context.WithDeadline(ctx, o.unpubAsked.Add(sim(cfg.Deadline)))
-		err := att.do(c, func(c context.Context, cl csi.ControllerClient) error {
-			_, err := cl.ControllerUnpublishVolume(c, &csi.ControllerUnpublishVolumeRequest{VolumeId: o.vol, NodeId: o.from})
-			return err
-		})
+		err := att.Unpublish(c, o.from, o.vol)
 		cc()
 		o.unpubEnd, o.unpubOK = time.Now(), err == nil
 		if !o.unpubOK {
@@ -191,10 +183,7 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 		}
 		o.pubAsked = time.Now()
 		c, cc = context.WithDeadline(ctx, o.pubAsked.Add(sim(cfg.Deadline)))
-		err = att.do(c, func(c context.Context, cl csi.ControllerClient) error {
-			_, err := cl.ControllerPublishVolume(c, publishReq(o.to, o.vol))
-			return err
-		})
+		err = att.Publish(c, publishReq(o.to, o.vol))
 		cc()
 		o.pubEnd, o.pubOK = time.Now(), err == nil
 		if o.pubOK {
@@ -278,7 +267,7 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 	opsWG.Wait()
 	res.WallSeconds = time.Since(start).Seconds()
 	res.SimulatedSeconds = res.WallSeconds / cfg.Scale
-	res.Answers = att.answers()
+	res.Answers = answers(att)
 
 	var pubs, unpubs []float64
 	for _, o := range ops {

@@ -20,6 +20,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -205,19 +206,17 @@ func startControllerProcess(b *testing.B, h *framework.Host, cfg ScaleConfig, lo
 	}
 	b.Cleanup(func() { conn.Close() })
 	// Wait until Probe says ready (informers synced), as the sidecars do.
-	deadline := time.Now().Add(time.Minute)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	up, cancelUp := context.WithTimeout(context.Background(), time.Minute)
+	defer cancelUp()
+	testwait.Until(up, b, "the controller process to come up (log: "+logPath+")", func() (bool, string) {
+		if exited, err := p.Exited(); exited {
+			b.Fatalf("controller process exited: %v (log: %s)", err, logPath)
+		}
+		ctx, cancel := context.WithTimeout(up, time.Second)
 		resp, err := csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{})
 		cancel()
-		if err == nil && resp.GetReady().GetValue() {
-			break
-		}
-		if exited, _ := p.Exited(); exited || time.Now().After(deadline) {
-			b.Fatalf("controller process did not come up: %v (log: %s)", err, logPath)
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+		return err == nil && resp.GetReady().GetValue(), fmt.Sprintf("probe: %v", err)
+	})
 	return &controllerProcess{proc: p, metrics: "http://127.0.0.1:" + strconv.Itoa(port), client: csi.NewControllerClient(conn)}
 }
 

@@ -239,9 +239,6 @@ func TestDocsNameRealMetrics(t *testing.T) {
 // exactly the flags the driver's --help lists.
 func TestDocsFlagsMatchTheBinary(t *testing.T) {
 	help := driverHelp(t)
-	if help == "" {
-		t.Skip("no driver binary")
-	}
 	var inHelp []string
 	for _, m := range regexp.MustCompile(`(?m)^\s+--([a-z][a-z0-9-]*)`).FindAllStringSubmatch(help, -1) {
 		inHelp = append(inHelp, m[1])

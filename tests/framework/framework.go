@@ -6,6 +6,7 @@ package framework
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"sync"
@@ -22,6 +23,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
@@ -169,19 +171,14 @@ func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controlle
 	c.Conn, c.Client = conn, csi.NewControllerClient(conn)
 	// Wait until the socket answers and Probe says ready (informers synced),
 	// as the sidecars do.
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		probeCtx, pc := context.WithTimeout(ctx, time.Second)
+	up, cancelUp := context.WithTimeout(ctx, 30*time.Second)
+	defer cancelUp()
+	testwait.Until(up, tb, "the controller to come up", func() (bool, string) {
+		probeCtx, pc := context.WithTimeout(up, time.Second)
 		resp, err := csi.NewIdentityClient(conn).Probe(probeCtx, &csi.ProbeRequest{})
 		pc()
-		if err == nil && resp.GetReady().GetValue() {
-			break
-		}
-		if time.Now().After(deadline) {
-			tb.Fatalf("controller did not come up: %v (ready: %v)", err, ctrl.Ready())
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+		return err == nil && resp.GetReady().GetValue(), fmt.Sprintf("probe: %v (ready: %v)", err, ctrl.Ready())
+	})
 	c.Queue = ctrl.Queue()
 	tb.Cleanup(c.Stop)
 	return c
@@ -191,9 +188,11 @@ func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controlle
 // depth gauge as an operator would, so a test can act while they are pending.
 func (c *Controller) WaitQueued(tb testing.TB, vm string, n int) {
 	tb.Helper()
-	got := 0.0
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-		got = 0
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	// Every 5 ms: the test acts while the intents wait in their batch window.
+	testwait.UntilEvery(ctx, tb, 5*time.Millisecond, fmt.Sprintf("%d intents queued on %s", n, vm), func() (bool, string) {
+		got := 0.0
 		families, err := c.Metrics.Gather()
 		if err != nil {
 			tb.Fatal(err)
@@ -210,11 +209,8 @@ func (c *Controller) WaitQueued(tb testing.TB, vm string, n int) {
 				}
 			}
 		}
-		if got >= float64(n) {
-			return
-		}
-	}
-	tb.Fatalf("%v intents queued on %s after 10s, want %d", got, vm, n)
+		return got >= float64(n), fmt.Sprintf("%v queued", got)
+	})
 }
 
 // Stop ends the controller as a crash or a rolling update would: in-flight

@@ -137,19 +137,15 @@ func (s *backupSuite) createVolume(ctx context.Context, t *testing.T, name strin
 // provisioner and snapshotter do, and returns the last answer.
 func untilFinal(ctx context.Context, t *testing.T, call func(ctx context.Context) error) (seen []codes.Code, err error) {
 	t.Helper()
-	for {
+	if perr := testwait.Poll(ctx, "a final answer", func() (bool, string, error) {
 		err = call(ctx)
 		code := status.Code(err)
 		seen = append(seen, code)
-		if code != codes.Unavailable && code != codes.Aborted && code != codes.DeadlineExceeded {
-			return seen, err
-		}
-		select {
-		case <-ctx.Done():
-			return seen, errors.Join(err, ctx.Err())
-		case <-time.After(50 * time.Millisecond):
-		}
+		return code != codes.Unavailable && code != codes.Aborted && code != codes.DeadlineExceeded, fmt.Sprint(err), nil
+	}); perr != nil {
+		return seen, errors.Join(err, perr)
 	}
+	return seen, err
 }
 
 // backupReady calls CreateSnapshot as the snapshotter does until the answer

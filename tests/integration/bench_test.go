@@ -17,6 +17,7 @@ import (
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -55,7 +56,7 @@ func BenchmarkPublishBurst(b *testing.B) {
 								defer wg.Done()
 								var err error
 								if mode == "queued" {
-									err = newAttacher(func() csiClient { return ctrl.Client }).publish(ctx, vm, vol)
+									err = newAttacher(func() csiClient { return ctrl.Client }).Publish(ctx, publishReq(vm, vol))
 								} else {
 									err = baselineAttach(ctx, kv, h.Namespace, f.backend, vm, vol)
 								}
@@ -124,17 +125,12 @@ func baselineAttach(ctx context.Context, kv kubevirt.Interface, ns, backend, vm,
 		case <-time.After(time.Duration(10+rand.IntN(40)) * time.Millisecond):
 		}
 	}
-	for {
+	return testwait.Poll(ctx, vol+" Ready on "+vm, func() (bool, string, error) {
 		vmi, err := kv.KubevirtV1().VirtualMachineInstances(ns).Get(ctx, vm, metav1.GetOptions{})
-		if err == nil {
-			if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); ok && e.Phase == kubevirtv1.VolumeReady && e.Target != "" {
-				return nil
-			}
+		if err != nil {
+			return false, err.Error(), nil
 		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("not Ready: %w", ctx.Err())
-		case <-time.After(50 * time.Millisecond):
-		}
-	}
+		e, ok := kubevirtsim.FindVolumeStatus(vmi, vol)
+		return ok && e.Phase == kubevirtv1.VolumeReady && e.Target != "", fmt.Sprintf("%+v", e), nil
+	})
 }

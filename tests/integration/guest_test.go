@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -220,11 +221,12 @@ func (s *guestSuite) cleanupNotGuarded(t *testing.T) {
 	if err := a.publish(ctx, vm, bad); status.Code(err) != codes.FailedPrecondition {
 		t.Fatalf("publish of a denied volume = %v, want FailedPrecondition", err)
 	}
-	for deadline := time.Now().Add(30 * time.Second); len(s.attachedTo(bad, vm)) > 0 || s.anyWritten(vm, []string{bad}); time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("the refused attach is still on the VM: %v", s.attachedTo(bad, vm))
-		}
-	}
+	undone, cancelUndone := context.WithTimeout(ctx, 30*time.Second)
+	defer cancelUndone()
+	testwait.Until(undone, t, "the refused attach to leave the VM", func() (bool, string) {
+		on := s.attachedTo(bad, vm)
+		return len(on) == 0 && !s.anyWritten(vm, []string{bad}), fmt.Sprintf("on %v", on)
+	})
 	if err := s.unpublishOnce(ctx, vm, bad); err != nil {
 		t.Errorf("unpublish of a volume the VM does not hold, while the guest lists it: %v", err)
 	}
@@ -308,20 +310,16 @@ func (s *guestSuite) getVolume(t *testing.T) {
 // host asynchronously.
 func (s *guestSuite) waitCondition(t *testing.T, get func(string) (*csi.ControllerGetVolumeResponse, error), vol string, want []string) {
 	t.Helper()
-	var last string
-	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	testwait.Until(ctx, t, fmt.Sprintf("%s's condition to be abnormal naming %v", vol, want), func() (bool, string) {
 		resp, err := get(vol)
 		if err != nil {
-			last = err.Error()
-			continue
+			return false, err.Error()
 		}
 		cond := resp.GetStatus().GetVolumeCondition()
-		last = cond.GetMessage()
-		if cond.GetAbnormal() && !slices.ContainsFunc(want, func(w string) bool { return !strings.Contains(cond.GetMessage(), w) }) {
-			return
-		}
-	}
-	t.Fatalf("%s: condition never abnormal naming %v; last %q", vol, want, last)
+		return cond.GetAbnormal() && !slices.ContainsFunc(want, func(w string) bool { return !strings.Contains(cond.GetMessage(), w) }), cond.GetMessage()
+	})
 }
 
 // forced: with a short --detach-guard-timeout, an unplug the guest keeps
@@ -471,21 +469,16 @@ func (s *guestSuite) forced(t *testing.T) {
 
 	start := time.Now()
 	var codesSeen []codes.Code
-	for {
+	// Every 100 ms, as a patient caller: each refusal is a call the guard
+	// answers, and the test is about the first one and the forced one.
+	testwait.UntilEvery(ctx, t, 100*time.Millisecond, "the unpublish to be forced", func() (bool, string) {
 		err := s.unpublishOnce(ctx, vm, vol)
 		codesSeen = append(codesSeen, status.Code(err))
-		if err == nil {
-			break
-		}
-		if status.Code(err) != codes.Aborted {
+		if err != nil && status.Code(err) != codes.Aborted {
 			t.Fatalf("unpublish = %v, want Aborted until the timeout", err)
 		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("never forced; answers %v", codesSeen)
-		case <-time.After(100 * time.Millisecond):
-		}
-	}
+		return err == nil, fmt.Sprintf("answers %v", codesSeen)
+	})
 	if codesSeen[0] != codes.Aborted {
 		t.Errorf("the first unpublish was not refused: %v", codesSeen)
 	}

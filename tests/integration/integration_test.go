@@ -6,19 +6,16 @@ package integration
 
 import (
 	"context"
-	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/csiattacher"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
@@ -124,65 +121,32 @@ func TestController(t *testing.T) {
 
 type csiClient = csi.ControllerClient
 
-// attacher mimics the external-attacher: one call at a time per volume, each
-// with its own timeout, retried with backoff while the answer is non-final.
-type attacher struct {
-	ctrl    func() csi.ControllerClient
-	timeout time.Duration
-	mu      sync.Mutex
-	seen    map[codes.Code]int
-	msgs    []string
-}
+// attacher drives the driver by the external-attacher's rules
+// (internal/csiattacher) and returns the first answer the attacher takes as
+// final, the one a VolumeAttachment's status.attachError would show: the
+// tests assert on it, so a refusal the driver should not give fails them
+// instead of being retried away. The call timeout is longer than the
+// attacher's 15 s at this scale (0.75 s) and the backoff shorter than its
+// 5 min (15 s), so that a shared CI machine's pauses neither time calls out
+// nor stretch the tests.
+type attacher struct{ *csiattacher.Attacher }
 
 func newAttacher(ctrl func() csi.ControllerClient) *attacher {
-	return &attacher{ctrl: ctrl, timeout: 3 * time.Second, seen: map[codes.Code]int{}}
+	cfg := csiattacher.Defaults().Scaled(scale)
+	cfg.Workers, cfg.Timeout, cfg.RetryMax = 0, 3*time.Second, time.Second
+	return &attacher{csiattacher.New(cfg, ctrl)}
 }
 
-func final(c codes.Code) bool {
-	switch c {
-	case codes.OK, codes.InvalidArgument, codes.NotFound, codes.FailedPrecondition, codes.AlreadyExists, codes.PermissionDenied:
-		return true
-	}
-	return false
-}
-
-func (a *attacher) do(ctx context.Context, call func(ctx context.Context, c csi.ControllerClient) error) error {
-	backoff := 50 * time.Millisecond
-	for {
-		cctx, cancel := context.WithTimeout(ctx, a.timeout)
-		err := call(cctx, a.ctrl())
-		cancel()
-		code := status.Code(err)
-		a.mu.Lock()
-		a.seen[code]++
-		if err != nil {
-			a.msgs = append(a.msgs, err.Error())
-		}
-		a.mu.Unlock()
-		if final(code) {
-			return err
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("gave up after %v: %w", err, ctx.Err())
-		case <-time.After(backoff):
-		}
-		backoff = min(2*backoff, time.Second)
-	}
+func (a *attacher) do(ctx context.Context, call csiattacher.Call) error {
+	return a.DoUntil(ctx, call, csiattacher.Final)
 }
 
 func (a *attacher) publish(ctx context.Context, vm, vol string) error {
-	return a.do(ctx, func(ctx context.Context, c csi.ControllerClient) error {
-		_, err := c.ControllerPublishVolume(ctx, publishReq(vm, vol))
-		return err
-	})
+	return a.do(ctx, csiattacher.PublishCall(publishReq(vm, vol)))
 }
 
 func (a *attacher) unpublish(ctx context.Context, vm, vol string) error {
-	return a.do(ctx, func(ctx context.Context, c csi.ControllerClient) error {
-		_, err := c.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: vol, NodeId: vm})
-		return err
-	})
+	return a.do(ctx, csiattacher.UnpublishCall(vm, vol))
 }
 
 func publishReq(vm, vol string) *csi.ControllerPublishVolumeRequest {
@@ -195,10 +159,8 @@ func publishReq(vm, vol string) *csi.ControllerPublishVolumeRequest {
 // leaked reports answers that must never reach the caller: KubeVirt's
 // duplicate-request errors are the queue's business.
 func (a *attacher) leaked() []string {
-	a.mu.Lock()
-	defer a.mu.Unlock()
 	var out []string
-	for _, m := range a.msgs {
+	for _, m := range a.Errors() {
 		if strings.Contains(m, "already exists") || strings.Contains(m, "does not exist") || strings.Contains(m, "still being processed") {
 			out = append(out, m)
 		}

@@ -114,11 +114,12 @@ func TestNodeMonitor(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitNode(ctx, t, g, node2, "tainted out of service by "+next, hasOutOfServiceTaint)
-	for deadline := time.Now().Add(time.Minute); len(s.attachedTo(vols[2], vm2)) > 0; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s still on %v", vols[2], s.attachedTo(vols[2], vm2))
-		}
-	}
+	gone, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	testwait.Until(gone, t, vols[2]+" to leave "+vm2, func() (bool, string) {
+		on := s.attachedTo(vols[2], vm2)
+		return len(on) == 0, fmt.Sprintf("on %v", on)
+	})
 }
 
 func hasOutOfServiceTaint(n *corev1.Node) bool { return guest.OutOfService(n) }

@@ -455,15 +455,12 @@ func (s *rwxSuite) lifecycle(t *testing.T) {
 // volume is used (or not), as the attacher's retries would.
 func (s *rwxSuite) waitUsers(t *testing.T, vol string, used bool) {
 	t.Helper()
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		users, err := s.ctrl.Driver.ClaimUsers(context.Background(), vol)
-		if err == nil && (len(users) > 0) == used {
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("guest pod cache: users %v, err %v; want used=%t", users, err, used)
-		}
-	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	testwait.Until(ctx, t, fmt.Sprintf("the guest pod cache to say used=%t", used), func() (bool, string) {
+		users, err := s.ctrl.Driver.ClaimUsers(ctx, vol)
+		return err == nil && (len(users) > 0) == used, fmt.Sprintf("users %v, err %v", users, err)
+	})
 }
 
 func (s *rwxSuite) badInput(t *testing.T) {
@@ -514,11 +511,11 @@ func (s *rwxSuite) badInput(t *testing.T) {
 	if err != nil || v.GetConfirmed() != nil || !strings.Contains(v.GetMessage(), id) {
 		t.Errorf("validate RWX on a block volume: %v, %v; want unconfirmed with a message naming it", v, err)
 	}
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+	bound, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	testwait.Until(bound, t, "the block volume's claim to be bound", func() (bool, string) {
 		_, err = s.ctrl.Client.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "vm-a", VolumeCapability: rwxMount})
-		if status.Code(err) != codes.Aborted || time.Now().After(deadline) { // Aborted: not bound yet
-			break
-		}
-	}
+		return status.Code(err) != codes.Aborted, fmt.Sprint(err) // Aborted: not bound yet
+	})
 	expect("RWX publish of a block volume", err, codes.FailedPrecondition, id)
 }

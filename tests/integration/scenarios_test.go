@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"sync"
 	"testing"
@@ -13,6 +14,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/csiattacher"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -51,7 +54,7 @@ func (s *suite) concurrentPublishes(t *testing.T) {
 	}
 	st := s.host.Sim.Stats()
 	t.Logf("%s: VM spec writes %d, status writes %d, addvolume %d, conflicts %d/%d, answers %v",
-		s.f.name, st.VMSpecWrites, st.VMStatusWrites, st.AddVolume, st.Conflicts, st.Unprocessable, a.seen)
+		s.f.name, st.VMSpecWrites, st.VMStatusWrites, st.AddVolume, st.Conflicts, st.Unprocessable, a.Answers())
 	if s.f.backend == host.BackendDeclarative && st.VMSpecWrites > 3 {
 		t.Errorf("20 publishes took %d VM spec writes, want at most 3", st.VMSpecWrites)
 	}
@@ -101,12 +104,12 @@ func (s *suite) storm(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	t.Logf("%s: answers %v", s.f.name, a.seen)
+	t.Logf("%s: answers %v", s.f.name, a.Answers())
 	if l := a.leaked(); len(l) > 0 {
 		t.Errorf("KubeVirt duplicate errors reached the caller: %q", l)
 	}
-	if n := a.seen[codes.FailedPrecondition]; n > 0 {
-		t.Errorf("%d FailedPrecondition answers for volumes that were never held elsewhere: %v", n, a.msgs)
+	if n := a.Answers()[codes.FailedPrecondition]; n > 0 {
+		t.Errorf("%d FailedPrecondition answers for volumes that were never held elsewhere: %v", n, a.Errors())
 	}
 }
 
@@ -220,12 +223,12 @@ func (s *suite) webhookDenied(t *testing.T) {
 	}
 	// Whatever the refused attach left (a queued request, a VMI that took the
 	// volume) is undone by the queue on its own.
-	for deadline := time.Now().Add(15 * time.Second); len(s.attachedTo(bad, vm)) > 0; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Errorf("denied volume still held by %v", s.attachedTo(bad, vm))
-			break
-		}
-	}
+	undone, cancelUndone := context.WithTimeout(ctx, 15*time.Second)
+	defer cancelUndone()
+	testwait.Until(undone, t, "the denied volume to leave the VM", func() (bool, string) {
+		on := s.attachedTo(bad, vm)
+		return len(on) == 0, fmt.Sprintf("held by %v", on)
+	})
 	for _, vol := range vols {
 		if vol != bad {
 			if err := a.unpublish(ctx, vm, vol); err != nil {
@@ -349,17 +352,16 @@ func (s *suite) restartMidBatch(t *testing.T) {
 		}()
 	}
 	// Kill the controller as soon as its first write is visible on the VM.
-	deadline := time.Now().Add(20 * time.Second)
-	for !s.anyWritten("rs-a", vols) {
-		if time.Now().After(deadline) {
-			t.Fatal("the controller never wrote")
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	// Every 2 ms: the kill must come while the batch is still in flight.
+	written, cancelWritten := context.WithTimeout(ctx, 20*time.Second)
+	defer cancelWritten()
+	testwait.UntilEvery(written, t, 2*time.Millisecond, "the controller's first write to rs-a", func() (bool, string) {
+		return s.anyWritten("rs-a", vols), "nothing written"
+	})
 	s.ctrl.Stop()
 	for range vols {
 		// The cut-off calls must answer something retriable, never OK.
-		if err := <-first; final(status.Code(err)) {
+		if err := <-first; csiattacher.Final(err) {
 			t.Errorf("a publish cut off by the restart answered %v", err)
 		}
 	}

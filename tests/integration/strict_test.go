@@ -206,11 +206,28 @@ func (s *suite) reattachWhileDetaching(t *testing.T) {
 	a := newAttacher(client)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	for round := range 4 {
+	// A round counts only when a publish went out while the VMI still
+	// held the entry whose removal was written: a removal that finished
+	// within the short deadline tests nothing, so rounds go on until four
+	// publishes raced a removal.
+	const want = 4
+	raced := 0
+	for round := 0; ; round++ {
 		for _, vol := range vols {
+			if s.removalInFlight(vm, vol) {
+				raced++
+			}
 			if err := a.publish(ctx, vm, vol); err != nil {
 				t.Fatalf("round %d: publish %s: %v; entry %s", round, vol, err, s.entryOf(vm, vol))
 			}
+			s.requireReady(vm, vol)
+		}
+		if raced >= want {
+			t.Logf("%d rounds, %d publishes raced a removal", round+1, raced)
+			break
+		}
+		if round == 50 {
+			t.Fatalf("only %d of %d publishes came while a removal was in flight after %d rounds", raced, want, round)
 		}
 		for _, vol := range vols {
 			// Long enough for the removal to be written, too short for it
@@ -224,12 +241,22 @@ func (s *suite) reattachWhileDetaching(t *testing.T) {
 		}
 	}
 	for _, vol := range vols {
-		if err := a.publish(ctx, vm, vol); err != nil {
-			t.Fatalf("final publish %s: %v; entry %s", vol, err, s.entryOf(vm, vol))
-		}
-		s.requireReady(vm, vol)
 		if err := a.unpublish(ctx, vm, vol); err != nil {
 			t.Fatal(err)
 		}
 	}
+}
+
+// removalInFlight reports, from a live read, that the VM no longer asks for
+// vol (its removal is written) while the VMI still has vol's entry.
+func (s *suite) removalInFlight(vm, vol string) bool {
+	vmi, err := s.kv.KubevirtV1().VirtualMachineInstances(s.host.Namespace).Get(context.Background(), vm, metav1.GetOptions{})
+	if err != nil {
+		return false
+	}
+	if _, ok := kubevirtsim.FindVolumeStatus(vmi, vol); !ok {
+		return false
+	}
+	v, err := s.kv.KubevirtV1().VirtualMachines(s.host.Namespace).Get(context.Background(), vm, metav1.GetOptions{})
+	return err == nil && !kubevirtsim.HasVolume(v.Spec.Template.Spec.Volumes, vol) && !s.anyWritten(vm, []string{vol})
 }

@@ -7,16 +7,22 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/go-logr/logr"
+	"github.com/go-logr/logr/funcr"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
+	"k8s.io/klog/v2"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 )
 
@@ -383,16 +389,27 @@ func TestUnstageRefusesWhileDeviceInUse(t *testing.T) {
 			defer func() { _ = own.Close() }()
 
 			// Another process that lets go while the re-checks last is
-			// transient. The re-checks last far longer than the holder's 0.3s,
-			// whatever the machine's load, so the outcome never depends on
-			// timing.
+			// transient. It is let go only once the driver has seen it and
+			// is checking again, so the re-check is what lets the unstage
+			// through, whatever the machine's timing.
 			patient := h.node("vm-a", func(o *driver.NodeOptions) { o.InUseRechecks = 1200; o.InUseRecheckInterval = 100 * time.Millisecond })
-			transient := holdDevice(t, dev, "0.3")
-			start := time.Now()
-			must(t, patient.unstage(ctx, vol, staging), "unstage with only our own and a transient open")
+			transient := holdDevice(t, dev, "300")
+			logs := &logLines{}
+			done := make(chan error, 1)
+			go func() { done <- patient.unstage(klog.NewContext(ctx, logs.logger()), vol, staging) }()
+			testwait.Until(ctx, t, "the driver to see the transient holder and check again", func() (bool, string) {
+				select {
+				case err := <-done:
+					t.Fatalf("the unstage answered %v without waiting for the holder to go: %q", err, logs.all())
+				default:
+				}
+				return logs.has("device looks busy, checking again"), strings.Join(logs.all(), "\n")
+			})
+			_ = transient.Process.Kill()
 			_ = transient.Wait()
-			if time.Since(start) < 100*time.Millisecond {
-				t.Log("the transient holder was gone before the first check; the re-check path was not exercised")
+			must(t, <-done, "unstage with only our own and a transient open")
+			if !logs.has("device holders were transient") {
+				t.Fatalf("the unstage went through without finding the holder gone on a re-check: %q", logs.all())
 			}
 			if isMountPoint(t, staging) {
 				t.Fatal("staging path still mounted")
@@ -402,6 +419,31 @@ func TestUnstageRefusesWhileDeviceInUse(t *testing.T) {
 			h.waitNoLoops(vol)
 		})
 	}
+}
+
+// logLines records what the driver logs through the context's logger, up to
+// verbosity 2, where the in-use checker says what it saw.
+type logLines struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logLines) logger() logr.Logger {
+	return funcr.New(func(prefix, args string) {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		l.lines = append(l.lines, args)
+	}, funcr.Options{Verbosity: 2})
+}
+
+func (l *logLines) all() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return slices.Clone(l.lines)
+}
+
+func (l *logLines) has(msg string) bool {
+	return slices.ContainsFunc(l.all(), func(line string) bool { return strings.Contains(line, `"msg"="`+msg+`"`) })
 }
 
 // A pod's mount of the volume still in place also blocks NodeUnstage.

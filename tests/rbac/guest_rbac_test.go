@@ -226,7 +226,11 @@ func TestControllerGuestCallsFitTheListedPermissions(t *testing.T) {
 	}
 
 	want := map[string]bool{"VolumeDetachForced": false, "NodeOutOfService": false, "HotplugWaiting": false}
-	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+	done, cancelDone := context.WithTimeout(ctx, time.Minute)
+	defer cancelDone()
+	// A missing event or taint means the driver needs a permission the list
+	// and chart lack.
+	testwait.Until(done, t, "the taint, the events and the lease with only the listed permissions", func() (bool, string) {
 		n, err := admin.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -240,11 +244,9 @@ func TestControllerGuestCallsFitTheListedPermissions(t *testing.T) {
 				want[e.Reason] = true
 			}
 		}
-		if guest.OutOfService(n) && want["VolumeDetachForced"] && want["NodeOutOfService"] && want["HotplugWaiting"] && monitor.Leading() {
-			return
-		}
-	}
-	t.Fatalf("with only the listed permissions: leading %v, events %v (a missing one means the driver needs a permission the list and chart lack)", monitor.Leading(), want)
+		return guest.OutOfService(n) && want["VolumeDetachForced"] && want["NodeOutOfService"] && want["HotplugWaiting"] && monitor.Leading(),
+			fmt.Sprintf("tainted %v, leading %v, events %v", guest.OutOfService(n), monitor.Leading(), want)
+	})
 }
 
 // stoppedVM is a host where every VM exists and is stopped.

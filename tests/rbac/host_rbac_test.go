@@ -35,6 +35,7 @@ import (
 	sigsyaml "sigs.k8s.io/yaml"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
+	"github.com/harvester-csi/harvester-csi-driver/internal/csiattacher"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
@@ -225,20 +226,28 @@ func TestHostRBACScriptGrantsWhatTheDocsExplain(t *testing.T) {
 // callUntilFinal repeats a CSI call, as the sidecars do, until its answer is
 // final.
 func callUntilFinal(ctx context.Context, call func(ctx context.Context) error) error {
-	for {
+	var err error
+	if perr := testwait.PollEvery(ctx, 100*time.Millisecond, "a final answer", func() (bool, string, error) {
 		cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		err := call(cctx)
+		err = call(cctx)
 		cancel()
 		switch status.Code(err) {
 		case codes.OK, codes.InvalidArgument, codes.NotFound, codes.FailedPrecondition, codes.AlreadyExists, codes.PermissionDenied, codes.OutOfRange:
-			return err
+			return true, "", nil
 		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("gave up after %v: %w", err, ctx.Err())
-		case <-time.After(100 * time.Millisecond):
-		}
+		return false, fmt.Sprint(err), nil
+	}); perr != nil {
+		return perr
 	}
+	return err
+}
+
+// attacher calls as the external-attacher does (internal/csiattacher),
+// returning the first answer it takes as final.
+func attacher(ctx context.Context, c csi.ControllerClient, call csiattacher.Call) error {
+	cfg := csiattacher.Defaults()
+	cfg.Workers, cfg.Timeout, cfg.RetryStart, cfg.RetryMax = 0, 10*time.Second, 100*time.Millisecond, time.Second
+	return csiattacher.New(cfg, func() csi.ControllerClient { return c }).DoUntil(ctx, call, csiattacher.Final)
 }
 
 var blockRWO = &csi.VolumeCapability{
@@ -247,17 +256,11 @@ var blockRWO = &csi.VolumeCapability{
 }
 
 func publish(ctx context.Context, c csi.ControllerClient, vm, vol string) error {
-	return callUntilFinal(ctx, func(ctx context.Context) error {
-		_, err := c.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: vol, NodeId: vm, VolumeCapability: blockRWO})
-		return err
-	})
+	return attacher(ctx, c, csiattacher.PublishCall(&csi.ControllerPublishVolumeRequest{VolumeId: vol, NodeId: vm, VolumeCapability: blockRWO}))
 }
 
 func unpublish(ctx context.Context, c csi.ControllerClient, vm, vol string) error {
-	return callUntilFinal(ctx, func(ctx context.Context) error {
-		_, err := c.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: vol, NodeId: vm})
-		return err
-	})
+	return attacher(ctx, c, csiattacher.UnpublishCall(vm, vol))
 }
 
 func createVolume(ctx context.Context, t *testing.T, c csi.ControllerClient, name string, snapshot string) string {
@@ -403,7 +406,9 @@ func refusedVolumeFlow(ctx context.Context, t *testing.T, h *framework.Host, ctr
 		t.Fatalf("publish of the refused volume: %v, want FailedPrecondition", err)
 	}
 	kv := kubevirt.NewForConfigOrDie(h.Env.Config)
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+	cleaned, cancelCleaned := context.WithTimeout(ctx, 30*time.Second)
+	defer cancelCleaned()
+	testwait.Until(cleaned, t, "the refused volume to leave the VM's requests and the VMI (the identity cleaning it up)", func() (bool, string) {
 		v, err := kv.KubevirtV1().VirtualMachines(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
 		if err != nil {
 			t.Fatal(err)
@@ -416,13 +421,8 @@ func refusedVolumeFlow(ctx context.Context, t *testing.T, h *framework.Host, ctr
 		requested := slices.ContainsFunc(v.Status.VolumeRequests, func(r kubevirtv1.VirtualMachineVolumeRequest) bool {
 			return r.AddVolumeOptions != nil && r.AddVolumeOptions.Name == bad
 		})
-		if !requested && !onVMI {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the refused volume is still requested (%v) or on the VMI (%v): the identity could not clean it up", requested, onVMI)
-		}
-	}
+		return !requested && !onVMI, fmt.Sprintf("requested %v, on the VMI %v", requested, onVMI)
+	})
 	if err := publish(ctx, c, vm, good); err != nil {
 		t.Errorf("publish after a refused volume: %v", err)
 	}

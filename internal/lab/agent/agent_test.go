@@ -2,11 +2,14 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
 func testEnv(t *testing.T) (Env, string) {
@@ -22,10 +25,9 @@ func runDB(t *testing.T, e Env, records int) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- RunDB(ctx, e, "/data", time.Millisecond) }()
-	// Wait until the database has acknowledged enough records.
-	for Acknowledged(e.Mounts["/data"]) < records {
-		time.Sleep(time.Millisecond)
-	}
+	testwait.For(t, fmt.Sprintf("the database to acknowledge %d records", records), time.Minute, func() bool {
+		return Acknowledged(e.Mounts["/data"]) >= records
+	})
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)

@@ -23,6 +23,8 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/percentile"
+
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
 )
 
@@ -322,9 +324,6 @@ func Summarize(samples []Sample) Percentiles {
 		v[i] = s.Seconds
 	}
 	sort.Float64s(v)
-	q := func(p float64) float64 {
-		i := int(p*float64(len(v)-1) + 0.5)
-		return v[i]
-	}
+	q := func(p float64) float64 { return percentile.Nearest(v, p) }
 	return Percentiles{P50: q(0.50), P95: q(0.95), P99: q(0.99), Max: v[len(v)-1], N: len(v)}
 }

@@ -75,3 +75,15 @@ func TestSummarize(t *testing.T) {
 		t.Fatal("no samples, no figures")
 	}
 }
+
+// TestSummarizeIsNearestRank: the lab's figures use the benchmarks' percentile
+// (nearest rank), so the two can stand side by side in docs/benchmarks.md.
+func TestSummarizeIsNearestRank(t *testing.T) {
+	var ss []Sample
+	for i := 1; i <= 10; i++ {
+		ss = append(ss, Sample{Seconds: float64(i)})
+	}
+	if p := Summarize(ss); p.P50 != 5 || p.P95 != 10 || p.P99 != 10 {
+		t.Fatalf("%+v, want p50 5 (five of ten samples are at or below it), p95 and p99 10", p)
+	}
+}
