@@ -25,7 +25,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simguest/chart"
 )
 
 // minStuckBound is the shortest default stuck bound. Kubernetes' own

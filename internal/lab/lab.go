@@ -29,12 +29,12 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/guest"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/monitor"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/nodetap"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/workload"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simguest"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simguest/chart"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simguest/nodetap"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
@@ -52,7 +52,7 @@ type run struct {
 	log   klog.Logger
 
 	h       *simhost.Host
-	g       *guest.Guest
+	g       *simguest.Guest
 	mon     *monitor.Monitor
 	wl      *workload.Workload
 	nodes   []string
@@ -140,7 +140,7 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	}
 	r.setPhase("guest")
 	status := max(time.Second, c.scaled(10*time.Second))
-	r.g, err = guest.Start(ctx, guest.Options{
+	r.g, err = simguest.Start(ctx, simguest.Options{
 		Dir: filepath.Join(c.Out, "guest"), SocketDir: r.sockets, LogDir: filepath.Join(c.Out, "logs"), Bin: c.Bin,
 		DriverBinary: c.DriverBinary, ControllerBinary: c.ControllerBinary,
 		AgentBinary: c.AgentCommand, AgentImage: AgentImage, AgentEnv: []string{"HCSI_LAB_RESULTS=" + r.results},

@@ -12,9 +12,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/guest"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simguest"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 )
 
@@ -47,7 +47,7 @@ func readMounts() ([]mount, error) {
 func unescape(s string) string { return strings.ReplaceAll(s, `\040`, " ") }
 
 // nodeMounts are the staging and publish mounts under a node's kubelet root.
-func nodeMounts(mounts []mount, n *guest.Node) (staged, published []mount) {
+func nodeMounts(mounts []mount, n *simguest.Node) (staged, published []mount) {
 	csiRoot := filepath.Join(n.Root, "plugins", "kubernetes.io", "csi") + "/"
 	pods := filepath.Join(n.Root, "pods") + "/"
 	for _, m := range mounts {
@@ -92,7 +92,7 @@ func devNumber(path string) string {
 
 // staged lists every staging mount on the guest nodes, and whether its device
 // is still the disk plugged into that node's VM.
-func staged(h *simhost.Host, nodes []*guest.Node) ([]invariants.Staged, error) {
+func staged(h *simhost.Host, nodes []*simguest.Node) ([]invariants.Staged, error) {
 	mounts, err := readMounts()
 	if err != nil {
 		return nil, err
@@ -128,7 +128,7 @@ func vmiVolumes(h *simhost.Host, nodes []string) map[string]invariants.VMIVolume
 }
 
 // finalState gathers every view of the attachments.
-func finalState(ctx context.Context, kube kubernetes.Interface, h *simhost.Host, nodes []*guest.Node, backing string) (invariants.Final, error) {
+func finalState(ctx context.Context, kube kubernetes.Interface, h *simhost.Host, nodes []*simguest.Node, backing string) (invariants.Final, error) {
 	var f invariants.Final
 	vas, err := kube.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
 	if err != nil {

@@ -18,9 +18,9 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
-	labguest "github.com/harvester-csi/harvester-csi-driver/internal/lab/guest"
 	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simguest"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simguest/chart"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
@@ -36,7 +36,7 @@ import (
 // SINGLE_NODE_SINGLE_WRITER, which they do only for a driver that offers
 // SINGLE_NODE_MULTI_WRITER (CSI spec v1.5.0); without it ReadWriteOncePod
 // arrives as SINGLE_NODE_WRITER, indistinguishable from ReadWriteOnce.
-// Follows internal/lab/guest TestPodWithVolumeRunsAndDetaches.
+// Follows internal/simguest TestPodWithVolumeRunsAndDetaches.
 func TestReadWriteOncePodClaim(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("the guest's kubelet needs root (loop devices, mounts)")
@@ -79,7 +79,7 @@ func TestReadWriteOncePodClaim(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = h.Stop(context.Background()) })
 	// Verbosity 5: the sidecars log each CSI request they send.
-	g, err := labguest.Start(ctx, labguest.Options{Dir: filepath.Join(work, "guest"), SocketDir: sockets, LogDir: logs, Bin: bin,
+	g, err := simguest.Start(ctx, simguest.Options{Dir: filepath.Join(work, "guest"), SocketDir: sockets, LogDir: logs, Bin: bin,
 		DriverBinary: driverBin, Manifests: m, Host: h, NodeStatusUpdate: 2 * time.Second, Verbosity: 5})
 	if err != nil {
 		t.Fatal(err)

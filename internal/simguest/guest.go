@@ -1,11 +1,11 @@
-// Package guest runs the lab's guest cluster (the RKE2 side): a real etcd and
-// kube-apiserver, the real kube-controller-manager with the controllers a
+// Package simguest runs a guest cluster (the RKE2 side) for the lab and the
+// end-to-end tests: a real etcd and kube-apiserver, the real kube-controller-manager with the controllers a
 // volume's life goes through, the real kube-scheduler, the real
 // csi-provisioner, csi-attacher and csi-resizer with the chart's flags, the driver's
 // controller process, and per guest node the real kubelet (hollow-kubelet),
 // a plugin registrar and the driver's node-plugin process. Every component is
 // its own OS process (package proc).
-package guest
+package simguest
 
 import (
 	"context"
@@ -28,9 +28,9 @@ import (
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/chart"
-	"github.com/harvester-csi/harvester-csi-driver/internal/lab/nodetap"
 	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simguest/chart"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simguest/nodetap"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
