@@ -134,6 +134,21 @@ func testHotplug(t *testing.T, version string, mode Mode) {
 		inSpec := slices.ContainsFunc(vmi.Spec.Volumes, func(v kubevirtv1.Volume) bool { return v.Name == volume })
 		return !inStatus && !inSpec && len(pods.Items) == 0, fmt.Sprintf("%s; %d attachment pods", state, len(pods.Items))
 	})
+
+	// Deleting the VM runs the node side of a shutdown: virt-handler
+	// reports the VMI Succeeded and the kubelet finishes the launcher's
+	// deletion, after which KubeVirt drops its finalizers.
+	if err := vms.Delete(ctx, vmName, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(ctx, t, "the VMI and its virt-launcher pod gone", func() (bool, string) {
+		_, err := vmis.Get(ctx, vmName, metav1.GetOptions{})
+		pods, perr := kube.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{LabelSelector: kubevirtv1.AppLabel + "=" + launcherLabelValue})
+		if perr != nil {
+			return false, perr.Error()
+		}
+		return apierrors.IsNotFound(err) && len(pods.Items) == 0, fmt.Sprintf("VMI get: %v; %d launcher pods", err, len(pods.Items))
+	})
 }
 
 // editVM changes the VM's template as a declarative client does, retrying on
