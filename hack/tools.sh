@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the upstream binaries the tests run (kube-apiserver, etcd,
-# kube-controller-manager and the CSI sidecars) from the pinned modules under tools/
+# kube-controller-manager, the CSI sidecars and KubeVirt's control plane) from the pinned modules under tools/
 # and caches them, keyed by the pinned versions and the Go version, so only the
 # first run on a machine pays the multi-minute build.
 # Prints the directory that holds the binaries.
@@ -36,6 +36,16 @@ build scheduler kube-scheduler ./cmd/kube-scheduler
 build provisioner csi-provisioner github.com/kubernetes-csi/external-provisioner/v5/cmd/csi-provisioner
 build kubelet hollow-kubelet ./cmd/hollow-kubelet
 build kubelet csi-registrar ./cmd/csi-registrar
+# KubeVirt's virt-controller, virt-api and manifest generator, one tools module
+# per tag that builds from the module proxy; the binaries carry the tag in
+# their names so every version can sit in one bin directory.
+for kv in "$root"/tools/kubevirt-v*/; do
+	kv=$(basename "$kv")
+	ver=${kv#kubevirt-}
+	build "$kv" "virt-controller-$ver" ./cmd/virt-controller
+	build "$kv" "virt-api-$ver" ./cmd/virt-api
+	build "$kv" "kubevirt-manifests-$ver" ./cmd/kubevirt-manifests
+done
 
 bin=$cache/bin-$(printf '%s\n' "${links[@]}" | sha256sum | cut -c1-16)
 mkdir -p "$bin"

@@ -42,8 +42,9 @@ type Env struct {
 	// Bin is the directory of the upstream binaries.
 	Bin string
 
-	mu    sync.Mutex
-	procs []*proc
+	mu     sync.Mutex
+	procs  []*proc
+	tokens map[string]string // Options.Users' bearer tokens by user name
 }
 
 type proc struct {
@@ -61,6 +62,21 @@ type Options struct {
 	ExtraAPIServerArgs []string
 	// Namespace is written as the kubeconfig context's namespace.
 	Namespace string
+
+	// ServiceAccounts turns on the ServiceAccount admission plugin and runs
+	// kube-controller-manager's serviceaccount controller, which gives every
+	// namespace its "default" ServiceAccount as in a real cluster. Pods then
+	// get the projected token volume a real cluster adds, which KubeVirt
+	// counts when it matches attachment pods. Off by default: without the
+	// controller, admission would refuse pods in namespaces the tests create.
+	ServiceAccounts bool
+	// Aggregation configures the API server as an aggregator (front-proxy CA,
+	// proxy client certificate, request-header flags), so APIServices backed
+	// by extension servers such as KubeVirt's virt-api can be served.
+	Aggregation bool
+	// Users are extra token-file identities; UserConfig and UserKubeconfig
+	// reach the API server as them.
+	Users []User
 }
 
 // BinDir finds the upstream binaries: $HCSI_TOOLS_BIN if set, otherwise it
@@ -124,8 +140,8 @@ func (e *Env) start(ctx context.Context, opts Options) error {
 	if err != nil {
 		return err
 	}
-	tokenFile := filepath.Join(e.Dir, "tokens.csv")
-	if err := os.WriteFile(tokenFile, []byte(token+`,admin,admin,"system:masters"`+"\n"), 0o600); err != nil {
+	tokenFile, err := e.tokenFile(token, opts.Users)
+	if err != nil {
 		return err
 	}
 	saKey := filepath.Join(e.Dir, "sa.key")
@@ -145,8 +161,17 @@ func (e *Env) start(ctx context.Context, opts Options) error {
 		"--service-account-signing-key-file=" + saKey,
 		"--service-cluster-ip-range=10.0.0.0/24",
 		"--allow-privileged=true",
-		"--disable-admission-plugins=ServiceAccount",
 		"--enable-priority-and-fairness=false",
+	}
+	if !opts.ServiceAccounts {
+		args = append(args, "--disable-admission-plugins=ServiceAccount")
+	}
+	if opts.Aggregation {
+		agg, err := e.aggregationArgs()
+		if err != nil {
+			return err
+		}
+		args = append(args, agg...)
 	}
 	if err := e.run("kube-apiserver", append(args, opts.ExtraAPIServerArgs...)...); err != nil {
 		return err
@@ -164,7 +189,29 @@ func (e *Env) start(ctx context.Context, opts Options) error {
 	if err := WriteKubeconfig(e.Kubeconfig, e.Config, opts.Namespace); err != nil {
 		return err
 	}
-	return e.waitReady(ctx, host, token)
+	if err := e.waitReady(ctx, host, token); err != nil {
+		return err
+	}
+	if opts.ServiceAccounts {
+		return e.runServiceAccountController()
+	}
+	return nil
+}
+
+// runServiceAccountController runs only the controller that creates each
+// namespace's "default" ServiceAccount (kubernetes v1.35.4
+// pkg/controller/serviceaccount/serviceaccounts_controller.go), the real one
+// rather than a stand-in, so the timing of a new namespace's first pod is a
+// real cluster's.
+func (e *Env) runServiceAccountController() error {
+	return e.run("kube-controller-manager",
+		"--kubeconfig="+e.Kubeconfig,
+		"--controllers=serviceaccount",
+		"--use-service-account-credentials=false",
+		"--leader-elect=false",
+		"--bind-address=127.0.0.1",
+		"--secure-port=0",
+	)
 }
 
 // WriteKubeconfig writes cfg (token auth) as a kubeconfig file whose current
