@@ -102,6 +102,11 @@ type Backend interface {
 	// Apply returns one Outcome per change, in order. Removals come first in
 	// changes; a backend that issues one call per change keeps that order.
 	Apply(ctx context.Context, vm string, changes []Change) []Outcome
+	// Refusal reads from the VM's status a refusal of the VM's queued add
+	// request for volume (KubeVirt's legacy path answers a webhook's denial
+	// there, not to the writer), nil when there is none or it passes by
+	// itself. vm may be nil.
+	Refusal(vm *kubevirtv1.VirtualMachine, volume string) error
 }
 
 // Reader reads the host namespace's VMs and VMIs from the API server itself,

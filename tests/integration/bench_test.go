@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -17,7 +18,6 @@ import (
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -89,7 +89,7 @@ func baselineAttach(ctx context.Context, kv kubevirt.Interface, ns, backend, vm,
 	vms := kv.KubevirtV1().VirtualMachines(ns)
 	for {
 		var err error
-		if backend == host.BackendDeclarative {
+		if backend == kvbackend.BackendDeclarative {
 			var cur *kubevirtv1.VirtualMachine
 			if cur, err = vms.Get(ctx, vm, metav1.GetOptions{}); err != nil {
 				return err

@@ -2,6 +2,7 @@ package integration
 
 import (
 	"context"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"strings"
 	"sync"
 	"testing"
@@ -13,7 +14,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
-	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -52,10 +52,10 @@ func (s *suite) concurrentPublishes(t *testing.T) {
 	st := s.host.Sim.Stats()
 	t.Logf("%s: VM spec writes %d, status writes %d, addvolume %d, conflicts %d/%d, answers %v",
 		s.f.name, st.VMSpecWrites, st.VMStatusWrites, st.AddVolume, st.Conflicts, st.Unprocessable, a.seen)
-	if s.f.backend == host.BackendDeclarative && st.VMSpecWrites > 3 {
+	if s.f.backend == kubevirt.BackendDeclarative && st.VMSpecWrites > 3 {
 		t.Errorf("20 publishes took %d VM spec writes, want at most 3", st.VMSpecWrites)
 	}
-	if s.f.backend == host.BackendSubresource && !s.f.forced && st.VMSpecWrites != 0 {
+	if s.f.backend == kubevirt.BackendSubresource && !s.f.forced && st.VMSpecWrites != 0 {
 		t.Errorf("subresource backend wrote the VM spec %d times, want 0", st.VMSpecWrites)
 	}
 	if l := a.leaked(); len(l) > 0 {

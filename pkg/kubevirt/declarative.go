@@ -1,9 +1,11 @@
-package host
+package kubevirt
 
 import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 	"sync"
 
 	corev1 "k8s.io/api/core/v1"
@@ -30,7 +32,7 @@ const (
 // two lists it replaces: unlike a resourceVersion guard, virt-controller's
 // status writes between our read and our patch do not fail it.
 type Declarative struct {
-	c *Client
+	c *host.Client
 
 	// A batch needs the VM's two lists exactly as stored. What our last
 	// patch of a VM stored is in the patch's answer; while the VM cache
@@ -54,7 +56,9 @@ type keptLists struct {
 }
 
 // NewDeclarative returns the declarative backend.
-func NewDeclarative(c *Client) *Declarative { return &Declarative{c: c, kept: map[string]keptLists{}} }
+func NewDeclarative(c *host.Client) *Declarative {
+	return &Declarative{c: c, kept: map[string]keptLists{}}
+}
 
 // Follow lets Apply take a VM's lists from its own last patch while vms (the
 // VM informer's store) shows the VM unchanged since.
@@ -113,6 +117,11 @@ func listsOf(obj *unstructured.Unstructured) (keptLists, error) {
 
 // Name implements hotplug.Backend.
 func (d *Declarative) Name() string { return "declarative" }
+
+// Refusal implements hotplug.Backend.
+func (d *Declarative) Refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
+	return Refusal(vm, volume)
+}
 
 // Apply implements hotplug.Backend.
 func (d *Declarative) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {

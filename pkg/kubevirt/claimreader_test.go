@@ -1,8 +1,9 @@
-package host
+package kubevirt
 
 import (
 	"context"
 	"encoding/json"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"net/http"
 	"net/http/httptest"
 	"reflect"
@@ -79,12 +80,12 @@ func TestClaimReaderKeepsWhatSaysWhichClaimsAreHeld(t *testing.T) {
 		_ = json.NewEncoder(w).Encode(body)
 	}))
 	defer srv.Close()
-	c, err := NewForConfig(&rest.Config{Host: srv.URL}, "guests")
+	c, err := host.NewForConfig(&rest.Config{Host: srv.URL}, "guests")
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	vms, err := c.ClaimReader().ListVMs(ctx)
+	vms, err := NewClaimReader(c).ListVMs(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +106,7 @@ func TestClaimReaderKeepsWhatSaysWhichClaimsAreHeld(t *testing.T) {
 	if len(vms) != 1 || !reflect.DeepEqual(vms[0], wantVM) {
 		t.Errorf("VMs:\n got %+v\nwant %+v", vms, wantVM)
 	}
-	vmis, err := c.ClaimReader().ListVMIs(ctx)
+	vmis, err := NewClaimReader(c).ListVMIs(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}

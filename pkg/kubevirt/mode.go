@@ -1,9 +1,10 @@
-package host
+package kubevirt
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"strconv"
 	"strings"
 	"time"
@@ -24,13 +25,14 @@ const (
 	BackendSubresource = "subresource"
 )
 
+// settingResource is Harvester's settings (server-version here).
 var settingResource = schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"}
 
 // NewBackend returns the backend named by choice, detecting it for "auto".
 // Detection never guesses: while the host API does not answer it asks again
 // (every retryMax at most) until it does or ctx ends, and progress reports
 // each failed attempt, so a caller can say why it is not ready yet.
-func NewBackend(ctx context.Context, c *Client, choice string, progress func(reason string)) (hotplug.Backend, error) {
+func NewBackend(ctx context.Context, c *host.Client, choice string, progress func(reason string)) (hotplug.Backend, error) {
 	switch choice {
 	case BackendDeclarative:
 		return NewDeclarative(c), nil
@@ -80,7 +82,7 @@ const (
 // CR cannot be read, when Harvester's server-version is v1.8 or later.
 // Anything unknown falls back to the subresource path, which every KubeVirt
 // with hotplug serves; an empty name means the API server did not answer.
-func DetectBackend(ctx context.Context, c *Client) (name, reason string) {
+func DetectBackend(ctx context.Context, c *host.Client) (name, reason string) {
 	kvs, err := c.KubeVirt.KubevirtV1().KubeVirts("").List(ctx, metav1.ListOptions{})
 	if err == nil && len(kvs.Items) > 0 {
 		kv := kvs.Items[0]

@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"errors"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -64,7 +65,7 @@ type Controller struct {
 	guard   *guest.Guard
 	monitor *guest.Monitor
 	// claims watches guest pods for RWX unpublishes (with a guest client).
-	claims *GuestClaims
+	claims *guest.Claims
 	// claimCache holds the host's PVCs for the publish's first check.
 	claimCache *host.ClaimCache
 	// rwx is set by Run when the host lists NetworkFilesystems.
@@ -117,7 +118,7 @@ func (c *Controller) buildGuest() error {
 		return err
 	}
 	c.guestNodes = nodes
-	if c.claims, err = NewGuestClaims(c.cfg.Guest, Name, nodes); err != nil {
+	if c.claims, err = guest.NewClaims(c.cfg.Guest, Name, nodes); err != nil {
 		return err
 	}
 	c.events = guest.NewRecorder(c.cfg.Guest, Name, "")
@@ -177,18 +178,18 @@ func (c *Controller) Run(ctx context.Context) error {
 	case c.guard == nil:
 		logger.Info("detach guard off (--detach-guard-timeout=0): volumes are unplugged without asking the guest")
 	}
-	backend, err := host.NewBackend(ctx, c.cfg.Host, c.cfg.Backend, c.setWaiting)
+	backend, err := kubevirt.NewBackend(ctx, c.cfg.Host, c.cfg.Backend, c.setWaiting)
 	if err != nil {
 		return err
 	}
 	c.detectRWX(ctx)
 	vmInf, vmiInf := c.cfg.Host.VMInformer(0), c.cfg.Host.VMIInformer(0)
-	if d, ok := backend.(*host.Declarative); ok {
+	if d, ok := backend.(*kubevirt.Declarative); ok {
 		d.Follow(vmInf.GetStore())
 	}
 	qcfg := c.cfg.Queue
 	qcfg.Namespace = c.cfg.Host.Namespace
-	q, err := hotplug.New(qcfg, backend, c.cfg.Host.ClaimReader(), vmInf, vmiInf, c.cfg.Metrics)
+	q, err := hotplug.New(qcfg, backend, kubevirt.NewClaimReader(c.cfg.Host), vmInf, vmiInf, c.cfg.Metrics)
 	if err != nil {
 		return err
 	}
@@ -331,7 +332,7 @@ func (c *Controller) VMExists(ctx context.Context, vm string) (bool, error) {
 	if q := c.queue.Load(); q != nil && q.Ready() && q.View(vm).Exists {
 		return true, nil
 	}
-	return c.cfg.Host.VMExists(ctx, vm)
+	return kubevirt.NewReader(c.cfg.Host).VMExists(ctx, vm)
 }
 
 // ClaimUsers names the guest pods the controller's cache sees using the

@@ -1,8 +1,9 @@
-package host
+package kubevirt
 
 import (
 	"context"
 	"encoding/json"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"strings"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -16,14 +17,19 @@ import (
 // one call at a time (the queue already serializes per VM). It is the only
 // path that works while KubeVirt's legacy HotplugVolumes gate is on.
 type Subresource struct {
-	c *Client
+	c *host.Client
 }
 
 // NewSubresource returns the subresource backend.
-func NewSubresource(c *Client) *Subresource { return &Subresource{c: c} }
+func NewSubresource(c *host.Client) *Subresource { return &Subresource{c: c} }
 
 // Name implements hotplug.Backend.
 func (s *Subresource) Name() string { return "subresource" }
+
+// Refusal implements hotplug.Backend.
+func (s *Subresource) Refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
+	return Refusal(vm, volume)
+}
 
 // Apply implements hotplug.Backend.
 func (s *Subresource) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {
