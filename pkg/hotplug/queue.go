@@ -137,6 +137,8 @@ type Queue struct {
 
 	mu   sync.Mutex
 	work map[cache.ObjectName]*vmWork // only VMs with intents or expectations
+	// waiting says why the queue is not running yet.
+	waiting string
 }
 
 // ErrStopped answers callers still waiting when the queue stops; the intent
@@ -241,8 +243,9 @@ func New(cfg Config, backend Backend, reader Reader, vmInformer, vmiInformer cac
 		running: make(chan struct{}),
 		stopped: make(chan struct{}),
 		work:    map[cache.ObjectName]*vmWork{},
+		waiting: "starting",
 	}
-	q.metrics = newMetrics(q, backend.Name())
+	q.metrics = newMetrics(q)
 	if reg != nil {
 		if err := q.metrics.register(reg); err != nil {
 			return nil, err
@@ -294,12 +297,21 @@ func (q *Queue) wake(obj any) {
 	}
 }
 
-// Run waits for the informers to sync, then works the queue until ctx ends.
-// No caller is answered before the informers have synced: an empty cache
-// would say "not attached" about every volume.
+// Run starts the backend (which may first have to learn the host's hotplug
+// path), waits for the informers to sync, then works the queue until ctx
+// ends. No caller is answered before both: an empty cache would say "not
+// attached" about every volume.
 func (q *Queue) Run(ctx context.Context) error {
 	defer close(q.stopped)
 	defer q.wq.ShutDown()
+	defer q.setWaiting("the hotplug queue stopped")
+	const detecting = "detecting the hotplug backend"
+	q.setWaiting(detecting)
+	if err := q.backend.Start(ctx, func(why string) { q.setWaiting(detecting + ": " + why) }); err != nil {
+		return fmt.Errorf("hotplug: start the backend: %w", err)
+	}
+	q.metrics.bind(q.backend.Name())
+	q.setWaiting("waiting for the host's VM and VMI caches to sync")
 	if !cache.WaitForCacheSync(ctx.Done(), q.synced...) {
 		return errors.New("hotplug: VM/VMI informers did not sync")
 	}
@@ -333,6 +345,23 @@ func (q *Queue) Ready() bool {
 	default:
 		return false
 	}
+}
+
+// Waiting says why the queue is not ready (the backend still learning the
+// host's hotplug path, the informers still syncing); empty once it is.
+func (q *Queue) Waiting() string {
+	if q.Ready() {
+		return ""
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.waiting
+}
+
+func (q *Queue) setWaiting(why string) {
+	q.mu.Lock()
+	q.waiting = why
+	q.mu.Unlock()
 }
 
 func (q *Queue) worker(ctx context.Context) {

@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
-	kubevirtv1 "kubevirt.io/api/core/v1"
 	"sync"
 
 	corev1 "k8s.io/api/core/v1"
@@ -55,14 +54,12 @@ type keptLists struct {
 	volsFound, disksFound bool
 }
 
-// NewDeclarative returns the declarative backend.
-func NewDeclarative(c *host.Client) *Declarative {
-	return &Declarative{c: c, kept: map[string]keptLists{}}
+// NewDeclarative returns the declarative backend. vms, the VM informer's
+// store (nil: none), lets Apply take a VM's lists from its own last patch
+// while the store shows the VM unchanged since.
+func NewDeclarative(c *host.Client, vms cache.Store) *Declarative {
+	return &Declarative{c: c, vms: vms, kept: map[string]keptLists{}}
 }
-
-// Follow lets Apply take a VM's lists from its own last patch while vms (the
-// VM informer's store) shows the VM unchanged since.
-func (d *Declarative) Follow(vms cache.Store) { d.vms = vms }
 
 // keptFor returns the lists our last patch of vm stored, if the cache
 // shows the VM's spec unchanged since.
@@ -115,15 +112,10 @@ func listsOf(obj *unstructured.Unstructured) (keptLists, error) {
 	return k, err
 }
 
-// Name implements hotplug.Backend.
+// Name names the path in logs and metrics.
 func (d *Declarative) Name() string { return "declarative" }
 
-// Refusal implements hotplug.Backend.
-func (d *Declarative) Refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
-	return Refusal(vm, volume)
-}
-
-// Apply implements hotplug.Backend.
+// Apply makes one attempt at the changes (hotplug.Backend's Apply).
 func (d *Declarative) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {
 	outs := make([]hotplug.Outcome, len(changes))
 	fill := func(o hotplug.Outcome) []hotplug.Outcome {

@@ -23,15 +23,10 @@ type Subresource struct {
 // NewSubresource returns the subresource backend.
 func NewSubresource(c *host.Client) *Subresource { return &Subresource{c: c} }
 
-// Name implements hotplug.Backend.
+// Name names the path in logs and metrics.
 func (s *Subresource) Name() string { return "subresource" }
 
-// Refusal implements hotplug.Backend.
-func (s *Subresource) Refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
-	return Refusal(vm, volume)
-}
-
-// Apply implements hotplug.Backend.
+// Apply makes one attempt at the changes (hotplug.Backend's Apply).
 func (s *Subresource) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {
 	vms := s.c.KubeVirt.KubevirtV1().VirtualMachines(s.c.Namespace)
 	outs := make([]hotplug.Outcome, len(changes))
