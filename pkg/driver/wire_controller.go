@@ -316,12 +316,12 @@ func (c *Controller) ClaimUsers(ctx context.Context, volume string) ([]string, e
 }
 
 // RWXEnabled reports whether ReadWriteMany volumes are served: the host
-// listed NetworkFilesystems when Run started.
+// listed NetworkFilesystems when it first answered after Run started.
 func (c *Controller) RWXEnabled() bool { return c.rwx.Load() }
 
 // rwxProbes bounds how often start-up asks again when listing
 // NetworkFilesystems fails for a reason other than "not there" or "not
-// allowed" (the host answered the backend detection just before).
+// allowed" (the host answered just before: the queue is ready).
 const rwxProbes = 3
 
 // detectRWX lists NetworkFilesystems once, as upstream does at start-up:

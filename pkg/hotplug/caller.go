@@ -16,7 +16,7 @@ import (
 
 // ErrNotReady answers calls that come before the queue runs: its backend
 // still learning the host's hotplug path, or its informers still syncing.
-var ErrNotReady = errors.New("hotplug queue not ready: the host's VM and VMI caches have not synced yet")
+var ErrNotReady = errors.New("hotplug queue not ready: its backend does not know the host's hotplug path yet, or the host's VM and VMI caches have not synced yet")
 
 // Errors of Attach, Detach and DetachBefore. Each call returns nil once the
 // informers show the change done, or one of these, and nothing else (match
