@@ -36,31 +36,29 @@ type answerRow struct {
 // is still in flight gets a code the external-attacher treats as "may still
 // happen". A function, not a variable: the table is never changed.
 func answers() []answerRow {
-	warn := func(c codes.Code, reason string) answer { return answer{c, corev1.EventTypeWarning, reason} }
-	normal := func(c codes.Code, reason string) answer { return answer{c, corev1.EventTypeNormal, reason} }
 	return []answerRow{
-		{claimGone, warn(codes.NotFound, "HostClaimNotReady")},
-		{isA[*hotplug.ClaimNotReadyError], warn(codes.Aborted, "HostClaimNotReady")},
+		{claimGone, event(codes.NotFound, corev1.EventTypeWarning, "HostClaimNotReady")},
+		{isA[*hotplug.ClaimNotReadyError], event(codes.Aborted, corev1.EventTypeWarning, "HostClaimNotReady")},
 		// This process stopping cut the host call off: no Event.
 		{stalledCanceled, answer{code: codes.Unavailable}},
 		// Still pending, but the host refused or did not answer: say why,
 		// with the code of the cause.
-		{stalledRefused, warn(codes.PermissionDenied, "HostRefusedOrUnreachable")},
-		{isA[*hotplug.StalledError], warn(codes.Unavailable, "HostRefusedOrUnreachable")},
-		{is(hotplug.ErrNotReady), warn(codes.Unavailable, "HotplugFailed")},
-		{is(hotplug.ErrVMNotFound), warn(codes.NotFound, "HotplugFailed")},
-		{isA[*hotplug.HeldError], warn(codes.FailedPrecondition, "VolumeHeldByAnotherVM")},
+		{stalledRefused, event(codes.PermissionDenied, corev1.EventTypeWarning, "HostRefusedOrUnreachable")},
+		{isA[*hotplug.StalledError], event(codes.Unavailable, corev1.EventTypeWarning, "HostRefusedOrUnreachable")},
+		{is(hotplug.ErrNotReady), event(codes.Unavailable, corev1.EventTypeWarning, "HotplugFailed")},
+		{is(hotplug.ErrVMNotFound), event(codes.NotFound, corev1.EventTypeWarning, "HotplugFailed")},
+		{isA[*hotplug.HeldError], event(codes.FailedPrecondition, corev1.EventTypeWarning, "VolumeHeldByAnotherVM")},
 		// A newer request replaced this one: nothing to explain.
 		{isA[*hotplug.SupersededError], answer{code: codes.Aborted}},
-		{isA[*hotplug.RejectedError], warn(codes.FailedPrecondition, "HotplugRejected")},
-		{is(hotplug.ErrStopped), warn(codes.Unavailable, "HotplugFailed")},
+		{isA[*hotplug.RejectedError], event(codes.FailedPrecondition, corev1.EventTypeWarning, "HotplugRejected")},
+		{is(hotplug.ErrStopped), event(codes.Unavailable, corev1.EventTypeWarning, "HotplugFailed")},
 		// Aborted, not Unavailable: the external-attacher retries both with
 		// backoff, and Aborted is CSI's "an operation on this volume is
 		// still pending" (the guest's unmount), where Unavailable would say
 		// the driver itself is down.
-		{isA[*guest.InUseError], normal(codes.Aborted, "VolumeStillInUse")},
-		{isA[*guestUseUnknownError], warn(codes.Unavailable, "HotplugFailed")},
-		{is(context.DeadlineExceeded), normal(codes.DeadlineExceeded, "HotplugWaiting")},
+		{isA[*guest.InUseError], event(codes.Aborted, corev1.EventTypeNormal, "VolumeStillInUse")},
+		{isA[*guestUseUnknownError], event(codes.Unavailable, corev1.EventTypeWarning, "HotplugFailed")},
+		{is(context.DeadlineExceeded), event(codes.DeadlineExceeded, corev1.EventTypeNormal, "HotplugWaiting")},
 		// The caller went away: nobody reads the answer.
 		{is(context.Canceled), answer{code: codes.Canceled}},
 	}
@@ -73,7 +71,12 @@ func answerFor(err error) answer {
 			return r.answer
 		}
 	}
-	return answer{codes.Internal, corev1.EventTypeWarning, "HotplugFailed"}
+	return event(codes.Internal, corev1.EventTypeWarning, "HotplugFailed")
+}
+
+// event is an answer with an Event of that type and reason.
+func event(code codes.Code, eventType, reason string) answer {
+	return answer{code: code, eventType: eventType, reason: reason}
 }
 
 func is(target error) func(error) bool { return func(err error) bool { return errors.Is(err, target) } }
