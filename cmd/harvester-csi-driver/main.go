@@ -30,6 +30,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 )
 
 // Stamped at build time with -ldflags "-X main.version=... -X main.commit=...";
@@ -73,7 +74,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.hostStorageClass, "host-storage-class", os.Getenv("HOST_STORAGE_CLASS"), "host storage class for new volumes [$HOST_STORAGE_CLASS]")
 	fs.BoolVar(&o.debug, "debug", envBool("DEBUG"), "verbose logs, the same as --v=4 [$DEBUG]")
 	fs.StringVar(&o.mode, "mode", "all", "services to run: all, controller or node")
-	fs.StringVar(&o.backend, "hotplug-backend", host.BackendAuto, "hotplug backend: auto, declarative or subresource")
+	fs.StringVar(&o.backend, "hotplug-backend", kubevirt.BackendAuto, "hotplug backend: auto, declarative or subresource")
 	fs.DurationVar(&o.queue.BatchWindow, "batch-window", o.queue.BatchWindow, "how long the first hotplug request on an idle VM waits for more")
 	fs.DurationVar(&o.queue.MaxHold, "max-hold", o.queue.MaxHold, "longest wait for a VM's previous hotplug change to settle before the next")
 	fs.IntVar(&o.queue.Workers, "hotplug-workers", o.queue.Workers, "VMs worked on at once")
@@ -115,9 +116,9 @@ func parseFlags(args []string) (*options, error) {
 	// Checked here, not when the backend is built: that happens only after
 	// the host kubeconfig loaded and the host API answered.
 	switch o.backend {
-	case host.BackendAuto, host.BackendDeclarative, host.BackendSubresource:
+	case kubevirt.BackendAuto, kubevirt.BackendDeclarative, kubevirt.BackendSubresource:
 	default:
-		return nil, fmt.Errorf("invalid --hotplug-backend %q: want %s, %s or %s", o.backend, host.BackendAuto, host.BackendDeclarative, host.BackendSubresource)
+		return nil, fmt.Errorf("invalid --hotplug-backend %q: want %s, %s or %s", o.backend, kubevirt.BackendAuto, kubevirt.BackendDeclarative, kubevirt.BackendSubresource)
 	}
 	explicitV := false
 	fs.Visit(func(f *flag.Flag) { explicitV = explicitV || f.Name == "v" })

@@ -14,6 +14,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 )
 
 // StatePath is where the controller serves its hotplug queue's state (JSON,
@@ -62,10 +63,10 @@ func Gather(ctx context.Context, src Sources) (Input, error) {
 
 func gatherHost(ctx context.Context, hc *host.Client, in *Input) error {
 	var err error
-	if in.VMs, err = hc.ListVMs(ctx); err != nil {
+	if in.VMs, err = kubevirt.NewReader(hc).ListVMs(ctx); err != nil {
 		return fmt.Errorf("list host VMs: %w", err)
 	}
-	if in.VMIs, err = hc.ListVMIs(ctx); err != nil {
+	if in.VMIs, err = kubevirt.NewReader(hc).ListVMIs(ctx); err != nil {
 		return fmt.Errorf("list host VMIs: %w", err)
 	}
 	claims, err := hc.Kube.CoreV1().PersistentVolumeClaims(hc.Namespace).List(ctx, metav1.ListOptions{})

@@ -4,20 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"slices"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/klog/v2"
 
-	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
 // StorageClass parameters understood by CreateVolume (upstream names).
@@ -34,7 +28,10 @@ const (
 	hostCallTimeout = 15 * time.Second
 )
 
-// Hotplug is what the controller needs from the per-VM hotplug queue.
+// Hotplug is what the controller needs from the per-VM hotplug queue
+// (*hotplug.Queue). Attach and Detach return nil or one of the errors listed
+// at hotplug.ErrNotReady; answerFor (controller_errors.go) holds the gRPC
+// code and the Event of each.
 type Hotplug interface {
 	Attach(ctx context.Context, vm, volume string, exclusive bool) error
 	Detach(ctx context.Context, vm, volume string) error
@@ -314,137 +311,6 @@ func (s *controllerService) ValidateVolumeCapabilities(ctx context.Context, req 
 	}}, nil
 }
 
-func (s *controllerService) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
-	vol, vm := req.GetVolumeId(), req.GetNodeId()
-	switch {
-	case vol == "":
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
-	case vm == "":
-		return nil, status.Error(codes.InvalidArgument, "node ID is required")
-	case req.GetVolumeCapability() == nil:
-		return nil, status.Error(codes.InvalidArgument, "volume capability is required")
-	case !validObjectName(vol):
-		return nil, notAVolume(vol)
-	case !validObjectName(vm):
-		return nil, status.Errorf(codes.NotFound, "node ID %q cannot name a VM of the host", vm)
-	}
-	if err := checkCapabilities([]*csi.VolumeCapability{req.GetVolumeCapability()}); err != nil {
-		return nil, err
-	}
-	if req.GetReadonly() {
-		// This driver hot-plugs read-write disks only (no PUBLISH_READONLY;
-		// the node mounts read-only when the pod asks). A volume already
-		// published read-write is incompatible with a read-only publish.
-		if slices.Contains(s.hotplug.Published()[vol], vm) {
-			return nil, status.Errorf(codes.AlreadyExists, "volume %s is already published to VM %s read-write, not read-only", vol, vm)
-		}
-		return nil, status.Errorf(codes.InvalidArgument, "volume %s: read-only controller publish is not supported (the capability PUBLISH_READONLY is not offered); publish read-write and mount read-only on the node", vol)
-	}
-	if multiNode(req.GetVolumeCapability()) {
-		pvc, err := s.boundVolume(ctx, vol)
-		if err != nil {
-			return nil, err
-		}
-		return s.publishRWX(ctx, vol, vm, pvc)
-	}
-	// A first publish checks the claim so that a missing or unbound one is
-	// answered at once, not when the VM's queued changes let the queue get
-	// to it. A claim the host cache shows Bound needs no read, and a retry
-	// for a volume already written to this VM skips the check: the queue
-	// reads the claim from the API server right before any write of it
-	// (that read is the fence, not this one).
-	if !slices.Contains(s.hotplug.Holders(vol), vm) && (s.opts.Claims == nil || !s.opts.Claims.ShowsBound(vol)) {
-		if _, err := s.boundVolume(ctx, vol); err != nil {
-			return nil, err
-		}
-	}
-	ctx, cancel := s.publishWindow(ctx, "publish", vol, vm)
-	defer cancel()
-	if err := s.hotplug.Attach(ctx, vm, vol, true); err != nil {
-		s.tellAttachment(ctx, vol, vm, err)
-		return nil, hotplugStatus(err)
-	}
-	if g := s.opts.DetachGuard; g != nil {
-		g.Done(vm, vol) // a new attachment: an older refused unplug is over
-	}
-	klog.FromContext(ctx).Info("volume attached", "volume", vol, "vm", vm)
-	return &csi.ControllerPublishVolumeResponse{}, nil
-}
-
-// boundVolume reads a host PVC and answers Aborted while it is not bound.
-func (s *controllerService) boundVolume(ctx context.Context, vol string) (*corev1.PersistentVolumeClaim, error) {
-	pvc, err := s.getVolume(ctx, vol)
-	if err != nil {
-		return nil, err
-	}
-	if pvc.Status.Phase != corev1.ClaimBound {
-		return nil, status.Errorf(codes.Aborted, "host PVC %s is %s, not Bound yet", vol, pvc.Status.Phase)
-	}
-	return pvc, nil
-}
-
-func (s *controllerService) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
-	vol := req.GetVolumeId()
-	if vol == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume ID is required")
-	}
-	if !validObjectName(vol) || (req.GetNodeId() != "" && !validObjectName(req.GetNodeId())) {
-		// No host object can have that name, so nothing of it is attached.
-		return &csi.ControllerUnpublishVolumeResponse{}, nil
-	}
-	if handled, err := s.unpublishRWX(ctx, vol, req.GetNodeId()); handled {
-		if err != nil {
-			return nil, err
-		}
-		return &csi.ControllerUnpublishVolumeResponse{}, nil
-	}
-	vms := []string{req.GetNodeId()}
-	if req.GetNodeId() == "" {
-		// CSI: no node means "from every node".
-		vms = s.hotplug.Holders(vol)
-	}
-	ctx, cancel := s.publishWindow(ctx, "unpublish", vol, req.GetNodeId())
-	defer cancel()
-	for _, vm := range vms {
-		if err := s.guardDetach(ctx, vm, vol); err != nil {
-			s.tellAttachment(ctx, vol, vm, err)
-			return nil, err
-		}
-		if err := s.hotplug.Detach(ctx, vm, vol); err != nil {
-			s.tellAttachment(ctx, vol, vm, err)
-			return nil, hotplugStatus(err)
-		}
-		if g := s.opts.DetachGuard; g != nil {
-			g.Done(vm, vol)
-		}
-		klog.FromContext(ctx).Info("volume detached", "volume", vol, "vm", vm)
-	}
-	return &csi.ControllerUnpublishVolumeResponse{}, nil
-}
-
-// guardDetach asks the detach guard before a volume the VM holds is
-// unplugged (the attach/detach controller may ask while the guest still has
-// it mounted). Aborted, not Unavailable: the external-attacher
-// retries both with backoff, and Aborted is CSI's "an operation on this
-// volume is still pending" (the guest's unmount), where Unavailable would
-// say the driver itself is down.
-func (s *controllerService) guardDetach(ctx context.Context, vm, vol string) error {
-	g := s.opts.DetachGuard
-	if g == nil || !slices.Contains(s.hotplug.Holders(vol), vm) {
-		return nil
-	}
-	err := g.Allow(ctx, vm, vol)
-	var inUse *guest.InUseError
-	switch {
-	case err == nil:
-		return nil
-	case errors.As(err, &inUse):
-		return status.Error(codes.Aborted, err.Error())
-	default:
-		return status.Errorf(codes.Unavailable, "volume %s on VM %s: cannot tell whether the guest still uses it: %v", vol, vm, err)
-	}
-}
-
 // getVolume reads a host PVC within hostCallTimeout and answers in CSI terms.
 func (s *controllerService) getVolume(ctx context.Context, id string) (*corev1.PersistentVolumeClaim, error) {
 	ctx, cancel := context.WithTimeout(ctx, hostCallTimeout)
@@ -458,131 +324,4 @@ func (s *controllerService) getVolume(ctx context.Context, id string) (*corev1.P
 
 func notAVolume(id string) error {
 	return status.Errorf(codes.NotFound, "volume %q does not exist: not a valid host PVC name", id)
-}
-
-// tellAttachment records on the guest VolumeAttachment why a publish or
-// unpublish is not done: the attacher shows only the last error, and an
-// operator looking at a pod stuck in ContainerCreating should see what the
-// volume waits for, which VM holds it, or what the host refused.
-func (s *controllerService) tellAttachment(ctx context.Context, vol, vm string, err error) {
-	if s.opts.Events == nil || errors.Is(err, context.Canceled) {
-		return
-	}
-	var held *hotplug.HeldError
-	var rejected *hotplug.RejectedError
-	var stalled *hotplug.StalledError
-	var claim *hotplug.ClaimNotReadyError
-	var inUse *guest.InUseError
-	eventType, reason := corev1.EventTypeWarning, "HotplugFailed"
-	msg := ""
-	if st, ok := status.FromError(err); ok {
-		msg = st.Message() // already a CSI answer (the detach guard's)
-		if st.Code() == codes.Aborted {
-			eventType, reason = corev1.EventTypeNormal, "VolumeStillInUse"
-		}
-	} else {
-		msg = status.Convert(hotplugStatus(err)).Message()
-	}
-	switch {
-	case errors.As(err, &held):
-		reason = "VolumeHeldByAnotherVM"
-	case errors.As(err, &rejected):
-		reason = "HotplugRejected"
-	case errors.As(err, &stalled):
-		reason = "HostRefusedOrUnreachable"
-	case errors.As(err, &claim):
-		reason = "HostClaimNotReady"
-	case errors.As(err, &inUse):
-		eventType, reason = corev1.EventTypeNormal, "VolumeStillInUse"
-	case errors.Is(err, context.DeadlineExceeded):
-		eventType, reason = corev1.EventTypeNormal, "HotplugWaiting"
-	case errors.As(err, new(*hotplug.SupersededError)):
-		return // a newer request replaced this one: nothing to explain
-	}
-	// Use a fresh context: the call's own may be over, and the Event
-	// explains its answer.
-	ectx, cancel := context.WithTimeout(context.WithoutCancel(ctx), hostCallTimeout)
-	defer cancel()
-	s.opts.Events.Record(ectx, vol, vm, eventType, reason, msg)
-}
-
-// withMargin ends ctx a little before the caller's deadline, so a call still
-// in flight answers DeadlineExceeded itself instead of being cut off.
-func (s *controllerService) withMargin(ctx context.Context) (context.Context, context.CancelFunc) {
-	deadline, ok := ctx.Deadline()
-	if !ok {
-		return context.WithCancel(ctx)
-	}
-	margin := s.opts.PublishMargin
-	if left := time.Until(deadline); margin > left/2 {
-		margin = left / 2
-	}
-	return context.WithDeadline(ctx, deadline.Add(-margin))
-}
-
-func apiStatus(err error, format string, args ...any) error {
-	msg := fmt.Sprintf(format, args...) + ": " + err.Error()
-	switch {
-	case apierrors.IsNotFound(err):
-		return status.Error(codes.NotFound, msg)
-	case apierrors.IsAlreadyExists(err):
-		return status.Error(codes.AlreadyExists, msg)
-	case apierrors.IsForbidden(err), apierrors.IsUnauthorized(err):
-		return status.Error(codes.PermissionDenied, msg)
-	case apierrors.IsInvalid(err), apierrors.IsBadRequest(err):
-		return status.Error(codes.InvalidArgument, msg)
-	case apierrors.IsTimeout(err), apierrors.IsServerTimeout(err), apierrors.IsTooManyRequests(err), apierrors.IsServiceUnavailable(err),
-		apierrors.IsInternalError(err), errors.Is(err, context.DeadlineExceeded), isConnectionError(err):
-		// The host did not answer, or not usefully: retrying may help.
-		return status.Error(codes.Unavailable, msg)
-	}
-	return status.Error(codes.Internal, msg)
-}
-
-// isConnectionError reports a host API that could not be reached at all.
-func isConnectionError(err error) bool {
-	var netErr net.Error
-	var opErr *net.OpError
-	return errors.As(err, &netErr) || errors.As(err, &opErr)
-}
-
-// hotplugStatus maps the queue's answers to CSI codes. Only NotFound,
-// FailedPrecondition and a host rejection are final; everything in flight is
-// reported with a code the external-attacher treats as "may still happen".
-func hotplugStatus(err error) error {
-	var held *hotplug.HeldError
-	var superseded *hotplug.SupersededError
-	var rejected *hotplug.RejectedError
-	var stalled *hotplug.StalledError
-	var claim *hotplug.ClaimNotReadyError
-	switch {
-	case errors.As(err, &claim) && claim.Phase == "":
-		return status.Error(codes.NotFound, err.Error())
-	case errors.As(err, &claim):
-		return status.Error(codes.Aborted, err.Error())
-	case errors.As(err, &stalled):
-		// Still pending, but the host refused or did not answer: say why,
-		// with the code of the cause.
-		if apierrors.IsForbidden(err) || apierrors.IsUnauthorized(err) {
-			return status.Error(codes.PermissionDenied, err.Error())
-		}
-		return status.Error(codes.Unavailable, err.Error())
-	case errors.Is(err, hotplug.ErrNotReady):
-		return status.Error(codes.Unavailable, err.Error())
-	case errors.Is(err, hotplug.ErrVMNotFound):
-		return status.Error(codes.NotFound, err.Error())
-	case errors.As(err, &held):
-		return status.Error(codes.FailedPrecondition, err.Error())
-	case errors.As(err, &superseded):
-		return status.Error(codes.Aborted, err.Error())
-	case errors.As(err, &rejected):
-		return status.Error(codes.FailedPrecondition, err.Error())
-	case errors.Is(err, hotplug.ErrStopped):
-		return status.Error(codes.Unavailable, err.Error())
-	case errors.Is(err, context.DeadlineExceeded):
-		return status.Error(codes.DeadlineExceeded, err.Error())
-	case errors.Is(err, context.Canceled):
-		return status.Error(codes.Canceled, err.Error())
-	}
-	return status.Error(codes.Internal, err.Error())
 }

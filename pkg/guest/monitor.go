@@ -37,9 +37,9 @@ const (
 // VM, a fresh read of whether its guest is stopped, and the hotplug queue,
 // through which every volume leaves a VM.
 type VMs interface {
-	// Synced reports whether the host's VM and VMI caches are filled; until
+	// Ready reports whether the host's VM and VMI caches are filled; until
 	// then every VM would look stopped.
-	Synced() bool
+	Ready() bool
 	View(vm string) hotplug.VMView
 	// GuestStopped reads the VM's VMI and virt-launcher pods from the host
 	// API server and reports whether the guest is known to be stopped, and
@@ -232,7 +232,7 @@ func (m *Monitor) lead(ctx context.Context, stopElection context.CancelCauseFunc
 	defer t.queue.ShutDown()
 	// Decide nothing before both sides are cached: an empty VMI cache says
 	// every VM is stopped.
-	if !cache.WaitForCacheSync(t.ctx.Done(), m.nodes.HasSynced, m.vms.Synced) {
+	if !cache.WaitForCacheSync(t.ctx.Done(), m.nodes.HasSynced, m.vms.Ready) {
 		return
 	}
 	m.current.Store(t)

@@ -51,7 +51,7 @@ func (f *fakeVMs) DetachBefore(ctx context.Context, vm, volume string, _ time.Ti
 	return f.Detach(ctx, vm, volume)
 }
 
-func (f *fakeVMs) Synced() bool { return true }
+func (f *fakeVMs) Ready() bool { return true }
 
 func (f *fakeVMs) View(vm string) hotplug.VMView {
 	f.mu.Lock()

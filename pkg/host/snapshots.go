@@ -16,6 +16,9 @@ import (
 
 var snapshotResource = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}
 
+// settingResource is Harvester's settings (csi-driver-config here).
+var settingResource = schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"}
+
 // Labels on a host VolumeSnapshot that a restore reads back (upstream's
 // names): the class and volume mode the restored host PVC must have.
 const (

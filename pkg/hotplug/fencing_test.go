@@ -7,13 +7,16 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/tools/cache"
@@ -126,6 +129,95 @@ func TestCallsBeforeTheCachesSyncAreRefused(t *testing.T) {
 	}
 	if applies, _, _ := f.stats(); applies != 0 {
 		t.Errorf("%d backend calls before sync, want 0", applies)
+	}
+}
+
+// detectingBackend learns its name only when start is closed, as a backend
+// does that asks the host which hotplug path it expects.
+type detectingBackend struct {
+	*fakeKubeVirt
+	start chan struct{}
+	name  atomic.Pointer[string]
+}
+
+func (d *detectingBackend) Start(ctx context.Context, progress func(string)) error {
+	progress("the host does not answer")
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-d.start:
+	}
+	name := "detected"
+	d.name.Store(&name)
+	return nil
+}
+
+func (d *detectingBackend) Name() string {
+	if n := d.name.Load(); n != nil {
+		return *n
+	}
+	return ""
+}
+
+// Until the backend knows the host's hotplug path the queue does not run:
+// callers are refused, nothing is written, and it says why; its metrics then
+// carry the name the backend learned.
+func TestCallsBeforeTheBackendStartsAreRefused(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	b := &detectingBackend{fakeKubeVirt: f, start: make(chan struct{})}
+	vms := f.kv.KubevirtV1().VirtualMachines(ns)
+	vmis := f.kv.KubevirtV1().VirtualMachineInstances(ns)
+	vmInf := cache.NewSharedIndexInformer(&cache.ListWatch{
+		ListWithContextFunc:  func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vms.List(ctx, o) },
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) { return vms.Watch(ctx, o) },
+	}, &kubevirtv1.VirtualMachine{}, 0, cache.Indexers{})
+	vmiInf := cache.NewSharedIndexInformer(&cache.ListWatch{
+		ListWithContextFunc:  func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vmis.List(ctx, o) },
+		WatchFuncWithContext: func(ctx context.Context, o metav1.ListOptions) (watch.Interface, error) { return vmis.Watch(ctx, o) },
+	}, &kubevirtv1.VirtualMachineInstance{}, 0, cache.Indexers{})
+	reg := prometheus.NewRegistry()
+	q, err := New(Config{Namespace: ns}, b, f, vmInf, vmiInf, reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	go vmInf.RunWithContext(ctx)
+	go vmiInf.RunWithContext(ctx)
+	go func() { _ = q.Run(ctx) }()
+	testwait.Until(ctx, t, "the queue to say the backend is detecting", func() (bool, string) {
+		why := q.Waiting()
+		return why == "detecting the hotplug backend: the host does not answer", why
+	})
+	if !cache.WaitForCacheSync(ctx.Done(), vmInf.HasSynced, vmiInf.HasSynced) {
+		t.Fatal("informers did not sync")
+	}
+	if q.Ready() {
+		t.Error("queue ready before its backend started")
+	}
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); !errors.Is(err, ErrNotReady) {
+		t.Errorf("attach before the backend started answered %v, want ErrNotReady", err)
+	}
+	close(b.start)
+	testwait.Until(ctx, t, "the queue to run", func() (bool, string) { return q.Ready(), q.Waiting() })
+	if applies, _, _ := f.stats(); applies != 0 {
+		t.Errorf("%d backend calls before the backend started, want 0", applies)
+	}
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); err != nil {
+		t.Fatal(err)
+	}
+	if got := testutil.ToFloat64(q.metrics.writes); got != 1 {
+		t.Errorf("%v VM writes counted, want 1", got)
+	}
+	if n := testutil.CollectAndCount(reg, "harvester_csi_hotplug_vm_writes_total"); n != 1 {
+		t.Errorf("%d VM write series, want 1", n)
+	}
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(`
+# HELP harvester_csi_hotplug_vm_writes_total Backend attempts that changed a VM's hotplug set.
+# TYPE harvester_csi_hotplug_vm_writes_total counter
+harvester_csi_hotplug_vm_writes_total{backend="detected"} 1
+`), "harvester_csi_hotplug_vm_writes_total"); err != nil {
+		t.Error(err)
 	}
 }
 

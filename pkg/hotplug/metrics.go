@@ -7,82 +7,115 @@ import (
 // Registerer is where the queue's metrics go (a prometheus.Registry).
 type Registerer = prometheus.Registerer
 
+// metrics are the queue's series. Each carries the backend's name, which a
+// backend that detects the host's hotplug path learns only in Run: the
+// vectors are registered in New with "backend" as a label, and bind fixes
+// it once the name is known, before any series is written.
 type metrics struct {
-	q          *Queue
-	depth      *prometheus.Desc
-	oldest     *prometheus.Desc
-	batchSize  prometheus.Histogram
+	q      *Queue
+	depth  *prometheus.Desc
+	oldest *prometheus.Desc
+	vecs   metricVecs
+	// backend is the bound name (under q.mu: Collect reads it).
+	backend string
+
+	// The series below exist once bind ran; the queue writes them only
+	// after that (its workers start, and callers are served, after bind).
+	batchSize  prometheus.Observer
 	writes     prometheus.Counter
 	results    *prometheus.CounterVec
-	completion *prometheus.HistogramVec
+	completion prometheus.ObserverVec
 	// held is the part of completion the queue held the change before its
 	// last write (gathering a batch, KubeVirt settling the previous one).
-	held       *prometheus.HistogramVec
+	held       prometheus.ObserverVec
 	superseded prometheus.Counter
 	// hostFailures counts failed attempts at the host, reads included: a host
 	// that cannot be reached fails the reads before any change is sent.
 	hostFailures *prometheus.CounterVec
 	// applyDuration is the latency of the host API calls themselves, apart
 	// from the time KubeVirt then takes (completion).
-	applyDuration prometheus.Histogram
+	applyDuration prometheus.Observer
 }
 
-func newMetrics(q *Queue, backend string) *metrics {
-	constLabels := prometheus.Labels{"backend": backend}
-	m := &metrics{
+// metricVecs are the registered collectors, labelled by backend.
+type metricVecs struct {
+	batchSize, applyDuration, completion, held *prometheus.HistogramVec
+	writes, results, superseded, hostFailures  *prometheus.CounterVec
+}
+
+const labelBackend = "backend"
+
+func newMetrics(q *Queue) *metrics {
+	with := func(labels ...string) []string { return append([]string{labelBackend}, labels...) }
+	return &metrics{
 		q: q,
 		depth: prometheus.NewDesc("harvester_csi_hotplug_queue_depth",
-			"Pending hotplug intents per VM.", []string{"vm"}, constLabels),
+			"Pending hotplug intents per VM.", with("vm"), nil),
 		oldest: prometheus.NewDesc("harvester_csi_hotplug_oldest_intent_age_seconds",
-			"Age of the oldest pending hotplug intent per VM.", []string{"vm"}, constLabels),
-		batchSize: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "harvester_csi_hotplug_batch_size", Help: "Volume changes handed to the backend in one attempt.",
-			ConstLabels: constLabels, Buckets: []float64{1, 2, 4, 8, 16, 32, 64},
-		}),
-		writes: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "harvester_csi_hotplug_vm_writes_total", Help: "Backend attempts that changed a VM's hotplug set.",
-			ConstLabels: constLabels,
-		}),
-		results: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "harvester_csi_hotplug_change_results_total",
-			Help: "Outcomes of volume changes by kind (conflict, in_flight, already_done, rejected, ...).", ConstLabels: constLabels,
-		}, []string{"result"}),
-		completion: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "harvester_csi_hotplug_intent_duration_seconds", Help: "Time from intent to observed completion.",
-			ConstLabels: constLabels, Buckets: prometheus.ExponentialBuckets(0.25, 2, 12),
-		}, []string{"op"}),
-		held: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:        "harvester_csi_hotplug_intent_held_seconds",
-			Help:        "Time from intent to the last write of its change, for intents completed (the rest of intent_duration is KubeVirt's work).",
-			ConstLabels: constLabels, Buckets: prometheus.ExponentialBuckets(0.25, 2, 12),
-		}, []string{"op"}),
-		applyDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
-			Name: "harvester_csi_hotplug_apply_duration_seconds", Help: "Time of one backend attempt (the VM patch, or the addvolume/removevolume calls).",
-			ConstLabels: constLabels, Buckets: prometheus.ExponentialBuckets(0.01, 2, 12),
-		}),
-		hostFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "harvester_csi_hotplug_host_failures_total", Help: "Failed attempts at the host API (reads and writes) by cause: refused (403/401), unavailable, other.",
-			ConstLabels: constLabels,
-		}, []string{"cause"}),
-		superseded: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "harvester_csi_hotplug_intents_superseded_total", Help: "Intents replaced by a newer opposite intent.",
-			ConstLabels: constLabels,
-		}),
+			"Age of the oldest pending hotplug intent per VM.", with("vm"), nil),
+		vecs: metricVecs{
+			batchSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+				Name: "harvester_csi_hotplug_batch_size", Help: "Volume changes handed to the backend in one attempt.",
+				Buckets: []float64{1, 2, 4, 8, 16, 32, 64},
+			}, with()),
+			writes: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "harvester_csi_hotplug_vm_writes_total", Help: "Backend attempts that changed a VM's hotplug set.",
+			}, with()),
+			results: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "harvester_csi_hotplug_change_results_total",
+				Help: "Outcomes of volume changes by kind (conflict, in_flight, already_done, rejected, ...).",
+			}, with("result")),
+			completion: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+				Name: "harvester_csi_hotplug_intent_duration_seconds", Help: "Time from intent to observed completion.",
+				Buckets: prometheus.ExponentialBuckets(0.25, 2, 12),
+			}, with("op")),
+			held: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+				Name:    "harvester_csi_hotplug_intent_held_seconds",
+				Help:    "Time from intent to the last write of its change, for intents completed (the rest of intent_duration is KubeVirt's work).",
+				Buckets: prometheus.ExponentialBuckets(0.25, 2, 12),
+			}, with("op")),
+			applyDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+				Name: "harvester_csi_hotplug_apply_duration_seconds", Help: "Time of one backend attempt (the VM patch, or the addvolume/removevolume calls).",
+				Buckets: prometheus.ExponentialBuckets(0.01, 2, 12),
+			}, with()),
+			hostFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "harvester_csi_hotplug_host_failures_total", Help: "Failed attempts at the host API (reads and writes) by cause: refused (403/401), unavailable, other.",
+			}, with("cause")),
+			superseded: prometheus.NewCounterVec(prometheus.CounterOpts{
+				Name: "harvester_csi_hotplug_intents_superseded_total", Help: "Intents replaced by a newer opposite intent.",
+			}, with()),
+		},
 	}
-	// Every result is exported from the start at zero: a series born at its
-	// first increment is invisible to rate() and increase(), so the first
-	// rejection or host error after a restart would raise no alert.
+}
+
+// bind fixes the backend's name on every series. Every result and cause is
+// exported from then on at zero: a series born at its first increment is
+// invisible to rate() and increase(), so the first rejection or host error
+// after a restart would raise no alert.
+func (m *metrics) bind(backend string) {
+	v, b := m.vecs, prometheus.Labels{labelBackend: backend}
+	m.batchSize = v.batchSize.WithLabelValues(backend)
+	m.writes = v.writes.WithLabelValues(backend)
+	m.results = v.results.MustCurryWith(b)
+	m.completion = v.completion.MustCurryWith(b)
+	m.held = v.held.MustCurryWith(b)
+	m.superseded = v.superseded.WithLabelValues(backend)
+	m.hostFailures = v.hostFailures.MustCurryWith(b)
+	m.applyDuration = v.applyDuration.WithLabelValues(backend)
 	for _, r := range resultNames {
 		m.results.WithLabelValues(r)
 	}
-	return m
-}
-
-func (m *metrics) register(reg Registerer) error {
 	for _, cause := range []string{causeRefused, causeUnavailable, causeOther} {
 		m.hostFailures.WithLabelValues(cause)
 	}
-	for _, c := range []prometheus.Collector{m, m.batchSize, m.writes, m.results, m.completion, m.held, m.superseded, m.applyDuration, m.hostFailures} {
+	m.q.mu.Lock()
+	m.backend = backend
+	m.q.mu.Unlock()
+}
+
+func (m *metrics) register(reg Registerer) error {
+	v := m.vecs
+	for _, c := range []prometheus.Collector{m, v.batchSize, v.writes, v.results, v.completion, v.held, v.superseded, v.applyDuration, v.hostFailures} {
 		if err := reg.Register(c); err != nil {
 			return err
 		}
@@ -112,7 +145,7 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 				oldest = it.created
 			}
 		}
-		ch <- prometheus.MustNewConstMetric(m.depth, prometheus.GaugeValue, float64(len(w.intents)), vm.Name)
-		ch <- prometheus.MustNewConstMetric(m.oldest, prometheus.GaugeValue, now.Sub(oldest).Seconds(), vm.Name)
+		ch <- prometheus.MustNewConstMetric(m.depth, prometheus.GaugeValue, float64(len(w.intents)), m.backend, vm.Name)
+		ch <- prometheus.MustNewConstMetric(m.oldest, prometheus.GaugeValue, now.Sub(oldest).Seconds(), m.backend, vm.Name)
 	}
 }

@@ -48,6 +48,9 @@ type facts struct {
 	// vmGone says the API server itself confirmed the VM does not exist.
 	// Without it, a VM missing from the informer may only be new.
 	vmGone bool
+	// refused has, per attach intent, the host's refusal of its queued add
+	// request (Backend.Refusal); absent means none.
+	refused map[string]error
 }
 
 // vmLookAgain is how soon a VM that the informer does not show yet, but the
@@ -107,7 +110,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 			case addReq && !removeReq:
 				// A queued add the host refused blocks every request behind
 				// it: fail this volume and withdraw its request.
-				if err := refusal(o.vm, vol); err != nil {
+				if err := f.refused[vol]; err != nil {
 					p.resolve = append(p.resolve, resolution{it: it, err: &RejectedError{Volume: vol, VM: it.vm, Op: Attach, Err: err}})
 					p.cleanup = append(p.cleanup, vol)
 					removes = append(removes, Change{Volume: vol, Op: Detach})

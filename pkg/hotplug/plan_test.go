@@ -73,6 +73,7 @@ func TestDecide(t *testing.T) {
 		obs     observed
 		vmGone  bool
 		held    map[string]error
+		refused map[string]error
 	}
 	cases := []struct {
 		name        string
@@ -185,7 +186,8 @@ func TestDecide(t *testing.T) {
 	}, {
 		name: "refused legacy add fails alone and is withdrawn at once",
 		in: in{intents: map[string]Op{"a": Attach, "b": Attach}, since: t0.Add(-time.Second),
-			obs: observed{vm: failedVM(vmWith(nil, addReq("a"), addReq("b")), `admission webhook "x" denied the request: volume a is refused`), vmi: vmiWith(nil)}},
+			obs:     observed{vm: failedVM(vmWith(nil, addReq("a"), addReq("b")), `admission webhook "x" denied the request: volume a is refused`), vmi: vmiWith(nil)},
+			refused: map[string]error{"a": errors.New(`admission webhook "x" denied the request: volume a is refused`)}},
 		wantResolve: map[string]error{"a": errDenied},
 		wantChanges: []Change{{"a", Detach}},
 	}, {
@@ -206,7 +208,7 @@ func TestDecide(t *testing.T) {
 				w.expect[v] = e
 			}
 			before := fmt.Sprint(w.expect, w.settlingSince, w.gatherUntil, len(w.intents))
-			p := decide(t0, cfg, w, facts{o: tc.in.obs, vmGone: tc.in.vmGone, held: tc.in.held})
+			p := decide(t0, cfg, w, facts{o: tc.in.obs, vmGone: tc.in.vmGone, held: tc.in.held, refused: tc.in.refused})
 			if after := fmt.Sprint(w.expect, w.settlingSince, w.gatherUntil, len(w.intents)); after != before {
 				t.Errorf("decide changed the VM's work: %s -> %s", before, after)
 			}

@@ -76,6 +76,10 @@ func (f *fakeKubeVirt) addVM(name string) {
 
 func (f *fakeKubeVirt) Name() string { return "fake" }
 
+func (f *fakeKubeVirt) Refusal(*kubevirtv1.VirtualMachine, string) error { return nil }
+
+func (f *fakeKubeVirt) Start(context.Context, func(string)) error { return nil }
+
 func (f *fakeKubeVirt) VMExists(ctx context.Context, vm string) (bool, error) {
 	_, err := f.kv.KubevirtV1().VirtualMachines(ns).Get(ctx, vm, metav1.GetOptions{})
 	return err == nil, nil

@@ -48,6 +48,7 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 		return nil
 	}
 	f.held = q.heldLocked(key, w)
+	f.refused = q.refusalsLocked(obs, w)
 	now := q.now()
 	p := decide(now, q.cfg, w, f)
 	releasing := releasesFirst(&p)
@@ -149,6 +150,21 @@ func (q *Queue) heldLocked(key cache.ObjectName, w *vmWork) map[string]error {
 		}
 	}
 	return held
+}
+
+// refusalsLocked reads, for each attach intent of the VM, whether the host
+// refused the VM's queued add request for its volume.
+func (q *Queue) refusalsLocked(obs observed, w *vmWork) map[string]error {
+	refused := map[string]error{}
+	for vol, it := range w.intents {
+		if it.op != Attach {
+			continue
+		}
+		if err := q.backend.Refusal(obs.vm, vol); err != nil {
+			refused[vol] = err
+		}
+	}
+	return refused
 }
 
 // write makes the changes, retrying conflicts at once after a fresh read (the

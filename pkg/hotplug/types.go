@@ -97,11 +97,22 @@ type Outcome struct {
 // per call, starting from a fresh (uncached) read, so that a Conflict can be
 // retried simply by calling Apply again. Only the queue's workers call it.
 type Backend interface {
-	// Name identifies the backend in logs and metrics.
+	// Start returns once Apply may be called: at once for a backend that
+	// knows the host's hotplug path, after asking the host for one that
+	// detects it (again while the host does not answer, reporting each
+	// failed attempt through progress). The queue calls it first in Run
+	// and answers "not ready" until it returned.
+	Start(ctx context.Context, progress func(reason string)) error
+	// Name identifies the backend in logs and metrics, once Start returned.
 	Name() string
 	// Apply returns one Outcome per change, in order. Removals come first in
 	// changes; a backend that issues one call per change keeps that order.
 	Apply(ctx context.Context, vm string, changes []Change) []Outcome
+	// Refusal reads from the VM's status a refusal of the VM's queued add
+	// request for volume (KubeVirt's legacy path answers a webhook's denial
+	// there, not to the writer), nil when there is none or it passes by
+	// itself. vm may be nil.
+	Refusal(vm *kubevirtv1.VirtualMachine, volume string) error
 }
 
 // Reader reads the host namespace's VMs and VMIs from the API server itself,

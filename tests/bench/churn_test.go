@@ -19,8 +19,8 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -154,7 +154,7 @@ func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 	}
 	h.CreateVMs(b, vms...)
 	vols := h.CreateVolumes(b, "churn", cfg.Volumes)
-	ctrl := h.StartController(b, framework.ControllerOptions{Backend: host.BackendAuto,
+	ctrl := h.StartController(b, framework.ControllerOptions{Backend: kubevirt.BackendAuto,
 		Queue: scaledQueue(cfg.Scale), Driver: scaledDriver(cfg.Scale, cfg.PublishWait, cfg.PublishWaitCrowd)})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
 	defer cancel()

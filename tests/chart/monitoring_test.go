@@ -189,6 +189,8 @@ func (b namedBackend) Name() string { return string(b) }
 func (b namedBackend) Apply(context.Context, string, []hotplug.Change) []hotplug.Outcome {
 	return nil
 }
+func (b namedBackend) Refusal(*kubevirtv1.VirtualMachine, string) error { return nil }
+func (b namedBackend) Start(context.Context, func(string)) error        { return nil }
 
 // recordingRegisterer registers into a real registry (so the registration is
 // checked) and keeps the collectors.

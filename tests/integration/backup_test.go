@@ -25,6 +25,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -44,9 +45,9 @@ type backupSuite struct {
 // simulated Harvester (its VolumeRemoteBackup and -Restore controllers).
 func TestBackups(t *testing.T) {
 	h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_7_0, Scale: scale})
-	ctrl := h.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig(),
+	ctrl := h.StartController(t, framework.ControllerOptions{Backend: kubevirt.BackendAuto, Queue: queueConfig(),
 		Driver: driver.ControllerOptions{HostStorageClass: kubevirtsim.DefaultStorageClass}})
-	ctrl2 := h.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Queue: queueConfig(),
+	ctrl2 := h.StartController(t, framework.ControllerOptions{Backend: kubevirt.BackendAuto, Queue: queueConfig(),
 		Driver: driver.ControllerOptions{HostStorageClass: kubevirtsim.DefaultStorageClass}})
 	s := &backupSuite{h: h, c: ctrl.Client, c2: ctrl2.Client, dyn: dynamic.NewForConfigOrDie(h.Env.Config)}
 	t.Run("BackupRestoreDelete", s.lifecycle)

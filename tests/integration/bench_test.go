@@ -18,7 +18,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -90,7 +90,7 @@ func baselineAttach(ctx context.Context, kv kubevirt.Interface, ns, backend, vm,
 	vms := kv.KubevirtV1().VirtualMachines(ns)
 	for {
 		var err error
-		if backend == host.BackendDeclarative {
+		if backend == kvbackend.BackendDeclarative {
 			var cur *kubevirtv1.VirtualMachine
 			if cur, err = vms.Get(ctx, vm, metav1.GetOptions{}); err != nil {
 				return err

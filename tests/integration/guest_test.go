@@ -22,7 +22,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -38,7 +38,7 @@ type guestSuite struct {
 // there leaves a queued request the queue itself must withdraw) and a guest
 // API server whose Nodes the test writes as kubelet would.
 func TestGuestAware(t *testing.T) {
-	f := flavor{"legacy-v1.7", kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0, host.BackendSubresource, false}
+	f := flavor{"legacy-v1.7", kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0, kvbackend.BackendSubresource, false}
 	h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
 	s := &guestSuite{suite: &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}, guest: framework.StartGuest(t)}
 	s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig(),

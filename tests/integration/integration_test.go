@@ -17,8 +17,8 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/csiattacher"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -42,14 +42,14 @@ type flavor struct {
 // declarative gate on the one Harvester 1.8 ships (v1.7.0) and on v1.8.2,
 // and main with the subresource backend forced.
 var flavors = []flavor{
-	{"legacy-v1.5.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, host.BackendSubresource, false},
-	{"legacy-v1.6.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3, host.BackendSubresource, false},
-	{"legacy-v1.7.0", kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0, host.BackendSubresource, false},
-	{"declarative-v1.7.0", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, host.BackendDeclarative, false},
-	{"declarative-v1.8.2", kubevirtsim.ModeDeclarative, kubevirtsim.V1_8_2, host.BackendDeclarative, false},
+	{"legacy-v1.5.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, kvbackend.BackendSubresource, false},
+	{"legacy-v1.6.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3, kvbackend.BackendSubresource, false},
+	{"legacy-v1.7.0", kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0, kvbackend.BackendSubresource, false},
+	{"declarative-v1.7.0", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, kvbackend.BackendDeclarative, false},
+	{"declarative-v1.8.2", kubevirtsim.ModeDeclarative, kubevirtsim.V1_8_2, kvbackend.BackendDeclarative, false},
 	// The flag overrides detection: the VM subresources also serve a
 	// declarative-only KubeVirt (they edit the VM spec there).
-	{"declarative-main-forced-subresource", kubevirtsim.ModeDeclarative, kubevirtsim.VMain, host.BackendSubresource, true},
+	{"declarative-main-forced-subresource", kubevirtsim.ModeDeclarative, kubevirtsim.VMain, kvbackend.BackendSubresource, true},
 }
 
 // backendFlag is what the controller is started with.
@@ -57,7 +57,7 @@ func (f flavor) backendFlag() string {
 	if f.forced {
 		return f.backend
 	}
-	return host.BackendAuto
+	return kvbackend.BackendAuto
 }
 
 func queueConfig() hotplug.Config { return queueConfigAt(scale) }

@@ -16,7 +16,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -28,7 +28,7 @@ import (
 // goes. After the leader stops, the other replica takes over, and a VM that
 // stops after its Node went NotReady is noticed too.
 func TestNodeMonitor(t *testing.T) {
-	f := flavor{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, host.BackendDeclarative, false}
+	f := flavor{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, kvbackend.BackendDeclarative, false}
 	h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
 	s := &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}
 	g := framework.StartGuest(t)
@@ -195,7 +195,7 @@ func detachesDone(t *testing.T, c *framework.Controller) uint64 {
 // not known to be stopped: its NotReady Node keeps its pods and its volumes.
 // Once the pod has ended, the Node is fenced and its volumes leave the VM.
 func TestNodeMonitorSparesALiveLauncher(t *testing.T) {
-	f := flavor{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, host.BackendDeclarative, false}
+	f := flavor{"declarative-v1.7", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, kvbackend.BackendDeclarative, false}
 	h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
 	s := &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}
 	g := framework.StartGuest(t)

@@ -23,6 +23,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -54,7 +55,7 @@ var rwxMount = rwxCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, f
 func TestRWX(t *testing.T) {
 	h := framework.StartHost(t, kubevirtsim.Options{Scale: scale})
 	s := &rwxSuite{host: h, guest: framework.StartGuest(t)}
-	s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: host.BackendSubresource, Queue: queueConfig(),
+	s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: kubevirt.BackendSubresource, Queue: queueConfig(),
 		Guest: s.guest.Env.Config, Driver: driver.ControllerOptions{HostStorageClass: kubevirtsim.DefaultStorageClass}})
 	if !s.ctrl.Driver.RWXEnabled() {
 		t.Fatal("the host lists NetworkFilesystems, but the controller does not serve RWX volumes")

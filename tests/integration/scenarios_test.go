@@ -16,7 +16,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/csiattacher"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
@@ -55,10 +55,10 @@ func (s *suite) concurrentPublishes(t *testing.T) {
 	st := s.host.Sim.Stats()
 	t.Logf("%s: VM spec writes %d, status writes %d, addvolume %d, conflicts %d/%d, answers %v",
 		s.f.name, st.VMSpecWrites, st.VMStatusWrites, st.AddVolume, st.Conflicts, st.Unprocessable, a.Answers())
-	if s.f.backend == host.BackendDeclarative && st.VMSpecWrites > 3 {
+	if s.f.backend == kubevirt.BackendDeclarative && st.VMSpecWrites > 3 {
 		t.Errorf("20 publishes took %d VM spec writes, want at most 3", st.VMSpecWrites)
 	}
-	if s.f.backend == host.BackendSubresource && !s.f.forced && st.VMSpecWrites != 0 {
+	if s.f.backend == kubevirt.BackendSubresource && !s.f.forced && st.VMSpecWrites != 0 {
 		t.Errorf("subresource backend wrote the VM spec %d times, want 0", st.VMSpecWrites)
 	}
 	if l := a.leaked(); len(l) > 0 {

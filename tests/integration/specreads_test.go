@@ -10,7 +10,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 )
 
 // specReadOnlyWhenMoved (declarative backend): a batch on a VM whose spec
@@ -20,7 +20,7 @@ import (
 // not shown the change yet, fails the patch's `test` guard and is retried
 // after a read: either way the other writer's change is kept.
 func (s *suite) specReadOnlyWhenMoved(t *testing.T) {
-	if s.f.backend != host.BackendDeclarative {
+	if s.f.backend != kubevirt.BackendDeclarative {
 		t.Skip("the subresource backend does not read the VM spec")
 	}
 	vm := "sr-vm"

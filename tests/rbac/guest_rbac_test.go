@@ -252,7 +252,7 @@ func TestControllerGuestCallsFitTheListedPermissions(t *testing.T) {
 // stoppedVM is a host where every VM exists and is stopped.
 type stoppedVM struct{}
 
-func (stoppedVM) Synced() bool { return true }
+func (stoppedVM) Ready() bool { return true }
 
 func (stoppedVM) View(string) hotplug.VMView { return hotplug.VMView{Exists: true} }
 

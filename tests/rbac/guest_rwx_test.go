@@ -62,7 +62,7 @@ func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	claims, err := driver.NewGuestClaims(client, driver.Name, nodes)
+	claims, err := guest.NewClaims(client, driver.Name, nodes)
 	if err != nil {
 		t.Fatal(err)
 	}

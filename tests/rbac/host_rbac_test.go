@@ -41,6 +41,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/nodeid"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -512,8 +513,8 @@ func TestHostIdentityRunsTheDriver(t *testing.T) {
 		// hotplug, 1.8 runs 1.7.0 with declarative hotplug (the
 		// server-version setting says which, when the identity may not
 		// read the KubeVirt CR).
-		{"legacy", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3, host.BackendSubresource},
-		{"declarative", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, host.BackendDeclarative},
+		{"legacy", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3, kvbackend.BackendSubresource},
+		{"declarative", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, kvbackend.BackendDeclarative},
 	} {
 		t.Run(f.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
@@ -572,7 +573,7 @@ func TestHostIdentityRunsTheDriver(t *testing.T) {
 				t.Fatal(err)
 			}
 			h.Sim.ResetStats()
-			ctrl := h.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Config: viaProxy,
+			ctrl := h.StartController(t, framework.ControllerOptions{Backend: kvbackend.BackendAuto, Config: viaProxy,
 				Queue:  hotplug.Config{BatchWindow: 50 * time.Millisecond, MaxHold: 2 * time.Second},
 				Driver: driver.ControllerOptions{HostStorageClass: "longhorn"}})
 			if got := ctrl.Queue.BackendName(); got != f.backend {
@@ -770,7 +771,7 @@ func checkExistingServiceAccount(ctx context.Context, t *testing.T, h *framework
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctrl := h.StartController(t, framework.ControllerOptions{Backend: host.BackendAuto, Config: &rest.Config{Host: h.Sim.ProxyURL(), BearerToken: tr.Status.Token},
+	ctrl := h.StartController(t, framework.ControllerOptions{Backend: kvbackend.BackendAuto, Config: &rest.Config{Host: h.Sim.ProxyURL(), BearerToken: tr.Status.Token},
 		Queue: hotplug.Config{BatchWindow: 50 * time.Millisecond, MaxHold: 2 * time.Second}})
 	defer ctrl.Stop()
 	refusedVolumeFlow(ctx, t, h, ctrl, "rbac-vm", "pvc-rancher")

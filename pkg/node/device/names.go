@@ -10,7 +10,7 @@ package device
 //     empty unless the hotplug request set one. KubeVirt itself never sets one
 //     for a hotplug; virtctl addvolume defaults it to the volume name
 //     (v1.7.0 pkg/virtctl/vm/add_volume.go:164-166). This driver and upstream
-//     plug with bus scsi and no serial (pkg/host).
+//     plug with bus scsi and no serial (pkg/kubevirt).
 //   - For a scsi-hd disk libvirt sets the SCSI device identification (VPD
 //     page 0x83) to the serial, or to "drive-<alias>" when there is none
 //     (libvirt src/qemu/qemu_command.c, qemuBuildDiskDeviceProps). QEMU

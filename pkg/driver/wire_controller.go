@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,6 +20,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 )
 
 // ControllerConfig is what the controller side of the driver is built from.
@@ -47,13 +49,15 @@ type ControllerConfig struct {
 
 // Controller is the controller side of the driver: the hotplug backend, the
 // host's VM and VMI informers, the per-VM hotplug queue and the CSI
-// controller service over them. It is built at once and made ready by Run;
-// until then its service answers Unavailable and Probe says not ready, so no
-// caller is ever answered from caches that have not synced.
+// controller service over them, all built by NewController and made ready by
+// Run; until then its service answers Unavailable and Probe says not ready,
+// so no caller is ever answered from caches that have not synced.
 type Controller struct {
 	cfg     ControllerConfig
 	service csi.ControllerServer
-	queue   atomic.Pointer[hotplug.Queue]
+	// queue is nil only when buildErr is set.
+	queue         *hotplug.Queue
+	vmInf, vmiInf cache.SharedIndexInformer
 	// guestNodes, guard and monitor exist only with a guest client.
 	guestNodes *guest.Nodes
 	// attachmentEvents says on guest VolumeAttachments what a publish or
@@ -64,7 +68,7 @@ type Controller struct {
 	guard   *guest.Guard
 	monitor *guest.Monitor
 	// claims watches guest pods for RWX unpublishes (with a guest client).
-	claims *GuestClaims
+	claims *guest.Claims
 	// claimCache holds the host's PVCs for the publish's first check.
 	claimCache *host.ClaimCache
 	// rwx is set by Run when the host lists NetworkFilesystems.
@@ -72,14 +76,21 @@ type Controller struct {
 	// buildErr is a failure of NewController, returned by Run.
 	buildErr error
 
-	mu      sync.Mutex
-	waiting string // why the controller is not ready yet
+	mu sync.Mutex
+	// waiting is why Run has not finished starting (empty once it has);
+	// the queue says why it is not ready itself.
+	waiting string
 }
 
 // NewController builds the controller side. It does no I/O: Run does.
 func NewController(cfg ControllerConfig) *Controller {
 	c := &Controller{cfg: cfg, waiting: "starting"}
-	if cfg.Guest != nil {
+	if cfg.Host == nil {
+		c.buildErr = errors.New("the controller needs a host cluster client")
+	} else {
+		c.buildErr = c.buildQueue()
+	}
+	if c.buildErr == nil && cfg.Guest != nil {
 		c.buildErr = c.buildGuest()
 	}
 	opts := cfg.Options
@@ -94,16 +105,29 @@ func NewController(cfg ControllerConfig) *Controller {
 		opts.RWX = c.rwx.Load
 		c.claimCache = cfg.Host.ClaimCache(0)
 		opts.Claims = c.claimCache
+		opts.VMs = c
 	}
 	if c.claims != nil {
 		opts.ClaimUsers = c.claims
 		opts.Attachments = c.claims
 	}
-	if cfg.Host != nil {
-		opts.VMs = c
-	}
-	c.service = NewControllerService(opts, c, cfg.Host)
+	c.service = NewControllerService(opts, c.queue, cfg.Host)
 	return c
+}
+
+// buildQueue builds the host's VM and VMI informers, the hotplug backend
+// (which learns the host's hotplug path when the queue runs, for "auto")
+// and the queue over them.
+func (c *Controller) buildQueue() error {
+	c.vmInf, c.vmiInf = c.cfg.Host.VMInformer(0), c.cfg.Host.VMIInformer(0)
+	backend, err := kubevirt.NewBackend(c.cfg.Host, c.cfg.Backend, c.vmInf.GetStore())
+	if err != nil {
+		return err
+	}
+	qcfg := c.cfg.Queue
+	qcfg.Namespace = c.cfg.Host.Namespace
+	c.queue, err = hotplug.New(qcfg, backend, kubevirt.NewClaimReader(c.cfg.Host), c.vmInf, c.vmiInf, c.cfg.Metrics)
+	return err
 }
 
 // guestResync re-delivers every guest Node to the monitor now and then, so a
@@ -117,7 +141,7 @@ func (c *Controller) buildGuest() error {
 		return err
 	}
 	c.guestNodes = nodes
-	if c.claims, err = NewGuestClaims(c.cfg.Guest, Name, nodes); err != nil {
+	if c.claims, err = guest.NewClaims(c.cfg.Guest, Name, nodes); err != nil {
 		return err
 	}
 	c.events = guest.NewRecorder(c.cfg.Guest, Name, "")
@@ -125,8 +149,19 @@ func (c *Controller) buildGuest() error {
 	if c.cfg.DetachGuardTimeout > 0 {
 		c.guard = guest.NewGuard(nodes, c.events, c.cfg.DetachGuardTimeout)
 	}
-	if c.cfg.NodeMonitor {
-		if c.monitor, err = guest.NewMonitor(c.cfg.Monitor, c.cfg.Guest, nodes, monitorVMs{c}, c.events); err != nil {
+	if !c.cfg.NodeMonitor {
+		return nil
+	}
+	if c.monitor, err = guest.NewMonitor(c.cfg.Monitor, c.cfg.Guest, nodes, monitorVMs{c.queue, c.cfg.Host}, c.events); err != nil {
+		return err
+	}
+	h := cache.ResourceEventHandlerFuncs{
+		AddFunc:    c.vmChanged,
+		UpdateFunc: func(_, obj any) { c.vmChanged(obj) },
+		DeleteFunc: c.vmChanged,
+	}
+	for _, inf := range []cache.SharedIndexInformer{c.vmInf, c.vmiInf} {
+		if _, err := inf.AddEventHandler(h); err != nil {
 			return err
 		}
 	}
@@ -143,18 +178,26 @@ func (c *Controller) GuestNodes() *guest.Nodes { return c.guestNodes }
 // Service is the CSI controller service.
 func (c *Controller) Service() csi.ControllerServer { return c.service }
 
-// Queue is the hotplug queue once Run has built it, nil before.
-func (c *Controller) Queue() *hotplug.Queue { return c.queue.Load() }
+// Queue is the hotplug queue (nil only when NewController failed).
+func (c *Controller) Queue() *hotplug.Queue { return c.queue }
 
-// Ready returns nil once the informers have synced and the queue works, and
-// otherwise says what the controller is waiting for.
+// Ready returns nil once Run has started everything, the backend knows the
+// host's hotplug path and the informers have synced, and otherwise says what
+// the controller is waiting for.
 func (c *Controller) Ready() error {
-	if q := c.queue.Load(); q != nil && q.Ready() {
+	if c.buildErr != nil {
+		return fmt.Errorf("controller not ready: %w", c.buildErr)
+	}
+	why := c.queue.Waiting()
+	if why == "" {
+		c.mu.Lock()
+		why = c.waiting
+		c.mu.Unlock()
+	}
+	if why == "" {
 		return nil
 	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return errors.New("controller not ready: " + c.waiting)
+	return errors.New("controller not ready: " + why)
 }
 
 func (c *Controller) setWaiting(why string) {
@@ -163,8 +206,9 @@ func (c *Controller) setWaiting(why string) {
 	c.mu.Unlock()
 }
 
-// Run detects the hotplug backend (asking again while the host does not
-// answer), builds the queue, runs the informers and works the queue until
+// Run runs the informers and the queue (whose backend first learns the
+// host's hotplug path, asking again while the host does not answer), then,
+// once the host has answered, looks for NetworkFilesystems, and works until
 // ctx ends.
 func (c *Controller) Run(ctx context.Context) error {
 	if c.buildErr != nil {
@@ -177,56 +221,40 @@ func (c *Controller) Run(ctx context.Context) error {
 	case c.guard == nil:
 		logger.Info("detach guard off (--detach-guard-timeout=0): volumes are unplugged without asking the guest")
 	}
-	backend, err := host.NewBackend(ctx, c.cfg.Host, c.cfg.Backend, c.setWaiting)
-	if err != nil {
-		return err
-	}
-	c.detectRWX(ctx)
-	vmInf, vmiInf := c.cfg.Host.VMInformer(0), c.cfg.Host.VMIInformer(0)
-	if d, ok := backend.(*host.Declarative); ok {
-		d.Follow(vmInf.GetStore())
-	}
-	qcfg := c.cfg.Queue
-	qcfg.Namespace = c.cfg.Host.Namespace
-	q, err := hotplug.New(qcfg, backend, c.cfg.Host.ClaimReader(), vmInf, vmiInf, c.cfg.Metrics)
-	if err != nil {
-		return err
-	}
-	c.setWaiting("waiting for the host's VM and VMI caches to sync")
-	c.queue.Store(q)
-	if c.monitor != nil {
-		h := cache.ResourceEventHandlerFuncs{
-			AddFunc:    c.vmChanged,
-			UpdateFunc: func(_, obj any) { c.vmChanged(obj) },
-			DeleteFunc: c.vmChanged,
-		}
-		for _, inf := range []cache.SharedIndexInformer{vmInf, vmiInf} {
-			if _, err := inf.AddEventHandler(h); err != nil {
-				return err
-			}
-		}
-	}
 	if c.events != nil {
 		defer c.events.Stop()
 	}
 	g, ctx := errgroup.WithContext(ctx)
 	if c.guestNodes != nil {
-		c.guestNodes.SetVMUIDs(vmUIDs(vmInf.GetStore(), c.cfg.Host.Namespace))
+		c.guestNodes.SetVMUIDs(vmUIDs(c.vmInf.GetStore(), c.cfg.Host.Namespace))
 	}
-	g.Go(func() error { vmInf.RunWithContext(ctx); return nil })
-	g.Go(func() error { vmiInf.RunWithContext(ctx); return nil })
+	g.Go(func() error { c.vmInf.RunWithContext(ctx); return nil })
+	g.Go(func() error { c.vmiInf.RunWithContext(ctx); return nil })
 	g.Go(func() error { c.claimCache.Run(ctx); return nil })
-	g.Go(func() error { return q.Run(ctx) })
+	g.Go(func() error { return c.queue.Run(ctx) })
 	if c.guestNodes != nil {
 		c.guestNodes.Start(ctx.Done())
-	}
-	if c.claims != nil && c.rwx.Load() {
-		c.claims.Start(ctx.Done())
 	}
 	if c.monitor != nil {
 		g.Go(func() error { return c.monitor.Run(ctx) })
 	}
+	g.Go(func() error { c.startRWX(ctx); return nil })
 	return g.Wait()
+}
+
+// startRWX decides whether ReadWriteMany volumes are served once the queue
+// is ready: the host has answered by then, so a host that was down when the
+// controller started does not turn them off for good.
+func (c *Controller) startRWX(ctx context.Context) {
+	c.setWaiting("looking for Harvester NetworkFilesystems")
+	if !cache.WaitForCacheSync(ctx.Done(), c.queue.Ready) {
+		return
+	}
+	c.detectRWX(ctx)
+	if c.claims != nil && c.rwx.Load() {
+		c.claims.Start(ctx.Done())
+	}
+	c.setWaiting("")
 }
 
 func (c *Controller) vmChanged(obj any) {
@@ -255,83 +283,27 @@ func vmUIDs(store cache.Store, namespace string) guest.VMUIDs {
 	}
 }
 
-// monitorVMs gives the guest node monitor the queue's view of the host.
-type monitorVMs struct{ c *Controller }
-
-func (m monitorVMs) Synced() bool {
-	q := m.c.queue.Load()
-	return q != nil && q.Ready()
-}
-
-func (m monitorVMs) View(vm string) hotplug.VMView {
-	if q := m.c.queue.Load(); q != nil && q.Ready() {
-		return q.View(vm)
-	}
-	return hotplug.VMView{}
+// monitorVMs is what the guest node monitor needs of the host: the queue,
+// and a bounded read of whether a VM's guest is stopped.
+type monitorVMs struct {
+	*hotplug.Queue
+	host *host.Client
 }
 
 func (m monitorVMs) GuestStopped(ctx context.Context, vm string) (bool, string, error) {
 	ctx, cancel := context.WithTimeout(ctx, hostCallTimeout)
 	defer cancel()
-	return m.c.cfg.Host.GuestStopped(ctx, vm)
-}
-
-func (m monitorVMs) DetachBefore(ctx context.Context, vm, volume string, deadline time.Time) error {
-	q := m.c.queue.Load()
-	if q == nil {
-		return hotplug.ErrNotReady
-	}
-	return q.DetachBefore(ctx, vm, volume, deadline)
-}
-
-// The controller service reaches the queue through these, so that it can be
-// built before the queue exists.
-
-func (c *Controller) Attach(ctx context.Context, vm, volume string, exclusive bool) error {
-	q := c.queue.Load()
-	if q == nil {
-		return hotplug.ErrNotReady
-	}
-	return q.Attach(ctx, vm, volume, exclusive)
-}
-
-func (c *Controller) Detach(ctx context.Context, vm, volume string) error {
-	q := c.queue.Load()
-	if q == nil {
-		return hotplug.ErrNotReady
-	}
-	return q.Detach(ctx, vm, volume)
-}
-
-func (c *Controller) Holders(volume string) []string {
-	if q := c.queue.Load(); q != nil {
-		return q.Holders(volume)
-	}
-	return nil
-}
-
-func (c *Controller) Published() map[string][]string {
-	if q := c.queue.Load(); q != nil {
-		return q.Published()
-	}
-	return nil
-}
-
-func (c *Controller) Lost(volume string) []string {
-	if q := c.queue.Load(); q != nil {
-		return q.Lost(volume)
-	}
-	return nil
+	return m.host.GuestStopped(ctx, vm)
 }
 
 // VMExists says whether the host has the VM: the queue's VM cache when it
 // shows it, else a read of the API server (a VM created a moment ago may not
 // be in the cache yet).
 func (c *Controller) VMExists(ctx context.Context, vm string) (bool, error) {
-	if q := c.queue.Load(); q != nil && q.Ready() && q.View(vm).Exists {
+	if c.queue.Ready() && c.queue.View(vm).Exists {
 		return true, nil
 	}
-	return c.cfg.Host.VMExists(ctx, vm)
+	return kubevirt.NewReader(c.cfg.Host).VMExists(ctx, vm)
 }
 
 // ClaimUsers names the guest pods the controller's cache sees using the
@@ -344,12 +316,12 @@ func (c *Controller) ClaimUsers(ctx context.Context, volume string) ([]string, e
 }
 
 // RWXEnabled reports whether ReadWriteMany volumes are served: the host
-// listed NetworkFilesystems when Run started.
+// listed NetworkFilesystems when it first answered after Run started.
 func (c *Controller) RWXEnabled() bool { return c.rwx.Load() }
 
 // rwxProbes bounds how often start-up asks again when listing
 // NetworkFilesystems fails for a reason other than "not there" or "not
-// allowed" (the host answered the backend detection just before).
+// allowed" (the host answered just before: the queue is ready).
 const rwxProbes = 3
 
 // detectRWX lists NetworkFilesystems once, as upstream does at start-up:

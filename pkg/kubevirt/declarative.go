@@ -1,4 +1,4 @@
-package host
+package kubevirt
 
 import (
 	"context"
@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/tools/cache"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
@@ -30,7 +31,7 @@ const (
 // two lists it replaces: unlike a resourceVersion guard, virt-controller's
 // status writes between our read and our patch do not fail it.
 type Declarative struct {
-	c *Client
+	c *host.Client
 
 	// A batch needs the VM's two lists exactly as stored. What our last
 	// patch of a VM stored is in the patch's answer; while the VM cache
@@ -53,12 +54,12 @@ type keptLists struct {
 	volsFound, disksFound bool
 }
 
-// NewDeclarative returns the declarative backend.
-func NewDeclarative(c *Client) *Declarative { return &Declarative{c: c, kept: map[string]keptLists{}} }
-
-// Follow lets Apply take a VM's lists from its own last patch while vms (the
-// VM informer's store) shows the VM unchanged since.
-func (d *Declarative) Follow(vms cache.Store) { d.vms = vms }
+// NewDeclarative returns the declarative backend. vms, the VM informer's
+// store (nil: none), lets Apply take a VM's lists from its own last patch
+// while the store shows the VM unchanged since.
+func NewDeclarative(c *host.Client, vms cache.Store) *Declarative {
+	return &Declarative{c: c, vms: vms, kept: map[string]keptLists{}}
+}
 
 // keptFor returns the lists our last patch of vm stored, if the cache
 // shows the VM's spec unchanged since.
@@ -111,10 +112,10 @@ func listsOf(obj *unstructured.Unstructured) (keptLists, error) {
 	return k, err
 }
 
-// Name implements hotplug.Backend.
+// Name names the path in logs and metrics.
 func (d *Declarative) Name() string { return "declarative" }
 
-// Apply implements hotplug.Backend.
+// Apply makes one attempt at the changes (hotplug.Backend's Apply).
 func (d *Declarative) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {
 	outs := make([]hotplug.Outcome, len(changes))
 	fill := func(o hotplug.Outcome) []hotplug.Outcome {

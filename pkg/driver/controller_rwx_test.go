@@ -13,6 +13,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 )
 
@@ -77,14 +78,14 @@ func (f *fakeNetworkFS) StorageClassProvisioner(context.Context, string) (string
 // fakeGuest answers for the guest's pods and VolumeAttachments.
 type fakeGuest struct {
 	users map[string][]string
-	atts  map[string][]Attachment
+	atts  map[string][]guest.Attachment
 }
 
 func (g *fakeGuest) Users(_ context.Context, vol string, _ bool) ([]string, error) {
 	return g.users[vol], nil
 }
 
-func (g *fakeGuest) Attachments(_ context.Context, vol string, _ bool) ([]Attachment, error) {
+func (g *fakeGuest) Attachments(_ context.Context, vol string, _ bool) ([]guest.Attachment, error) {
 	return g.atts[vol], nil
 }
 
@@ -99,7 +100,7 @@ var rwxCapability = capability(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_
 func newRWXController(t *testing.T, vol string) (*controllerService, *fakeNetworkFS, *fakeGuest) {
 	t.Helper()
 	nfs := &fakeNetworkFS{fs: map[string]*host.NetworkFS{}}
-	g := &fakeGuest{users: map[string][]string{}, atts: map[string][]Attachment{}}
+	g := &fakeGuest{users: map[string][]string{}, atts: map[string][]guest.Attachment{}}
 	s, vols, _ := newTestController(ControllerOptions{NetworkFS: nfs, RWX: func() bool { return true },
 		ClaimUsers: g, Attachments: g, VMs: fakeVMs{"vm-a": true, "vm-b": true}})
 	mode := corev1.PersistentVolumeFilesystem
@@ -129,7 +130,7 @@ func TestRWXUnpublishKeepsTheExportForOtherNodesAttachments(t *testing.T) {
 	}
 	// No pod uses the claim; node-b's attachment is attached, node-a's is
 	// being deleted (its own unpublish).
-	g.atts["pvc-rwx"] = []Attachment{
+	g.atts["pvc-rwx"] = []guest.Attachment{
 		{Name: "va-a", Node: "node-a", VM: "vm-a", Attached: true, Deleting: true},
 		{Name: "va-b", Node: "node-b", VM: "vm-b", Attached: true},
 	}
@@ -137,7 +138,7 @@ func TestRWXUnpublishKeepsTheExportForOtherNodesAttachments(t *testing.T) {
 		t.Fatalf("unpublish of vm-a while vm-b's attachment is attached: export %s, want Enabled", got)
 	}
 	// Another node's attachment being deleted does not keep it.
-	g.atts["pvc-rwx"] = []Attachment{{Name: "va-b", Node: "node-b", VM: "vm-b", Attached: true, Deleting: true}}
+	g.atts["pvc-rwx"] = []guest.Attachment{{Name: "va-b", Node: "node-b", VM: "vm-b", Attached: true, Deleting: true}}
 	if got := unpublish("vm-a"); got != host.NetworkFSDisabled {
 		t.Fatalf("unpublish with only attachments being deleted: export %s, want Disabled", got)
 	}
@@ -146,7 +147,7 @@ func TestRWXUnpublishKeepsTheExportForOtherNodesAttachments(t *testing.T) {
 func TestRWXPublishedNodesAndDelete(t *testing.T) {
 	ctx := context.Background()
 	s, nfs, g := newRWXController(t, "pvc-rwx")
-	g.atts["pvc-rwx"] = []Attachment{
+	g.atts["pvc-rwx"] = []guest.Attachment{
 		{Name: "va-b", Node: "node-b", VM: "vm-b", Attached: true},
 		{Name: "va-a", Node: "node-a", VM: "vm-a", Attached: true},
 		{Name: "va-c", Node: "node-c", VM: "vm-c"}, // still attaching

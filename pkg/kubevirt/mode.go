@@ -1,4 +1,4 @@
-package host
+package kubevirt
 
 import (
 	"context"
@@ -6,14 +6,18 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
@@ -24,47 +28,99 @@ const (
 	BackendSubresource = "subresource"
 )
 
+// settingResource is Harvester's settings (server-version here).
 var settingResource = schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"}
 
-// NewBackend returns the backend named by choice, detecting it for "auto".
-// Detection never guesses: while the host API does not answer it asks again
-// (every retryMax at most) until it does or ctx ends, and progress reports
-// each failed attempt, so a caller can say why it is not ready yet.
-func NewBackend(ctx context.Context, c *Client, choice string, progress func(reason string)) (hotplug.Backend, error) {
+// Backend is the hotplug backend --hotplug-backend asks for: the
+// declarative or the subresource path, or, for "auto", whichever the host's
+// KubeVirt expects. Detection is part of the backend so that the queue can
+// be built before the host answers: Start learns the path, and until it has,
+// the queue does not run and answers "not ready".
+type Backend struct {
+	c      *host.Client
+	choice string
+	vms    cache.Store
+	// path is the backend in use once known; Start sets it before the
+	// queue's workers (the only callers of Apply) start.
+	path atomic.Pointer[writer]
+}
+
+// writer is one hotplug path: Declarative or Subresource.
+type writer interface {
+	Name() string
+	Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome
+}
+
+// NewBackend checks choice and returns its backend; it does no I/O. vms is
+// the VM informer's store, which the declarative path reads to skip a read
+// of a VM its own last patch left unchanged.
+func NewBackend(c *host.Client, choice string, vms cache.Store) (*Backend, error) {
+	b := &Backend{c: c, choice: choice, vms: vms}
 	switch choice {
-	case BackendDeclarative:
-		return NewDeclarative(c), nil
-	case BackendSubresource:
-		return NewSubresource(c), nil
+	case BackendDeclarative, BackendSubresource:
+		b.use(choice)
 	case BackendAuto, "":
-		logger := klog.FromContext(ctx)
-		detect := func() (string, string) {
-			// A host API that hangs must not hang detection.
-			dctx, cancel := context.WithTimeout(ctx, detectTimeout)
-			defer cancel()
-			return DetectBackend(dctx, c)
-		}
-		name, why := detect()
-		for delay := time.Second; name == ""; delay = min(2*delay, retryMax) {
-			logger.Info("host API unreachable, hotplug backend not detected yet; retrying", "reason", why, "in", delay)
-			if progress != nil {
-				progress("detecting the hotplug backend: " + why)
-			}
-			select {
-			case <-ctx.Done():
-				return nil, ctx.Err()
-			case <-time.After(delay):
-			}
-			name, why = detect()
-		}
-		logger.Info("hotplug backend detected", "backend", name, "reason", why)
-		if name == BackendDeclarative {
-			return NewDeclarative(c), nil
-		}
-		return NewSubresource(c), nil
 	default:
 		return nil, fmt.Errorf("unknown hotplug backend %q (want auto, declarative or subresource)", choice)
 	}
+	return b, nil
+}
+
+func (b *Backend) use(name string) {
+	var path writer = NewSubresource(b.c)
+	if name == BackendDeclarative {
+		path = NewDeclarative(b.c, b.vms)
+	}
+	b.path.Store(&path)
+}
+
+// Start implements hotplug.Backend: for "auto" it asks the host which path
+// its KubeVirt expects. Detection never guesses: while the host API does not
+// answer it asks again (every retryMax at most) until it does or ctx ends,
+// and progress reports each failed attempt.
+func (b *Backend) Start(ctx context.Context, progress func(reason string)) error {
+	if b.path.Load() != nil {
+		return nil
+	}
+	logger := klog.FromContext(ctx)
+	detect := func() (string, string) {
+		// A host API that hangs must not hang detection.
+		dctx, cancel := context.WithTimeout(ctx, detectTimeout)
+		defer cancel()
+		return DetectBackend(dctx, b.c)
+	}
+	name, why := detect()
+	for delay := time.Second; name == ""; delay = min(2*delay, retryMax) {
+		logger.Info("host API unreachable, hotplug backend not detected yet; retrying", "reason", why, "in", delay)
+		progress(why)
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(delay):
+		}
+		name, why = detect()
+	}
+	logger.Info("hotplug backend detected", "backend", name, "reason", why)
+	b.use(name)
+	return nil
+}
+
+// Name implements hotplug.Backend; it is empty until the path is known.
+func (b *Backend) Name() string {
+	if p := b.path.Load(); p != nil {
+		return (*p).Name()
+	}
+	return ""
+}
+
+// Apply implements hotplug.Backend; the queue calls it only after Start.
+func (b *Backend) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {
+	return (*b.path.Load()).Apply(ctx, vm, changes)
+}
+
+// Refusal implements hotplug.Backend.
+func (b *Backend) Refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
+	return Refusal(vm, volume)
 }
 
 const (
@@ -80,7 +136,7 @@ const (
 // CR cannot be read, when Harvester's server-version is v1.8 or later.
 // Anything unknown falls back to the subresource path, which every KubeVirt
 // with hotplug serves; an empty name means the API server did not answer.
-func DetectBackend(ctx context.Context, c *Client) (name, reason string) {
+func DetectBackend(ctx context.Context, c *host.Client) (name, reason string) {
 	kvs, err := c.KubeVirt.KubevirtV1().KubeVirts("").List(ctx, metav1.ListOptions{})
 	if err == nil && len(kvs.Items) > 0 {
 		kv := kvs.Items[0]

@@ -1,4 +1,4 @@
-package host
+package kubevirt
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
@@ -16,16 +17,16 @@ import (
 // one call at a time (the queue already serializes per VM). It is the only
 // path that works while KubeVirt's legacy HotplugVolumes gate is on.
 type Subresource struct {
-	c *Client
+	c *host.Client
 }
 
 // NewSubresource returns the subresource backend.
-func NewSubresource(c *Client) *Subresource { return &Subresource{c: c} }
+func NewSubresource(c *host.Client) *Subresource { return &Subresource{c: c} }
 
-// Name implements hotplug.Backend.
+// Name names the path in logs and metrics.
 func (s *Subresource) Name() string { return "subresource" }
 
-// Apply implements hotplug.Backend.
+// Apply makes one attempt at the changes (hotplug.Backend's Apply).
 func (s *Subresource) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {
 	vms := s.c.KubeVirt.KubevirtV1().VirtualMachines(s.c.Namespace)
 	outs := make([]hotplug.Outcome, len(changes))

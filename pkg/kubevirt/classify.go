@@ -1,4 +1,4 @@
-package host
+package kubevirt
 
 import (
 	"strings"
@@ -9,8 +9,13 @@ import (
 )
 
 // classify turns KubeVirt's answer to one volume change into a hotplug
-// Result. KubeVirt reports most outcomes only in message text (see the
-// shared reference, §1.1 and §1.3), so the matching is on its exact phrases.
+// Result. KubeVirt reports most outcomes only in message text, so the
+// matching is on its exact phrases: the addvolume/removevolume handlers'
+// (kubevirt v1.7.0 pkg/virt-api/rest/volumes.go, e.g. "Unable to add volume
+// [%s] because volume with that name already exists") and the VM status
+// webhook's (kubevirt v1.7.0
+// pkg/virt-api/webhooks/validating-webhook/admitters/vms-admitter.go,
+// "AddVolume request for [%s] aleady exists").
 func classify(err error, op hotplug.Op) hotplug.Outcome {
 	if err == nil {
 		return hotplug.Outcome{Result: hotplug.Applied}

@@ -1,4 +1,4 @@
-package hotplug
+package kubevirt
 
 import (
 	"testing"
@@ -12,20 +12,20 @@ func TestRefusalFromTheVMCondition(t *testing.T) {
 		Type: kubevirtv1.VirtualMachineFailure, Status: "True", Reason: "FailedUpdateError",
 		Message: `Error encountered when trying to update vm according to add volume requests: admission webhook "validator.harvesterhci.io" denied the request: the volume pvc-2 is already used by VM guests/other`,
 	}}
-	if refusal(vm, "pvc-2") == nil {
+	if Refusal(vm, "pvc-2") == nil {
 		t.Error("the named volume is refused")
 	}
 	for _, other := range []string{"pvc-1", "pvc-20", "vc-2"} {
-		if err := refusal(vm, other); err != nil {
+		if err := Refusal(vm, other); err != nil {
 			t.Errorf("%s is not named but was refused: %v", other, err)
 		}
 	}
 	vm.Status.Conditions[0].Message = `Error encountered when trying to update vm according to add volume requests: admission webhook "virtualmachine-validator.kubevirt.io" denied the request: Cannot update vm disks or volumes until snapshot "pvc-2" completes`
-	if err := refusal(vm, "pvc-2"); err != nil {
+	if err := Refusal(vm, "pvc-2"); err != nil {
 		t.Errorf("a snapshot in progress is temporary, not a refusal: %v", err)
 	}
 	vm.Status.Conditions[0].Status = "False"
-	if err := refusal(vm, "pvc-2"); err != nil {
+	if err := Refusal(vm, "pvc-2"); err != nil {
 		t.Errorf("a cleared condition refuses nothing: %v", err)
 	}
 }

@@ -1,4 +1,4 @@
-package driver
+package guest
 
 import (
 	"context"
@@ -13,17 +13,15 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
-
-	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 )
 
-// GuestClaims watches the guest cluster's pods to tell which still use the
+// Claims watches the guest cluster's pods to tell which still use the
 // claim of a ReadWriteMany volume (ClaimUsers), and the guest's
 // VolumeAttachments to tell which nodes the volume is published to
 // (GuestAttachments). It runs on every controller replica, since whichever
 // replica the attacher reaches answers the unpublish; it is started only
 // when RWX volumes are served.
-type GuestClaims struct {
+type Claims struct {
 	client      kubernetes.Interface
 	driver      string
 	vmOf        func(node string) string
@@ -38,12 +36,12 @@ const (
 	indexVAPV     = "pv"
 )
 
-// NewGuestClaims builds the pod cache; Start runs it. The VolumeAttachments
+// NewClaims builds the pod cache; Start runs it. The VolumeAttachments
 // and the VM (node ID) of each guest Node come from the guest caches the
 // detach guard reads (nodes runs them), so the guest is watched once.
-func NewGuestClaims(client kubernetes.Interface, driverName string, nodes *guest.Nodes) (*GuestClaims, error) {
+func NewClaims(client kubernetes.Interface, driverName string, nodes *Nodes) (*Claims, error) {
 	f := informers.NewSharedInformerFactory(client, 0)
-	g := &GuestClaims{client: client, driver: driverName, vmOf: nodes.VMOfNode, factory: f, pods: f.Core().V1().Pods().Informer(),
+	g := &Claims{client: client, driver: driverName, vmOf: nodes.VMOfNode, factory: f, pods: f.Core().V1().Pods().Informer(),
 		attachments: nodes.AttachmentInformer(), started: make(chan struct{})}
 	if err := g.attachments.AddIndexers(cache.Indexers{indexVAPV: func(obj any) ([]string, error) {
 		if va, ok := obj.(*storagev1.VolumeAttachment); ok && va.Spec.Attacher == driverName && va.Spec.Source.PersistentVolumeName != nil {
@@ -75,14 +73,14 @@ func NewGuestClaims(client kubernetes.Interface, driverName string, nodes *guest
 }
 
 // Start runs the pod informer until stop is closed.
-func (g *GuestClaims) Start(stop <-chan struct{}) {
+func (g *Claims) Start(stop <-chan struct{}) {
 	g.factory.Start(stop)
 	close(g.started)
 }
 
 // Synced reports whether the pod and VolumeAttachment caches have listed
 // once.
-func (g *GuestClaims) Synced() bool {
+func (g *Claims) Synced() bool {
 	select {
 	case <-g.started:
 		return g.pods.HasSynced() && g.attachments.HasSynced()
@@ -109,7 +107,7 @@ func (a Attachment) String() string {
 // Attachments implements GuestAttachments: this driver's VolumeAttachments
 // of the volume's guest PV, sorted by name. fresh lists them from the API
 // server instead of the cache.
-func (g *GuestClaims) Attachments(ctx context.Context, volume string, fresh bool) ([]Attachment, error) {
+func (g *Claims) Attachments(ctx context.Context, volume string, fresh bool) ([]Attachment, error) {
 	if !fresh && !g.Synced() {
 		return nil, errors.New("the guest pod and VolumeAttachment caches have not synced (the controller needs list and watch on pods and volumeattachments)")
 	}
@@ -148,7 +146,7 @@ func (g *GuestClaims) Attachments(ctx context.Context, volume string, fresh bool
 }
 
 // Users implements ClaimUsers.
-func (g *GuestClaims) Users(ctx context.Context, volume string, fresh bool) ([]string, error) {
+func (g *Claims) Users(ctx context.Context, volume string, fresh bool) ([]string, error) {
 	pv, err := g.guestPV(ctx, volume)
 	if err != nil {
 		return nil, err
@@ -201,7 +199,7 @@ func (g *GuestClaims) Users(ctx context.Context, volume string, fresh bool) ([]s
 // guestPV finds the guest PV of a volume: named after it when the
 // provisioner's name was a valid volume ID (always, for pvc-<uid>), else by
 // its volume handle.
-func (g *GuestClaims) guestPV(ctx context.Context, volume string) (*corev1.PersistentVolume, error) {
+func (g *Claims) guestPV(ctx context.Context, volume string) (*corev1.PersistentVolume, error) {
 	pv, err := g.client.CoreV1().PersistentVolumes().Get(ctx, volume, metav1.GetOptions{})
 	switch {
 	case err == nil && pv.Spec.CSI != nil && pv.Spec.CSI.Driver == g.driver && pv.Spec.CSI.VolumeHandle == volume:

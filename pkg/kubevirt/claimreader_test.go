@@ -1,4 +1,4 @@
-package host
+package kubevirt
 
 import (
 	"context"
@@ -13,6 +13,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/rest"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 )
 
 func pvcVolume(name, claim string, hot bool) kubevirtv1.Volume {
@@ -79,12 +81,12 @@ func TestClaimReaderKeepsWhatSaysWhichClaimsAreHeld(t *testing.T) {
 		_ = json.NewEncoder(w).Encode(body)
 	}))
 	defer srv.Close()
-	c, err := NewForConfig(&rest.Config{Host: srv.URL}, "guests")
+	c, err := host.NewForConfig(&rest.Config{Host: srv.URL}, "guests")
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	vms, err := c.ClaimReader().ListVMs(ctx)
+	vms, err := NewClaimReader(c).ListVMs(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +107,7 @@ func TestClaimReaderKeepsWhatSaysWhichClaimsAreHeld(t *testing.T) {
 	if len(vms) != 1 || !reflect.DeepEqual(vms[0], wantVM) {
 		t.Errorf("VMs:\n got %+v\nwant %+v", vms, wantVM)
 	}
-	vmis, err := c.ClaimReader().ListVMIs(ctx)
+	vmis, err := NewClaimReader(c).ListVMIs(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}

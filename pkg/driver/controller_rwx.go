@@ -16,6 +16,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/klog/v2"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 )
 
@@ -48,7 +49,7 @@ type NetworkFilesystems interface {
 }
 
 // ClaimUsers tells whether guest pods still use the guest claim of a
-// volume (the guest pod cache, rwxpods.go).
+// volume (pkg/guest.Claims, the guest pod cache).
 type ClaimUsers interface {
 	// Users names the pods ("namespace/name on node") that are not finished
 	// and use the claim bound to the volume's guest PV. fresh asks the API
@@ -57,11 +58,11 @@ type ClaimUsers interface {
 }
 
 // GuestAttachments lists the guest's VolumeAttachments of a volume
-// (rwxpods.go): the record of which nodes an RWX volume is published to.
+// (pkg/guest.Claims): the record of which nodes an RWX volume is published to.
 type GuestAttachments interface {
 	// Attachments are this driver's VolumeAttachments of the volume's guest
 	// PV. fresh asks the API server instead of the cache.
-	Attachments(ctx context.Context, volume string, fresh bool) ([]Attachment, error)
+	Attachments(ctx context.Context, volume string, fresh bool) ([]guest.Attachment, error)
 }
 
 // rwxLocks serializes the read-decide-write of one volume's export between

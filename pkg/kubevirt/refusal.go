@@ -1,4 +1,4 @@
-package hotplug
+package kubevirt
 
 import (
 	"errors"
@@ -12,12 +12,12 @@ import (
 // volume's fault and clear by themselves, so they refuse no volume.
 var temporaryRefusals = []string{"migration is in progress", "until snapshot", "VMI is not running", "still being processed"}
 
-// refusal reads a refusal of one volume from the VM's Failure condition: the
+// Refusal reads a refusal of one volume from the VM's Failure condition: the
 // legacy VM controller reports a webhook's denial of its spec update there
 // (reason FailedUpdateError) and then retries the same update forever, so
 // every request queued behind the refused one waits too. The webhook's
 // message names the volume.
-func refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
+func Refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
 	if vm == nil {
 		return nil
 	}

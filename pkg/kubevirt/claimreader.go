@@ -1,4 +1,4 @@
-package host
+package kubevirt
 
 import (
 	"context"
@@ -9,6 +9,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
@@ -20,14 +21,14 @@ import (
 // what says which claims an object holds (names, volumes and their claim,
 // legacy volume requests, volume status entries and their claim) and leaves
 // every other field empty.
-type ClaimReader struct{ c *Client }
+type ClaimReader struct{ c *host.Client }
 
-// ClaimReader returns the hotplug queue's reader over c.
-func (c *Client) ClaimReader() *ClaimReader { return &ClaimReader{c: c} }
+// NewClaimReader returns the hotplug queue's reader over c.
+func NewClaimReader(c *host.Client) *ClaimReader { return &ClaimReader{c: c} }
 
 // VMExists reads the VM from the API server, not from a cache.
 func (r *ClaimReader) VMExists(ctx context.Context, vm string) (bool, error) {
-	return r.c.VMExists(ctx, vm)
+	return NewReader(r.c).VMExists(ctx, vm)
 }
 
 // Claim reads a host PVC and its reservation from the API server.

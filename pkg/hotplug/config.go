@@ -1,0 +1,106 @@
+package hotplug
+
+import (
+	"os"
+	"time"
+)
+
+// Config tunes the queue. Zero fields take the defaults of DefaultConfig.
+type Config struct {
+	// Namespace of the VMs on the host cluster. Required.
+	Namespace string
+	// Workers is how many VMs are worked on at once.
+	Workers int
+	// BatchWindow is how long the first intent on an idle VM waits for more.
+	BatchWindow time.Duration
+	// MaxHold bounds how long a VM is left alone while KubeVirt settles the
+	// previous change, and how long a write may go unobserved.
+	MaxHold time.Duration
+	// MaxConflictRetries bounds the immediate retries after a conflict before
+	// the VM is requeued with backoff.
+	MaxConflictRetries int
+	// BackoffBase and BackoffMax bound the per-VM exponential backoff.
+	BackoffBase, BackoffMax time.Duration
+	// QPS and Burst form the token bucket shared by all VMs' retries.
+	QPS   float64
+	Burst int
+	// RequestTimeout bounds one attempt at the host (a backend Apply, a live
+	// read), so a host API that hangs surfaces as an error within seconds.
+	RequestTimeout time.Duration
+	// SlowAfter is how long an intent may wait for the same thing before the
+	// queue says so in its log at the default level.
+	SlowAfter time.Duration
+	// Identity names this controller process in the reservations it
+	// writes on host PVCs. Two processes that run at once must not share
+	// it; a restarted process that keeps it (the pod's name) goes on under
+	// its predecessor's reservations instead of waiting for them to expire.
+	Identity string
+	// ReservationFresh is how old a reservation of this process may be
+	// when an attach is written under it; an older one is renewed first.
+	ReservationFresh time.Duration
+	// ReservationTTL is when another VM may take over a reservation whose
+	// VM does not hold the volume. It must cover the holder's whole
+	// window for writing (ReservationFresh + RequestTimeout) plus the
+	// clock difference between controller hosts; the default leaves 10s
+	// for that.
+	ReservationTTL time.Duration
+}
+
+// DefaultConfig holds the defaults the command line uses.
+func DefaultConfig() Config {
+	return Config{
+		Workers:            10,
+		BatchWindow:        200 * time.Millisecond,
+		MaxHold:            30 * time.Second,
+		MaxConflictRetries: 5,
+		BackoffBase:        200 * time.Millisecond,
+		BackoffMax:         time.Minute,
+		QPS:                10,
+		Burst:              20,
+		RequestTimeout:     15 * time.Second,
+		SlowAfter:          time.Minute,
+		Identity:           defaultIdentity(),
+		ReservationFresh:   5 * time.Second,
+	}
+}
+
+// clockAllowance is what the default ReservationTTL adds to the holder's
+// window for writing: the clocks of two controller hosts may disagree by
+// that much (and an API server may still carry out a write for a moment
+// after its client gave up on it).
+const clockAllowance = 10 * time.Second
+
+// defaultIdentity is the host name: a pod's name, which a container restart
+// keeps and a rolling update or a second replica does not share.
+func defaultIdentity() string {
+	if h, err := os.Hostname(); err == nil && h != "" {
+		return h
+	}
+	return "harvester-csi-driver"
+}
+
+func (c Config) withDefaults() Config {
+	d := DefaultConfig()
+	orDefault(&c.Workers, d.Workers)
+	orDefault(&c.BatchWindow, d.BatchWindow)
+	orDefault(&c.MaxHold, d.MaxHold)
+	orDefault(&c.MaxConflictRetries, d.MaxConflictRetries)
+	orDefault(&c.BackoffBase, d.BackoffBase)
+	orDefault(&c.BackoffMax, d.BackoffMax)
+	orDefault(&c.QPS, d.QPS)
+	orDefault(&c.Burst, d.Burst)
+	orDefault(&c.RequestTimeout, d.RequestTimeout)
+	orDefault(&c.SlowAfter, d.SlowAfter)
+	orDefault(&c.ReservationFresh, d.ReservationFresh)
+	orDefault(&c.ReservationTTL, c.ReservationFresh+c.RequestTimeout+clockAllowance)
+	if c.Identity == "" {
+		c.Identity = d.Identity
+	}
+	return c
+}
+
+func orDefault[T int | float64 | time.Duration](v *T, d T) {
+	if *v <= 0 {
+		*v = d
+	}
+}
