@@ -45,6 +45,9 @@ type Options struct {
 	Jitter float64
 	// Seed seeds the jitter.
 	Seed int64
+	// WorkloadsLag is how long (real time, scaled) the workloads list takes
+	// to follow a pod change; 0 is one second.
+	WorkloadsLag time.Duration
 	// Faults are the faults on from the start.
 	Faults Faults
 }
@@ -313,7 +316,7 @@ func (s *Sim) followWorkloads(ctx context.Context, v *Volume, now time.Time) err
 	s.mu.Lock()
 	l := s.lag[v.Name]
 	if l == nil || !jsonEqual(l.list, want) {
-		l = &lagging{list: want, writeAt: now.Add(s.jitteredLocked(realWorkloadsLag))}
+		l = &lagging{list: want, writeAt: now.Add(s.jitteredLocked(s.workloadsLag()))}
 		s.lag[v.Name] = l
 	}
 	due := !now.Before(l.writeAt)
@@ -325,6 +328,13 @@ func (s *Sim) followWorkloads(ctx context.Context, v *Volume, now time.Time) err
 		ks.WorkloadsStatus = want
 	}
 	return nil
+}
+
+func (s *Sim) workloadsLag() time.Duration {
+	if s.opts.WorkloadsLag > 0 {
+		return s.opts.WorkloadsLag
+	}
+	return realWorkloadsLag
 }
 
 func (s *Sim) jitteredLocked(d time.Duration) time.Duration {

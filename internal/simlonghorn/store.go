@@ -27,10 +27,11 @@ func toU(obj any, kind string) (*unstructured.Unstructured, error) {
 	if err != nil {
 		return nil, err
 	}
-	u := &unstructured.Unstructured{}
-	if err := u.UnmarshalJSON(b); err != nil {
+	m := map[string]any{}
+	if err := json.Unmarshal(b, &m); err != nil {
 		return nil, err
 	}
+	u := &unstructured.Unstructured{Object: m}
 	u.SetAPIVersion(Group + "/" + Version)
 	u.SetKind(kind)
 	return u, nil
