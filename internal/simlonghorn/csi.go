@@ -112,8 +112,10 @@ func (c *controller) ControllerPublishVolume(ctx context.Context, req *csi.Contr
 		return nil, status.Error(codes.InvalidArgument, "volume capability missing in request")
 	}
 	log := klog.FromContext(ctx).WithValues("volume", id, "node", node)
-	if _, err := c.s.kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{}); err != nil {
+	if _, err := c.s.kube.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{}); apierrors.IsNotFound(err) {
 		return nil, status.Errorf(codes.NotFound, "node %s not found", node)
+	} else if err != nil {
+		return nil, status.Errorf(codes.Internal, "get node %s: %v", node, err)
 	}
 	v, err := c.s.getVolume(ctx, id)
 	if err != nil {

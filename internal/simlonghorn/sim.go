@@ -133,14 +133,6 @@ func (s *Sim) scaled(d time.Duration) time.Duration {
 	return time.Duration(float64(d) * s.opts.Scale)
 }
 
-// jittered is a stage duration at scale, spread by Options.Jitter.
-func (s *Sim) jittered(d time.Duration) time.Duration {
-	s.mu.Lock()
-	f := 1 + s.opts.Jitter*(2*s.rng.Float64()-1)
-	s.mu.Unlock()
-	return time.Duration(float64(s.scaled(d)) * f)
-}
-
 // NewVolume describes a volume for CreateVolume.
 type NewVolume struct {
 	Name       string
@@ -252,6 +244,9 @@ func (s *Sim) reconcileAll(ctx context.Context) {
 // engine through timed stages, the PV controller follows the pods.
 func (s *Sim) reconcile(ctx context.Context, v *Volume) error {
 	va, err := s.store.getVA(ctx, v.Name)
+	if apierrors.IsNotFound(err) {
+		return nil // CreateVolume writes it right after the volume
+	}
 	if err != nil {
 		return err
 	}
@@ -337,6 +332,8 @@ func (s *Sim) workloadsLag() time.Duration {
 	return realWorkloadsLag
 }
 
+// jitteredLocked is a stage duration at scale, spread by Options.Jitter;
+// s.mu must be held (it guards the random source).
 func (s *Sim) jitteredLocked(d time.Duration) time.Duration {
 	f := 1 + s.opts.Jitter*(2*s.rng.Float64()-1)
 	return time.Duration(float64(s.scaled(d)) * f)
