@@ -48,7 +48,7 @@ func TestBadRequestsGetTheirCodes(t *testing.T) {
 // runs there; ControllerUnpublish returns once the ticket is gone, before
 // the engine has stopped.
 func TestPublishWaitsForTheTicketAndUnpublishDoesNotWaitForTheDetach(t *testing.T) {
-	l := newLab(t, Options{Faults: Faults{SlowDetach: 30}})
+	l := newLab(t, Options{Faults: Faults{SlowDetach: 100}})
 	l.createVolume(t, NewVolume{Name: "vol"})
 	ctx := ctxFor(t)
 	if err := l.publish(ctx, "vol", "host-a", rwo); err != nil {
@@ -68,10 +68,21 @@ func TestPublishWaitsForTheTicketAndUnpublishDoesNotWaitForTheDetach(t *testing.
 	if err := l.unpublish(ctx, "vol", "host-a"); err != nil {
 		t.Fatalf("unpublish: %v", err)
 	}
-	// The detach takes 30 × 3 s × 0.05 here; unpublish returned after one
-	// poll of 0.1 s.
+	// The detach takes 100 × 3 s × 0.05 = 15 s here; unpublish returned
+	// after one poll of 0.1 s.
 	if v := l.volume(t, "vol"); v.Status.CurrentNodeID != "host-a" {
 		t.Fatalf("unpublish waited for the engine to stop: %+v", v.Status)
+	}
+	// Meanwhile a publish elsewhere times out (4.5 s here) without a
+	// reason on its ticket: the volume is detaching, not attached elsewhere.
+	if err := l.publish(ctx, "vol", "host-b", rwo); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("publish on B while A detaches: got %v, want DeadlineExceeded", err)
+	}
+	if v := l.volume(t, "vol"); v.Status.State != VolumeStateDetaching || v.Status.CurrentNodeID != "host-a" {
+		t.Fatalf("after B's publish timed out: %+v, want still detaching from host-a", v.Status)
+	}
+	if err := l.unpublish(ctx, "vol", "host-b"); err != nil {
+		t.Fatalf("unpublish on B: %v", err)
 	}
 	until(t, "volume detached", func() (bool, string) {
 		v := l.volume(t, "vol")

@@ -223,18 +223,36 @@ func (s *Sim) Run(ctx context.Context) {
 	}
 }
 
+// pass is what one reconcile pass read: every volume's VolumeAttachment and,
+// per namespace asked for, its pods. Reading them once per pass keeps the
+// stand-in's requests proportional to its writes, not to volumes × pods;
+// optimistic concurrency (resourceVersion) turns a stale read into a
+// conflict that the next pass redoes.
+type pass struct {
+	vas  map[string]*VolumeAttachment
+	pods map[string][]corev1.Pod
+}
+
 func (s *Sim) reconcileAll(ctx context.Context) {
+	log := klog.FromContext(ctx)
 	vols, err := s.store.listVolumes(ctx)
-	if err != nil {
-		if ctx.Err() == nil {
-			klog.FromContext(ctx).Error(err, "List Longhorn volumes")
+	if err == nil {
+		var vas []*VolumeAttachment
+		if vas, err = s.store.listVAs(ctx); err == nil {
+			p := &pass{vas: map[string]*VolumeAttachment{}, pods: map[string][]corev1.Pod{}}
+			for _, va := range vas {
+				p.vas[va.Name] = va
+			}
+			for _, v := range vols {
+				if err := s.reconcile(ctx, p, v); err != nil && ctx.Err() == nil && !apierrors.IsConflict(err) {
+					log.Error(err, "Reconcile Longhorn volume", "volume", v.Name)
+				}
+			}
+			return
 		}
-		return
 	}
-	for _, v := range vols {
-		if err := s.reconcile(ctx, v); err != nil && ctx.Err() == nil && !apierrors.IsConflict(err) {
-			klog.FromContext(ctx).Error(err, "Reconcile Longhorn volume", "volume", v.Name)
-		}
+	if ctx.Err() == nil {
+		log.Error(err, "List Longhorn objects", "namespace", s.opts.Namespace)
 	}
 }
 
@@ -242,20 +260,17 @@ func (s *Sim) reconcileAll(ctx context.Context) {
 // the VolumeAttachment controller decides spec.nodeID and
 // spec.migrationNodeID from the tickets, the volume controller moves the
 // engine through timed stages, the PV controller follows the pods.
-func (s *Sim) reconcile(ctx context.Context, v *Volume) error {
-	va, err := s.store.getVA(ctx, v.Name)
-	if apierrors.IsNotFound(err) {
+func (s *Sim) reconcile(ctx context.Context, p *pass, v *Volume) error {
+	va := p.vas[v.Name]
+	if va == nil {
 		return nil // CreateVolume writes it right after the volume
-	}
-	if err != nil {
-		return err
 	}
 	oldV, oldVA := clone(v), clone(va)
 	now := time.Now()
 	s.progressVolume(ctx, v, now)
 	decideAttachment(ctx, va, v)
 	updateTicketStatuses(va, v)
-	if err := s.followWorkloads(ctx, v, now); err != nil {
+	if err := s.followWorkloads(ctx, p, v, now); err != nil {
 		return err
 	}
 	if _, err := s.store.updateVolume(ctx, oldV, v); err != nil {
@@ -264,26 +279,39 @@ func (s *Sim) reconcile(ctx context.Context, v *Volume) error {
 	return s.store.updateVA(ctx, oldVA, va)
 }
 
+// podsOf lists a namespace's pods once per pass.
+func (s *Sim) podsOf(ctx context.Context, p *pass, ns string) ([]corev1.Pod, error) {
+	if pods, ok := p.pods[ns]; ok {
+		return pods, nil
+	}
+	l, err := s.kube.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	p.pods[ns] = l.Items
+	return l.Items, nil
+}
+
 // followWorkloads is longhorn-manager v1.10.1 controller/kubernetes_pv_controller.go
 // setWorkloads (:460-480) behind a lag: the list becomes the pods that use
 // the volume's PVC, each with its phase; with no such pod the old list stays
 // and only lastPodRefAt is set. A ghost entry, when set, is always there.
-func (s *Sim) followWorkloads(ctx context.Context, v *Volume, now time.Time) error {
+func (s *Sim) followWorkloads(ctx context.Context, p *pass, v *Volume, now time.Time) error {
 	ks := &v.Status.KubernetesStatus
 	if ks.PVCName == "" {
 		return nil
 	}
-	pods, err := s.kube.CoreV1().Pods(ks.Namespace).List(ctx, metav1.ListOptions{})
+	pods, err := s.podsOf(ctx, p, ks.Namespace)
 	if err != nil {
 		return err
 	}
 	var want []WorkloadStatus
-	for i := range pods.Items {
-		p := &pods.Items[i]
-		if usesClaim(p, ks.PVCName) {
-			w := WorkloadStatus{PodName: p.Name, PodStatus: string(p.Status.Phase)}
-			if len(p.OwnerReferences) > 0 {
-				w.WorkloadName, w.WorkloadType = p.OwnerReferences[0].Name, p.OwnerReferences[0].Kind
+	for i := range pods {
+		pod := &pods[i]
+		if usesClaim(pod, ks.PVCName) {
+			w := WorkloadStatus{PodName: pod.Name, PodStatus: string(pod.Status.Phase)}
+			if len(pod.OwnerReferences) > 0 {
+				w.WorkloadName, w.WorkloadType = pod.OwnerReferences[0].Name, pod.OwnerReferences[0].Kind
 			}
 			want = append(want, w)
 		}

@@ -116,6 +116,22 @@ func (s *store) getVA(ctx context.Context, name string) (*VolumeAttachment, erro
 	return fromU[VolumeAttachment](u)
 }
 
+func (s *store) listVAs(ctx context.Context) ([]*VolumeAttachment, error) {
+	l, err := s.res(vaGVR).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]*VolumeAttachment, 0, len(l.Items))
+	for i := range l.Items {
+		va, err := fromU[VolumeAttachment](&l.Items[i])
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, va)
+	}
+	return out, nil
+}
+
 func (s *store) createVA(ctx context.Context, va *VolumeAttachment) error {
 	u, err := toU(va, "VolumeAttachment")
 	if err != nil {
