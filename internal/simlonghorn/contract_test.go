@@ -126,10 +126,9 @@ func TestRWOVolumeDetachesBeforeAttachingElsewhere(t *testing.T) {
 // an attached volume that faults is detached and attached again for the
 // ticket that is still there.
 func TestFaultedVolumeIsAbortedThenRecovers(t *testing.T) {
-	l := newLab(t, Options{})
+	l := newLab(t, Options{Faults: Faults{Faulted: map[string]time.Duration{"vol": 40 * time.Second}}})
 	l.createVolume(t, NewVolume{Name: "vol"})
 	ctx := ctxFor(t)
-	l.sim.FaultVolume("vol", 40*time.Second)
 	until(t, "volume faulted", func() (bool, string) {
 		v := l.volume(t, "vol")
 		return v.Status.Robustness == VolumeRobustnessFaulted, string(v.Status.Robustness)

@@ -179,8 +179,15 @@ func (l *lab) unpublish(ctx context.Context, vol, node string) error {
 	return err
 }
 
-// nodePublish calls NodePublishVolume as the kubelet does.
+// nodePublish calls NodeStageVolume, then NodePublishVolume, as the
+// kubelet does.
 func (l *lab) nodePublish(ctx context.Context, vol, node string) error {
+	if _, err := l.node[node].NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
+		VolumeId: vol, StagingTargetPath: "/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/staging/" + vol,
+		VolumeCapability: rwo,
+	}); err != nil {
+		return err
+	}
 	_, err := l.node[node].NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
 		VolumeId: vol, TargetPath: "/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/" + vol,
 		StagingTargetPath: "/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/staging/" + vol,

@@ -61,6 +61,9 @@ type Faults struct {
 	// status.kubernetesStatus.workloadsStatus that no pod backs, as Harvester
 	// issue 9761 reports of pods long gone.
 	GhostWorkloads map[string]WorkloadStatus
+	// Faulted makes volumes faulted for a while (real time, scaled) from
+	// New on, as Sim.FaultVolume does later.
+	Faulted map[string]time.Duration
 }
 
 // Sim is the Longhorn stand-in: a longhorn-manager-like controller loop on
@@ -115,13 +118,17 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 	for k, v := range opts.Faults.GhostWorkloads {
 		ghosts[k] = v
 	}
+	faulted := map[string]time.Time{}
+	for name, d := range opts.Faults.Faulted {
+		faulted[name] = time.Now().Add(time.Duration(float64(d) * opts.Scale))
+	}
 	return &Sim{
 		opts:    opts,
 		store:   &store{dyn: dyn, ns: opts.Namespace},
 		kube:    kube,
 		rng:     rand.New(rand.NewSource(opts.Seed)), //nolint:gosec // jitter, not security
 		stages:  map[string]*stage{},
-		faulted: map[string]time.Time{},
+		faulted: faulted,
 		lag:     map[string]*lagging{},
 		ghosts:  ghosts,
 	}, nil
@@ -337,11 +344,15 @@ func (s *Sim) followWorkloads(ctx context.Context, p *pass, v *Volume, now time.
 		return nil
 	}
 	s.mu.Lock()
+	// The lag runs from the first change not yet written: later changes
+	// ride along, as events queued behind one another do, instead of
+	// restarting it.
 	l := s.lag[v.Name]
-	if l == nil || !jsonEqual(l.list, want) {
-		l = &lagging{list: want, writeAt: now.Add(s.jitteredLocked(s.workloadsLag()))}
+	if l == nil {
+		l = &lagging{writeAt: now.Add(s.jitteredLocked(s.workloadsLag()))}
 		s.lag[v.Name] = l
 	}
+	l.list = want
 	due := !now.Before(l.writeAt)
 	if due {
 		delete(s.lag, v.Name)
