@@ -171,7 +171,9 @@ func decideAttachment(ctx context.Context, va *VolumeAttachment, v *Volume) {
 		switch {
 		case len(tickets) == 0:
 		case isMigratable(v) && len(tickets) > 1:
-			log.Info("Longhorn migration failed: detach the volume from the extra node to resume",
+			// Every pass finds it again until a ticket goes: keep it out of
+			// the default log.
+			log.V(2).Info("Longhorn migration failed: detach the volume from the extra node to resume",
 				"node", tickets[0].NodeID, "otherNode", tickets[1].NodeID)
 		default:
 			log.Info("Longhorn volume selected to attach", "node", tickets[0].NodeID)

@@ -28,10 +28,12 @@ const (
 	realDetach        = 3 * time.Second
 	realMigrateEngine = 10 * time.Second
 	// The kubernetes PV controller follows pod events through an informer
-	// and a work queue; a second is what it usually lags.
+	// and a work queue. Nothing publishes how far behind that runs; one
+	// second is an assumption for a lightly loaded manager.
 	realWorkloadsLag = 1 * time.Second
-	// The manager's reconcile period here; longhorn-manager reacts to
-	// events, so it is kept short against the stages above.
+	// The stand-in polls where longhorn-manager reacts to events; the
+	// period is kept short against the stages above so that polling adds
+	// little to them.
 	realTick = 500 * time.Millisecond
 )
 
