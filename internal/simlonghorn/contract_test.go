@@ -304,3 +304,30 @@ func TestGhostWorkloadRefusesNodePublish(t *testing.T) {
 		t.Fatalf("node publish without the ghost: %v", err)
 	}
 }
+
+// A migratable volume that lost its engine during a migration is attached
+// nowhere while both nodes hold tickets, and on the remaining node once one
+// goes (volume_attachment_controller.go:684-697).
+func TestInterruptedMigrationWaitsForOneTicket(t *testing.T) {
+	l := newLab(t, Options{})
+	ctx := migrate(t, l)
+	l.sim.FaultVolume("vol", 20*time.Second)
+	until(t, "volume faulted, then recovered and detached", func() (bool, string) {
+		v := l.volume(t, "vol")
+		return !l.sim.isFaulted("vol", time.Now()) && v.Status.Robustness == VolumeRobustnessUnknown &&
+			v.Status.State == VolumeStateDetached, fmt.Sprintf("%+v", v.Status)
+	})
+	for range 3 {
+		l.sim.reconcileAll(ctx)
+	}
+	if v := l.volume(t, "vol"); v.Spec.NodeID != "" || v.Status.CurrentNodeID != "" {
+		t.Fatalf("attached with tickets on both nodes: %+v %+v", v.Spec, v.Status)
+	}
+	if err := l.unpublish(ctx, "vol", "host-b"); err != nil {
+		t.Fatalf("unpublish on B: %v", err)
+	}
+	until(t, "attached on host-a", func() (bool, string) {
+		v := l.volume(t, "vol")
+		return v.Status.CurrentNodeID == "host-a" && v.Status.State == VolumeStateAttached, fmt.Sprintf("%+v", v.Status)
+	})
+}
