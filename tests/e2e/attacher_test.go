@@ -17,8 +17,10 @@ import (
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	guestpkg "github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -53,11 +55,7 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 	// CSINode, as the node-driver-registrar would have registered it.
 	nodeName := "rke2-worker-1"
 	registerNode(ctx, t, guest, nodeName, vm, vols)
-	socket := strings.TrimPrefix(ctrl.Endpoint, "unix://")
-	if err := guestEnv.Run("csi-attacher", "--csi-address="+socket, "--kubeconfig="+guestEnv.Kubeconfig,
-		"--timeout=20s", "--worker-threads=50", "--leader-election=false", "--reconcile-sync=1s", "--v=2"); err != nil {
-		t.Fatal(err)
-	}
+	runAttacher(t, guestEnv, ctrl.Endpoint, "--timeout=20s", "--worker-threads=50", "--leader-election=false", "--reconcile-sync=1s", "--v=2")
 
 	attachAll(ctx, t, h, guest, nodeName, vm, vols)
 	kv := kubevirt.NewForConfigOrDie(h.Env.Config)
@@ -128,12 +126,45 @@ func registerNode(ctx context.Context, t *testing.T, guest kubernetes.Interface,
 		}, metav1.CreateOptions{})
 		return err
 	})
+	createGuestPVs(ctx, t, guest, vols)
+}
+
+// createGuestPVs creates a guest PV per volume, as the provisioner would have.
+func createGuestPVs(ctx context.Context, t *testing.T, guest kubernetes.Interface, vols []string) {
+	t.Helper()
 	for _, vol := range vols {
 		mustCreate(t, func() error {
 			_, err := guest.CoreV1().PersistentVolumes().Create(ctx, guestPV(vol), metav1.CreateOptions{})
 			return err
 		})
 	}
+}
+
+// runAttacher runs the external-attacher in env against the driver's
+// controller at endpoint; flags come after its address and kubeconfig.
+func runAttacher(t *testing.T, env *testenv.Env, endpoint string, flags ...string) {
+	t.Helper()
+	args := append([]string{"--csi-address=" + strings.TrimPrefix(endpoint, "unix://"), "--kubeconfig=" + env.Kubeconfig}, flags...)
+	if err := env.Run("csi-attacher", args...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// createAttachment creates the VolumeAttachment the attach/detach controller
+// would for vol on node, under the name it would give it, and returns that
+// name.
+func createAttachment(ctx context.Context, t *testing.T, guest kubernetes.Interface, vol, node string) string {
+	t.Helper()
+	name := guestpkg.AttachmentName(vol, driver.Name, node)
+	mustCreate(t, func() error {
+		_, err := guest.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: storagev1.VolumeAttachmentSpec{Attacher: driver.Name, NodeName: node,
+				Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol}},
+		}, metav1.CreateOptions{})
+		return err
+	})
+	return name
 }
 
 // attachAll creates a VolumeAttachment per volume for nodeName, as the
