@@ -9,10 +9,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
-	"k8s.io/utils/ptr"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
@@ -38,34 +36,11 @@ func TestReadWriteOncePodClaim(t *testing.T) {
 		Sim:   kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0, Scale: 0.1},
 		Nodes: []string{"node-0"}, Verbosity: 5,
 	})
-	g, m := c.Guest, c.Manifests
+	g := c.Guest
 
 	ns, claim := "default", "single"
-	if _, err := g.Kube.CoreV1().PersistentVolumeClaims(ns).Create(ctx, &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: claim, Namespace: ns},
-		Spec: corev1.PersistentVolumeClaimSpec{
-			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOncePod},
-			StorageClassName: ptr.To(m.StorageClass.Name),
-			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
-		},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	pod := func(name string) *corev1.Pod {
-		return &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-			Spec: corev1.PodSpec{
-				RestartPolicy: corev1.RestartPolicyNever,
-				Containers: []corev1.Container{{Name: "c", Image: "busybox", Command: []string{"sleep", "3600"},
-					VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}}},
-				Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
-					PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}},
-			},
-		}
-	}
-	if _, err := g.Kube.CoreV1().Pods(ns).Create(ctx, pod("first"), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	c.CreateClaim(ctx, t, ns, claim, corev1.ReadWriteOncePod)
+	c.CreatePod(ctx, t, ns, "first", claim, 3600)
 	testwait.Until(ctx, t, "the first pod running with the volume", func() (bool, string) {
 		if err := g.Procs.Dead(); err != nil {
 			t.Fatal(err)
@@ -77,9 +52,7 @@ func TestReadWriteOncePodClaim(t *testing.T) {
 		return p.Status.Phase == corev1.PodRunning, fmt.Sprintf("pod %s on %q", p.Status.Phase, p.Spec.NodeName)
 	})
 
-	if _, err := g.Kube.CoreV1().Pods(ns).Create(ctx, pod("second"), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	c.CreatePod(ctx, t, ns, "second", claim, 3600)
 	testwait.Until(ctx, t, "the second pod refused by the scheduler for the ReadWriteOncePod claim", func() (bool, string) {
 		p, err := g.Kube.CoreV1().Pods(ns).Get(ctx, "second", metav1.GetOptions{})
 		if err != nil {

@@ -5,9 +5,15 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/utils/ptr"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
@@ -99,6 +105,40 @@ func StartCluster(ctx context.Context, t testing.TB, o ClusterOptions) *Cluster 
 		t.Fatal(err)
 	}
 	return &Cluster{Host: h, Guest: g, Manifests: m}
+}
+
+// CreateClaim creates a 1Gi claim name in ns of the chart's StorageClass
+// with access mode mode.
+func (c *Cluster) CreateClaim(ctx context.Context, t testing.TB, ns, name string, mode corev1.PersistentVolumeAccessMode) {
+	t.Helper()
+	if _, err := c.Guest.Kube.CoreV1().PersistentVolumeClaims(ns).Create(ctx, &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes:      []corev1.PersistentVolumeAccessMode{mode},
+			StorageClassName: ptr.To(c.Manifests.StorageClass.Name),
+			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
+		},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// CreatePod creates a pod name in ns, never restarted, whose one container
+// sleeps for seconds with claim mounted at /data.
+func (c *Cluster) CreatePod(ctx context.Context, t testing.TB, ns, name, claim string, seconds int) {
+	t.Helper()
+	if _, err := c.Guest.Kube.CoreV1().Pods(ns).Create(ctx, &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: corev1.PodSpec{
+			RestartPolicy: corev1.RestartPolicyNever,
+			Containers: []corev1.Container{{Name: "c", Image: "busybox", Command: []string{"sleep", strconv.Itoa(seconds)},
+				VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}}},
+			Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
+				PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}},
+		},
+	}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // unmountAllUnder lazily unmounts what the guest's kubelets left mounted
