@@ -45,14 +45,7 @@ func scene(t *testing.T, v Version, opts Options, claims ...string) (*Sim, strin
 	opts.Version = v
 	s, ns := testSim(t, opts)
 	ctx := testCtx(t, 2*time.Minute)
-	for _, c := range claims {
-		if _, err := s.CreatePVC(ctx, ns, c, "1Gi", false); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", claims...)
 	return s, ns, ctx
 }
 

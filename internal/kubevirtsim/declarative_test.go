@@ -22,14 +22,7 @@ func TestDeclarativeDirectPatch(t *testing.T) {
 	s, ns := testSim(t, Options{Mode: ModeDeclarative})
 	ctx := testCtx(t, 60*time.Second)
 	vols := []string{"pvc-a", "pvc-b", "pvc-c"}
-	for _, c := range vols {
-		if _, err := s.CreatePVC(ctx, ns, c, "1Gi", false); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", vols...)
 	log := recordPhases(s, ns, "vm1")
 	c := proxyKV(t, s)
 	s.ResetStats()
@@ -108,12 +101,7 @@ func TestDeclarativeWebhookDenial(t *testing.T) {
 	t.Parallel()
 	s, ns := testSim(t, Options{Mode: ModeDeclarative})
 	ctx := testCtx(t, 60*time.Second)
-	if _, err := s.CreatePVC(ctx, ns, "pvc-denied", "1Gi", false); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-denied")
 	c := proxyKV(t, s)
 	s.Faults().DenyVolume("pvc-denied", "the volume pvc-denied is already used by VM other/vm9")
 	err := patchVMVolumes(ctx, t, s, c, ns, "vm1", []string{"pvc-denied"}, nil)
@@ -140,12 +128,7 @@ func TestDeclarativeReaddWaitsForUnplug(t *testing.T) {
 	t.Parallel()
 	s, ns := testSim(t, Options{Mode: ModeDeclarative})
 	ctx := testCtx(t, 60*time.Second)
-	if _, err := s.CreatePVC(ctx, ns, "pvc-a", "1Gi", false); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-a")
 	log := recordPhases(s, ns, "vm1")
 	c := proxyKV(t, s)
 	if err := patchVMVolumes(ctx, t, s, c, ns, "vm1", []string{"pvc-a"}, nil); err != nil {
@@ -178,13 +161,8 @@ func TestAttachmentPodLivelock(t *testing.T) {
 	var names []string
 	for i := range n {
 		names = append(names, fmt.Sprintf("pvc-%d", i))
-		if _, err := s.CreatePVC(ctx, ns, names[i], "1Gi", false); err != nil {
-			t.Fatal(err)
-		}
 	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", names...)
 	created := map[string]bool{}
 	var mu = make(chan struct{}, 1)
 	mu <- struct{}{}

@@ -58,12 +58,7 @@ func TestLegacyAttachDetachV17(t *testing.T) {
 	s, ns := testSim(t, Options{Mode: ModeLegacy, Version: V1_7_0, DiskHook: hook})
 	hook.s = s
 	ctx := testCtx(t, 60*time.Second)
-	if _, err := s.CreatePVC(ctx, ns, "pvc-a", "1Gi", false); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-a")
 	log := recordPhases(s, ns, "vm1")
 	s.ResetStats()
 	expect202(t, addVolume(t, s, ns, "vm1", "pvc-a"))
@@ -106,14 +101,7 @@ func TestLegacyRemovalV15(t *testing.T) {
 	// could report the volume unmounted.
 	s, ns := testSim(t, Options{Mode: ModeLegacy, Version: V1_5_3, Timings: Timings{Detach: 100 * time.Second}})
 	ctx := testCtx(t, 60*time.Second)
-	for _, c := range []string{"pvc-a", "pvc-b"} {
-		if _, err := s.CreatePVC(ctx, ns, c, "1Gi", false); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-a", "pvc-b")
 	log := recordPhases(s, ns, "vm1")
 	expect202(t, addVolume(t, s, ns, "vm1", "pvc-a"))
 	ready(t, s, ns, "vm1", "pvc-a", 20*time.Second)
@@ -141,13 +129,8 @@ func TestLegacyParallelAdds(t *testing.T) {
 	names := make([]string, n)
 	for i := range names {
 		names[i] = fmt.Sprintf("pvc-%d", i)
-		if _, err := s.CreatePVC(ctx, ns, names[i], "1Gi", false); err != nil {
-			t.Fatal(err)
-		}
 	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", names...)
 	s.ResetStats()
 	answers := make([]answer, n)
 	var wg sync.WaitGroup
@@ -242,14 +225,7 @@ func TestLegacySpecUpdateDenied(t *testing.T) {
 	t.Parallel()
 	s, ns := testSim(t, Options{Mode: ModeLegacy})
 	ctx := testCtx(t, 60*time.Second)
-	for _, c := range []string{"pvc-bad", "pvc-snap"} {
-		if _, err := s.CreatePVC(ctx, ns, c, "1Gi", false); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-bad", "pvc-snap")
 	s.Faults().DenyVolume("pvc-bad", "")
 	expect202(t, addVolume(t, s, ns, "vm1", "pvc-bad"))
 	wantMsg := `Error encountered when trying to update vm according to add volume and/or memory dump requests: admission webhook "validator.harvesterhci.io" denied the request: the volume pvc-bad is already used by VM`

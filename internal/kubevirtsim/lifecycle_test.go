@@ -204,12 +204,7 @@ func TestStopDeleteVM(t *testing.T) {
 	s, ns := testSim(t, Options{Mode: ModeDeclarative, DiskHook: hook})
 	hook.s = s
 	ctx := testCtx(t, 60*time.Second)
-	if _, err := s.CreatePVC(ctx, ns, "pvc-a", "1Gi", false); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-a")
 	if err := patchVMVolumes(ctx, t, s, proxyKV(t, s), ns, "vm1", []string{"pvc-a"}, nil); err != nil {
 		t.Fatal(err)
 	}
@@ -266,12 +261,7 @@ func TestStuckAttachmentPod(t *testing.T) {
 	t.Parallel()
 	s, ns := testSim(t, Options{Mode: ModeLegacy})
 	ctx := testCtx(t, 60*time.Second)
-	if _, err := s.CreatePVC(ctx, ns, "pvc-a", "1Gi", false); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-a")
 	s.Faults().SetAttachmentPodsStuck(ns, "vm1", true)
 	expect202(t, addVolume(t, s, ns, "vm1", "pvc-a"))
 	waitVMI(t, s, ns, "vm1", func(vmi *kubevirtv1.VirtualMachineInstance) bool {

@@ -274,6 +274,20 @@ func (l *phaseLog) get(volume string) []string {
 	return append([]string{}, l.phases[volume]...)
 }
 
+// vmWithClaims creates a 1Gi claim per name in claims and then the running
+// VM vm in ns, where most hotplug scenarios start.
+func vmWithClaims(ctx context.Context, t *testing.T, s *Sim, ns, vm string, claims ...string) {
+	t.Helper()
+	for _, c := range claims {
+		if _, err := s.CreatePVC(ctx, ns, c, "1Gi", false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: vm}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func ready(t *testing.T, s *Sim, ns, vm, volume string, d time.Duration) string {
 	t.Helper()
 	target, err := s.WaitVolumeReady(testCtx(t, d), ns, vm, volume)

@@ -28,14 +28,7 @@ func TestSubresourceChecksLegacy(t *testing.T) {
 	t.Parallel()
 	s, ns := testSim(t, Options{Mode: ModeLegacy, Version: V1_7_0})
 	ctx := testCtx(t, 90*time.Second)
-	for _, c := range []string{"pvc-a", "pvc-b", "pvc-c"} {
-		if _, err := s.CreatePVC(ctx, ns, c, "1Gi", false); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-a", "pvc-b", "pvc-c")
 
 	// 1. feature gate
 	if err := s.Faults().SetFeatureGates(ctx, []string{}); err != nil {
@@ -185,12 +178,7 @@ func TestSubresourceDeclarative(t *testing.T) {
 	t.Parallel()
 	s, ns := testSim(t, Options{Mode: ModeDeclarative, Version: V1_7_0})
 	ctx := testCtx(t, 60*time.Second)
-	if _, err := s.CreatePVC(ctx, ns, "pvc-a", "1Gi", false); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "vm1"}); err != nil {
-		t.Fatal(err)
-	}
+	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-a")
 	expectAnswer(t, call(t, s, ns, resVMIs, "vm1", "addvolume", addOpts("pvc-a", "pvc-a", "scsi")), 400, fmt.Sprintf("VMI %s/vm1 is owned by a VM", ns))
 	s.ResetStats()
 	expect202(t, addVolume(t, s, ns, "vm1", "pvc-a"))

@@ -1,28 +1,20 @@
-package simguest
+package simguest_test
 
 import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
-	"k8s.io/utils/ptr"
 
-	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
-	"github.com/harvester-csi/harvester-csi-driver/internal/simguest/chart"
-	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
 // A pod with a claim of the chart's StorageClass runs to completion on a
@@ -30,90 +22,19 @@ import (
 // external-attacher, kubelet and the driver's processes, and its volume
 // detaches afterwards.
 func TestPodWithVolumeRunsAndDetaches(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("the lab needs root (loop devices, mounts)")
-	}
-	if testing.Short() {
-		t.Skip("starts two control planes")
-	}
 	ctx, cancel := context.WithTimeout(klog.NewContext(context.Background(), klog.Background()), 6*time.Minute)
 	defer cancel()
-	bin, err := testenv.BinDir()
-	if err != nil {
-		t.Fatal(err)
-	}
-	work := t.TempDir()
-	sockets, err := os.MkdirTemp("", "hcsi-guest-test-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	driver := filepath.Join(work, "harvester-csi-driver")
-	if err := proc.Build(ctx, driver, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver"); err != nil {
-		t.Fatal(err)
-	}
-	root, err := checkout.Root()
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := chart.Load(filepath.Join(root, chart.File))
-	if err != nil {
-		t.Fatal(err)
-	}
-	logs := filepath.Join(work, "logs")
-	h, err := simhost.Start(ctx, simhost.Options{Dir: filepath.Join(work, "host"), LogDir: logs, Sim: kubevirtsim.Options{
-		Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_5_3, Scale: 0.1,
-	}, VMs: []string{"node-0"}, Disks: true, HardUnplug: true, Harvester: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = h.Stop(context.Background()) })
-	g, err := Start(ctx, Options{Dir: filepath.Join(work, "guest"), SocketDir: sockets, LogDir: logs, Bin: bin,
-		DriverBinary: driver, Manifests: m, Host: h, NodeStatusUpdate: 2 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = g.Stop(context.Background())
-		unmountUnder(t, sockets)
-		_ = os.RemoveAll(sockets)
-		if t.Failed() {
-			dumpLogs(t, logs)
-		}
+	c := framework.StartCluster(ctx, t, framework.ClusterOptions{
+		Sim:   kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy, Version: kubevirtsim.V1_5_3, Scale: 0.1},
+		Nodes: []string{"node-0"},
 	})
-	if _, err := g.AddNode(ctx, "node-0"); err != nil {
-		t.Fatal(err)
-	}
-	if err := g.WaitNodesReady(ctx, []string{"node-0"}); err != nil {
-		t.Fatal(err)
-	}
+	g := c.Guest
 
 	ns := "default"
-	pvc := &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: "data", Namespace: ns},
-		Spec: corev1.PersistentVolumeClaimSpec{
-			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			StorageClassName: ptr.To(m.StorageClass.Name),
-			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
-		},
-	}
-	if _, err := g.Kube.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: "once", Namespace: ns},
-		Spec: corev1.PodSpec{
-			RestartPolicy: corev1.RestartPolicyNever,
-			Containers: []corev1.Container{{Name: "c", Image: "busybox", Command: []string{"sleep", "2"},
-				VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}}},
-			Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
-				PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "data"}}}},
-		},
-	}
-	if _, err := g.Kube.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	c.CreateClaim(ctx, t, ns, "data", corev1.ReadWriteOnce)
+	c.CreatePod(ctx, t, ns, "once", "data", 2)
 	var last string
-	err = wait.PollUntilContextCancel(ctx, time.Second, true, func(ctx context.Context) (bool, error) {
+	err := wait.PollUntilContextCancel(ctx, time.Second, true, func(ctx context.Context) (bool, error) {
 		if err := g.Procs.Dead(); err != nil {
 			return false, err
 		}
@@ -157,36 +78,5 @@ func TestPodWithVolumeRunsAndDetaches(t *testing.T) {
 			t.Fatalf("the node plugin did not complete %s after the previous step; log:\n%s", m, log)
 		}
 		at += i
-	}
-}
-
-func unmountUnder(t *testing.T, dir string) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return
-	}
-	var mps []string
-	for _, l := range strings.Split(string(data), "\n") {
-		f := strings.Fields(l)
-		if len(f) > 4 && strings.HasPrefix(f[4], dir) {
-			mps = append(mps, f[4])
-		}
-	}
-	for i := len(mps) - 1; i >= 0; i-- {
-		if out, err := exec.Command("umount", "-l", mps[i]).CombinedOutput(); err != nil {
-			t.Logf("umount %s: %v %s", mps[i], err, out)
-		}
-	}
-}
-
-func dumpLogs(t *testing.T, dir string) {
-	ents, _ := os.ReadDir(dir)
-	for _, e := range ents {
-		data, _ := os.ReadFile(filepath.Join(dir, e.Name()))
-		lines := strings.Split(string(data), "\n")
-		if len(lines) > 40 {
-			lines = lines[len(lines)-40:]
-		}
-		t.Logf("---- %s (tail)\n%s", e.Name(), strings.Join(lines, "\n"))
 	}
 }

@@ -320,6 +320,25 @@ func fastConfig() Config {
 	return Config{BatchWindow: 50 * time.Millisecond, MaxHold: 2 * time.Second, BackoffBase: time.Millisecond, BackoffMax: 50 * time.Millisecond, QPS: 1000, Burst: 1000}
 }
 
+// windowConfig is fastConfig with a batch window long enough for a test to
+// act while requests wait in it.
+func windowConfig(window time.Duration) Config {
+	cfg := fastConfig()
+	cfg.BatchWindow = window
+	return cfg
+}
+
+// attachAll attaches vols to vm one after the other, as callers that each
+// wait for their answer, and fails t at the first error.
+func attachAll(ctx context.Context, t *testing.T, q *Queue, vm string, vols ...string) {
+	t.Helper()
+	for _, vol := range vols {
+		if err := q.Attach(ctx, vm, vol, true); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 func TestConcurrentAttachesAreBatched(t *testing.T) {
 	f := newFakeKubeVirt(t, "vm1")
 	q, reg := startQueue(t, f, fastConfig())
@@ -354,8 +373,7 @@ func TestConcurrentAttachesAreBatched(t *testing.T) {
 
 func TestAttachThenDetachBeforeTheBatchCancels(t *testing.T) {
 	f := newFakeKubeVirt(t, "vm1")
-	cfg := fastConfig()
-	cfg.BatchWindow = 300 * time.Millisecond
+	cfg := windowConfig(300 * time.Millisecond)
 	q, _ := startQueue(t, f, cfg)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -546,9 +564,7 @@ func TestStormOnSeveralVMsConverges(t *testing.T) {
 
 func TestMetricsFollowTheQueue(t *testing.T) {
 	f := newFakeKubeVirt(t, "vm1")
-	cfg := fastConfig()
-	cfg.BatchWindow = 400 * time.Millisecond
-	q, reg := startQueue(t, f, cfg)
+	q, reg := startQueue(t, f, windowConfig(400*time.Millisecond))
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	done := make(chan error, 2)
@@ -674,8 +690,7 @@ func TestResultCountersStartAtZero(t *testing.T) {
 // never more than the whole, so an operator can tell the queue's hold from
 // KubeVirt's work.
 func TestHeldTimeIsTheWaitBeforeTheWrite(t *testing.T) {
-	cfg := fastConfig()
-	cfg.BatchWindow = 300 * time.Millisecond
+	cfg := windowConfig(300 * time.Millisecond)
 	q, reg := startQueue(t, newFakeKubeVirt(t, "vm1"), cfg)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -709,11 +724,7 @@ func TestDetachBeforeIsNotWrittenAfterItsDeadline(t *testing.T) {
 	q, _ := startQueue(t, f, fastConfig())
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	for _, vol := range []string{"pvc-a", "pvc-b"} {
-		if err := q.Attach(ctx, "vm1", vol, true); err != nil {
-			t.Fatal(err)
-		}
-	}
+	attachAll(ctx, t, q, "vm1", "pvc-a", "pvc-b")
 	applies, _, _ := f.stats()
 	var expired *ExpiredError
 	if err := q.DetachBefore(ctx, "vm1", "pvc-a", time.Now().Add(-time.Millisecond)); !errors.As(err, &expired) {

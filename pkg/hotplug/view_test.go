@@ -88,11 +88,7 @@ func TestLostListsOnlyADroppedHotplug(t *testing.T) {
 	q, _ := startQueue(t, f, fastConfig())
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	for _, vol := range []string{"pvc-a", "pvc-b"} {
-		if err := q.Attach(ctx, "vm1", vol, true); err != nil {
-			t.Fatal(err)
-		}
-	}
+	attachAll(ctx, t, q, "vm1", "pvc-a", "pvc-b")
 	if got := q.Lost("pvc-a"); len(got) != 0 {
 		t.Fatalf("an attached volume is lost on %v", got)
 	}

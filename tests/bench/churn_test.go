@@ -147,13 +147,7 @@ func BenchmarkChurn(b *testing.B) {
 
 func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 	b.Helper()
-	h := framework.StartHost(b, kubevirtsimOptions(f, cfg.Scale, cfg.Seed))
-	vms := make([]string, cfg.VMs)
-	for i := range vms {
-		vms[i] = fmt.Sprintf("node-%d", i)
-	}
-	h.CreateVMs(b, vms...)
-	vols := h.CreateVolumes(b, "churn", cfg.Volumes)
+	h, vms, vols := startFleet(b, f, cfg.Scale, cfg.Seed, "node-%d", cfg.VMs, "churn", cfg.Volumes)
 	ctrl := h.StartController(b, framework.ControllerOptions{Backend: kubevirt.BackendAuto,
 		Queue: scaledQueue(cfg.Scale), Driver: scaledDriver(cfg.Scale, cfg.PublishWait, cfg.PublishWaitCrowd)})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
@@ -247,6 +241,20 @@ func gatherCounter(b *testing.B, reg *prometheus.Registry, name string) float64 
 		}
 	}
 	return sum
+}
+
+// startFleet starts a simulated host of flavor f with vmCount running VMs
+// named by vmFormat (fmt, given the index) and volCount volumes named from
+// volPrefix: what a workload moves its volumes between.
+func startFleet(b *testing.B, f flavor, scale float64, seed uint64, vmFormat string, vmCount int, volPrefix string, volCount int) (*framework.Host, []string, []string) {
+	b.Helper()
+	h := framework.StartHost(b, kubevirtsimOptions(f, scale, seed))
+	vms := make([]string, vmCount)
+	for i := range vms {
+		vms[i] = fmt.Sprintf(vmFormat, i)
+	}
+	h.CreateVMs(b, vms...)
+	return h, vms, h.CreateVolumes(b, volPrefix, volCount)
 }
 
 func kubevirtsimOptions(f flavor, scale float64, seed uint64) kubevirtsim.Options {

@@ -82,13 +82,7 @@ func BenchmarkScale(b *testing.B) {
 
 func scaleOnce(b *testing.B, f flavor, cfg ScaleConfig) ScaleResult {
 	b.Helper()
-	h := framework.StartHost(b, kubevirtsimOptions(f, cfg.Scale, cfg.Seed))
-	vms := make([]string, cfg.VMs)
-	for i := range vms {
-		vms[i] = fmt.Sprintf("node-%02d", i)
-	}
-	h.CreateVMs(b, vms...)
-	vols := h.CreateVolumes(b, "scale", cfg.Volumes)
+	h, vms, vols := startFleet(b, f, cfg.Scale, cfg.Seed, "node-%02d", cfg.VMs, "scale", cfg.Volumes)
 	name := "scale-" + f.name
 	sh := &scaleHost{h: h}
 	var sampler Sampler

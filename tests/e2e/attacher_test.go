@@ -12,12 +12,15 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
+	guestpkg "github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -51,67 +54,11 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 	// The attacher maps a node name to the CSI node ID (the VM name) through
 	// CSINode, as the node-driver-registrar would have registered it.
 	nodeName := "rke2-worker-1"
-	mustCreate(t, func() error {
-		_, err := guest.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{})
-		return err
-	})
-	mustCreate(t, func() error {
-		_, err := guest.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{
-			ObjectMeta: metav1.ObjectMeta{Name: nodeName},
-			Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: vm}}},
-		}, metav1.CreateOptions{})
-		return err
-	})
-	for _, vol := range vols {
-		mustCreate(t, func() error {
-			_, err := guest.CoreV1().PersistentVolumes().Create(ctx, guestPV(vol), metav1.CreateOptions{})
-			return err
-		})
-	}
-	socket := strings.TrimPrefix(ctrl.Endpoint, "unix://")
-	if err := guestEnv.Run("csi-attacher", "--csi-address="+socket, "--kubeconfig="+guestEnv.Kubeconfig,
-		"--timeout=20s", "--worker-threads=50", "--leader-election=false", "--reconcile-sync=1s", "--v=2"); err != nil {
-		t.Fatal(err)
-	}
+	registerNode(ctx, t, guest, nodeName, vm, vols)
+	runAttacher(t, guestEnv, ctrl.Endpoint, "--timeout=20s", "--worker-threads=50", "--leader-election=false", "--reconcile-sync=1s", "--v=2")
 
-	for _, vol := range vols {
-		mustCreate(t, func() error {
-			_, err := guest.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
-				ObjectMeta: metav1.ObjectMeta{Name: "csi-" + vol},
-				Spec: storagev1.VolumeAttachmentSpec{
-					Attacher: driver.Name, NodeName: nodeName,
-					Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol},
-				},
-			}, metav1.CreateOptions{})
-			return err
-		})
-	}
-	testwait.Until(ctx, t, "every VolumeAttachment attached", func() (bool, string) {
-		list, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		attached := 0
-		var lastErr string
-		for _, va := range list.Items {
-			if va.Status.Attached {
-				attached++
-			} else if va.Status.AttachError != nil {
-				lastErr = va.Status.AttachError.Message
-			}
-		}
-		return attached == n, fmt.Sprintf("%d/%d attached, last error %q", attached, n, lastErr)
-	})
+	attachAll(ctx, t, h, guest, nodeName, vm, vols)
 	kv := kubevirt.NewForConfigOrDie(h.Env.Config)
-	vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, vol := range vols {
-		if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); !ok || e.Target == "" {
-			t.Errorf("VolumeAttachment of %s says attached but the VMI shows %+v", vol, e)
-		}
-	}
 
 	// Someone takes one volume off the VM behind the VolumeAttachment's back.
 	// Only the attacher's reconciler, reading ListVolumes, can notice.
@@ -140,7 +87,7 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 	if st := h.Sim.Stats(); st.RemoveVolume > 1 {
 		t.Errorf("the repair removed volumes: %+v", st)
 	}
-	vmi, err = kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+	vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -150,6 +97,126 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 		}
 	}
 
+	detachAll(ctx, t, guest, vols)
+	vmi, err = kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, vol := range vols {
+		if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); ok {
+			t.Errorf("VolumeAttachment of %s is gone but the VMI still has %+v", vol, e)
+		}
+	}
+}
+
+// registerNode creates guest Node nodeName on VM vm and its CSINode, as the
+// node-driver-registrar would have registered it (the external-attacher
+// maps a node name to the CSI node ID through it), and a guest PV per
+// volume.
+func registerNode(ctx context.Context, t *testing.T, guest kubernetes.Interface, nodeName, vm string, vols []string) {
+	t.Helper()
+	mustCreate(t, func() error {
+		_, err := guest.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{})
+		return err
+	})
+	mustCreate(t, func() error {
+		_, err := guest.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{
+			ObjectMeta: metav1.ObjectMeta{Name: nodeName},
+			Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: vm}}},
+		}, metav1.CreateOptions{})
+		return err
+	})
+	createGuestPVs(ctx, t, guest, vols)
+}
+
+// createGuestPVs creates a guest PV per volume, as the provisioner would have.
+func createGuestPVs(ctx context.Context, t *testing.T, guest kubernetes.Interface, vols []string) {
+	t.Helper()
+	for _, vol := range vols {
+		mustCreate(t, func() error {
+			_, err := guest.CoreV1().PersistentVolumes().Create(ctx, guestPV(vol), metav1.CreateOptions{})
+			return err
+		})
+	}
+}
+
+// runAttacher runs the external-attacher in env against the driver's
+// controller at endpoint; flags come after its address and kubeconfig.
+func runAttacher(t *testing.T, env *testenv.Env, endpoint string, flags ...string) {
+	t.Helper()
+	args := append([]string{"--csi-address=" + strings.TrimPrefix(endpoint, "unix://"), "--kubeconfig=" + env.Kubeconfig}, flags...)
+	if err := env.Run("csi-attacher", args...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// createAttachment creates the VolumeAttachment the attach/detach controller
+// would for vol on node, under the name it would give it, and returns that
+// name.
+func createAttachment(ctx context.Context, t *testing.T, guest kubernetes.Interface, vol, node string) string {
+	t.Helper()
+	name := guestpkg.AttachmentName(vol, driver.Name, node)
+	mustCreate(t, func() error {
+		_, err := guest.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
+			ObjectMeta: metav1.ObjectMeta{Name: name},
+			Spec: storagev1.VolumeAttachmentSpec{Attacher: driver.Name, NodeName: node,
+				Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol}},
+		}, metav1.CreateOptions{})
+		return err
+	})
+	return name
+}
+
+// attachAll creates a VolumeAttachment per volume for nodeName, as the
+// attach/detach controller would, waits until the external-attacher reports
+// every one attached, and checks that the VMI of vm shows each volume with a
+// target: an attached VolumeAttachment must mean a disk in the guest.
+func attachAll(ctx context.Context, t *testing.T, h *framework.Host, guest kubernetes.Interface, nodeName, vm string, vols []string) {
+	t.Helper()
+	for _, vol := range vols {
+		mustCreate(t, func() error {
+			_, err := guest.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
+				ObjectMeta: metav1.ObjectMeta{Name: "csi-" + vol},
+				Spec: storagev1.VolumeAttachmentSpec{
+					Attacher: driver.Name, NodeName: nodeName,
+					Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol},
+				},
+			}, metav1.CreateOptions{})
+			return err
+		})
+	}
+	n := len(vols)
+	testwait.Until(ctx, t, "every VolumeAttachment attached", func() (bool, string) {
+		list, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		attached, lastErr := 0, ""
+		for _, va := range list.Items {
+			if va.Status.Attached {
+				attached++
+			} else if va.Status.AttachError != nil {
+				lastErr = va.Status.AttachError.Message
+			}
+		}
+		return attached == n, fmt.Sprintf("%d/%d attached, last error %q", attached, n, lastErr)
+	})
+	kv := kubevirt.NewForConfigOrDie(h.Env.Config)
+	vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, vol := range vols {
+		if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); !ok || e.Target == "" {
+			t.Errorf("VolumeAttachment of %s says attached but the VMI shows %+v", vol, e)
+		}
+	}
+}
+
+// detachAll deletes the VolumeAttachments of attachAll and waits until the
+// external-attacher has detached each and released its finalizer.
+func detachAll(ctx context.Context, t *testing.T, guest kubernetes.Interface, vols []string) {
+	t.Helper()
 	for _, vol := range vols {
 		if err := guest.StorageV1().VolumeAttachments().Delete(ctx, "csi-"+vol, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
@@ -162,15 +229,6 @@ func realAttacher(t *testing.T, mode kubevirtsim.Mode) {
 		}
 		return len(list.Items) == 0, fmt.Sprintf("%d left", len(list.Items))
 	})
-	vmi, err = kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, vol := range vols {
-		if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); ok {
-			t.Errorf("VolumeAttachment of %s is gone but the VMI still has %+v", vol, e)
-		}
-	}
 }
 
 func guestPV(name string) *corev1.PersistentVolume {

@@ -7,13 +7,10 @@ import (
 	"testing"
 	"time"
 
-	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
-	guestpkg "github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -38,29 +35,8 @@ func TestWaitsExplainedOnVolumeAttachments(t *testing.T) {
 		Guest: g.Env.Config})
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	for _, vol := range vols {
-		mustCreate(t, func() error {
-			_, err := g.Kube.CoreV1().PersistentVolumes().Create(ctx, guestPV(vol), metav1.CreateOptions{})
-			return err
-		})
-	}
-	socket := strings.TrimPrefix(ctrl.Endpoint, "unix://")
-	if err := g.Env.Run("csi-attacher", "--csi-address="+socket, "--kubeconfig="+g.Env.Kubeconfig,
-		"--timeout=5s", "--leader-election=false", "--retry-interval-max=2s", "--v=2"); err != nil {
-		t.Fatal(err)
-	}
-	attach := func(vol, node string) string {
-		name := guestpkg.AttachmentName(vol, driver.Name, node)
-		mustCreate(t, func() error {
-			_, err := g.Kube.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
-				ObjectMeta: metav1.ObjectMeta{Name: name},
-				Spec: storagev1.VolumeAttachmentSpec{Attacher: driver.Name, NodeName: node,
-					Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol}},
-			}, metav1.CreateOptions{})
-			return err
-		})
-		return name
-	}
+	createGuestPVs(ctx, t, g.Kube, vols)
+	runAttacher(t, g.Env, ctrl.Endpoint, "--timeout=5s", "--leader-election=false", "--retry-interval-max=2s", "--v=2")
 	attached := func(name string) func() (bool, string) {
 		return func() (bool, string) {
 			va, err := g.Kube.StorageV1().VolumeAttachments().Get(ctx, name, metav1.GetOptions{})
@@ -89,15 +65,15 @@ func TestWaitsExplainedOnVolumeAttachments(t *testing.T) {
 
 	// An RWO volume attached to one node, then asked for on the other: the
 	// second VolumeAttachment says which VM holds the volume.
-	heldOnA := attach(held, nodeA)
+	heldOnA := createAttachment(ctx, t, g.Kube, held, nodeA)
 	testwait.Until(ctx, t, "the held volume attached to "+vmA, attached(heldOnA))
-	heldOnB := attach(held, nodeB)
+	heldOnB := createAttachment(ctx, t, g.Kube, held, nodeB)
 	testwait.Until(ctx, t, "an Event naming the holder on "+heldOnB, eventOn(heldOnB, "VolumeHeldByAnotherVM", held, vmA))
 
 	// KubeVirt's attachment pod for the other VM does not start: the publish
 	// waits, and its VolumeAttachment says so.
 	h.Sim.Faults().SetAttachmentPodsStuck(h.Namespace, vmB, true)
-	waitingOnB := attach(waiting, nodeB)
+	waitingOnB := createAttachment(ctx, t, g.Kube, waiting, nodeB)
 	testwait.Until(ctx, t, "an Event saying the hotplug waits on "+waitingOnB, eventOn(waitingOnB, "HotplugWaiting", waiting))
 	if ok, state := attached(waitingOnB)(); ok {
 		t.Fatalf("attached while its attachment pod cannot start: %s", state)

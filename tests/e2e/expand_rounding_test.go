@@ -2,23 +2,17 @@ package e2e
 
 import (
 	"context"
-	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/utils/ptr"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
-	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
@@ -41,46 +35,10 @@ func TestRealResizerInsideTheHostRounding(t *testing.T) {
 	}
 	ctrl := h.StartController(t, framework.ControllerOptions{Backend: "auto", Queue: hotplug.Config{BatchWindow: 100 * time.Millisecond}})
 
-	guestEnv, err := testenv.Start(ctx, testenv.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(guestEnv.Stop)
-	guest := kubernetes.NewForConfigOrDie(guestEnv.Config)
-	const class, ns, claim = "harvester", "default", "csi-resize-repro"
-	oneG := resource.MustParse("1G")
-	mustCreate(t, func() error {
-		_, err := guest.StorageV1().StorageClasses().Create(ctx, &storagev1.StorageClass{
-			ObjectMeta: metav1.ObjectMeta{Name: class}, Provisioner: driver.Name, AllowVolumeExpansion: ptr.To(true),
-		}, metav1.CreateOptions{})
-		return err
-	})
-	pvc, err := guest.CoreV1().PersistentVolumeClaims(ns).Create(ctx, &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: claim, Namespace: ns},
-		Spec: corev1.PersistentVolumeClaimSpec{
-			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce}, StorageClassName: ptr.To(class), VolumeName: vol,
-			Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: oneG}},
-		},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	pvc.Status = corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound, AccessModes: pvc.Spec.AccessModes,
-		Capacity: corev1.ResourceList{corev1.ResourceStorage: oneG}}
-	if _, err := guest.CoreV1().PersistentVolumeClaims(ns).UpdateStatus(ctx, pvc, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	pv := guestPV(vol)
-	pv.Spec.Capacity = corev1.ResourceList{corev1.ResourceStorage: oneG}
-	pv.Spec.StorageClassName = class
-	pv.Spec.ClaimRef = &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: ns, Name: claim, UID: pvc.UID}
-	if pv, err = guest.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	pv.Status.Phase = corev1.VolumeBound
-	if _, err := guest.CoreV1().PersistentVolumes().UpdateStatus(ctx, pv, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	g := framework.StartGuest(t)
+	guestEnv, guest := g.Env, g.Kube
+	const ns, claim = "default", "csi-resize-repro"
+	createBoundClaim(ctx, t, guest, ns, claim, vol, resource.MustParse("1G"))
 	socket := strings.TrimPrefix(ctrl.Endpoint, "unix://")
 	if err := guestEnv.Run("csi-resizer", "--csi-address="+socket, "--kubeconfig="+guestEnv.Kubeconfig, "--leader-election=false",
 		"--timeout=1m50s", "--v=2"); err != nil {
@@ -105,20 +63,7 @@ func TestRealResizerInsideTheHostRounding(t *testing.T) {
 				}
 			}
 		}
-		pv, err := guest.CoreV1().PersistentVolumes().Get(ctx, vol, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		pvc, err := guest.CoreV1().PersistentVolumeClaims(ns).Get(ctx, claim, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		size := pv.Spec.Capacity[corev1.ResourceStorage]
-		pending := false
-		for _, c := range pvc.Status.Conditions {
-			pending = pending || (c.Type == corev1.PersistentVolumeClaimFileSystemResizePending && c.Status == corev1.ConditionTrue)
-		}
-		return size.Cmp(want) == 0 && pending, fmt.Sprintf("PV %s, PVC conditions %v", size.String(), pvc.Status.Conditions)
+		return resizedAndPending(ctx, guest, ns, claim, vol, want)
 	})
 	hostPVC, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, vol, metav1.GetOptions{})
 	if err != nil {

@@ -7,7 +7,6 @@ import (
 	"testing"
 	"time"
 
-	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -40,26 +39,10 @@ func TestDetachGuardWithRealAttacher(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	guestKube := g.Kube
+	createGuestPVs(ctx, t, guestKube, vols)
+	runAttacher(t, g.Env, ctrl.Endpoint, "--timeout=20s", "--leader-election=false", "--retry-interval-max=2s", "--v=2")
 	for _, vol := range vols {
-		mustCreate(t, func() error {
-			_, err := guestKube.CoreV1().PersistentVolumes().Create(ctx, guestPV(vol), metav1.CreateOptions{})
-			return err
-		})
-	}
-	socket := strings.TrimPrefix(ctrl.Endpoint, "unix://")
-	if err := g.Env.Run("csi-attacher", "--csi-address="+socket, "--kubeconfig="+g.Env.Kubeconfig,
-		"--timeout=20s", "--leader-election=false", "--retry-interval-max=2s", "--v=2"); err != nil {
-		t.Fatal(err)
-	}
-	for _, vol := range vols {
-		mustCreate(t, func() error {
-			_, err := guestKube.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
-				ObjectMeta: metav1.ObjectMeta{Name: vaName(vol)},
-				Spec: storagev1.VolumeAttachmentSpec{Attacher: driver.Name, NodeName: nodeName,
-					Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol}},
-			}, metav1.CreateOptions{})
-			return err
-		})
+		createAttachment(ctx, t, guestKube, vol, nodeName)
 	}
 	testwait.Until(ctx, t, "both VolumeAttachments attached", func() (bool, string) {
 		n := 0

@@ -4,26 +4,17 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/klog/v2"
-	"k8s.io/utils/ptr"
 
-	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
-	"github.com/harvester-csi/harvester-csi-driver/internal/simguest"
-	"github.com/harvester-csi/harvester-csi-driver/internal/simguest/chart"
-	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
 )
 
 // TestReadWriteOncePodClaim runs a ReadWriteOncePod claim through a real guest
@@ -38,93 +29,18 @@ import (
 // arrives as SINGLE_NODE_WRITER, indistinguishable from ReadWriteOnce.
 // Follows internal/simguest TestPodWithVolumeRunsAndDetaches.
 func TestReadWriteOncePodClaim(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("the guest's kubelet needs root (loop devices, mounts)")
-	}
-	if testing.Short() {
-		t.Skip("starts two control planes")
-	}
 	ctx, cancel := context.WithTimeout(klog.NewContext(context.Background(), klog.Background()), 6*time.Minute)
 	defer cancel()
-	bin, err := testenv.BinDir()
-	if err != nil {
-		t.Fatal(err)
-	}
-	work := t.TempDir()
-	// Unix socket paths are limited to 107 bytes: not under the test's
-	// (long) temporary directory.
-	sockets, err := os.MkdirTemp("/tmp", "hcsi-rwop-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	driverBin := filepath.Join(work, "harvester-csi-driver")
-	if err := proc.Build(ctx, driverBin, "github.com/harvester-csi/harvester-csi-driver/cmd/harvester-csi-driver"); err != nil {
-		t.Fatal(err)
-	}
-	root, err := checkout.Root()
-	if err != nil {
-		t.Fatal(err)
-	}
-	m, err := chart.Load(filepath.Join(root, chart.File))
-	if err != nil {
-		t.Fatal(err)
-	}
-	logs := filepath.Join(work, "logs")
-	const nodeName = "node-0"
-	h, err := simhost.Start(ctx, simhost.Options{Dir: filepath.Join(work, "host"), LogDir: logs, Sim: kubevirtsim.Options{
-		Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0, Scale: 0.1,
-	}, VMs: []string{nodeName}, Disks: true, HardUnplug: true, Harvester: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = h.Stop(context.Background()) })
 	// Verbosity 5: the sidecars log each CSI request they send.
-	g, err := simguest.Start(ctx, simguest.Options{Dir: filepath.Join(work, "guest"), SocketDir: sockets, LogDir: logs, Bin: bin,
-		DriverBinary: driverBin, Manifests: m, Host: h, NodeStatusUpdate: 2 * time.Second, Verbosity: 5})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = g.Stop(context.Background())
-		unmountAllUnder(t, sockets)
-		_ = os.RemoveAll(sockets)
-		if t.Failed() {
-			logTails(t, logs)
-		}
+	c := framework.StartCluster(ctx, t, framework.ClusterOptions{
+		Sim:   kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Version: kubevirtsim.V1_7_0, Scale: 0.1},
+		Nodes: []string{"node-0"}, Verbosity: 5,
 	})
-	if _, err := g.AddNode(ctx, nodeName); err != nil {
-		t.Fatal(err)
-	}
-	if err := g.WaitNodesReady(ctx, []string{nodeName}); err != nil {
-		t.Fatal(err)
-	}
+	g := c.Guest
 
 	ns, claim := "default", "single"
-	if _, err := g.Kube.CoreV1().PersistentVolumeClaims(ns).Create(ctx, &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: claim, Namespace: ns},
-		Spec: corev1.PersistentVolumeClaimSpec{
-			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOncePod},
-			StorageClassName: ptr.To(m.StorageClass.Name),
-			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
-		},
-	}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	pod := func(name string) *corev1.Pod {
-		return &corev1.Pod{
-			ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
-			Spec: corev1.PodSpec{
-				RestartPolicy: corev1.RestartPolicyNever,
-				Containers: []corev1.Container{{Name: "c", Image: "busybox", Command: []string{"sleep", "3600"},
-					VolumeMounts: []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}}},
-				Volumes: []corev1.Volume{{Name: "data", VolumeSource: corev1.VolumeSource{
-					PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: claim}}}},
-			},
-		}
-	}
-	if _, err := g.Kube.CoreV1().Pods(ns).Create(ctx, pod("first"), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	c.CreateClaim(ctx, t, ns, claim, corev1.ReadWriteOncePod)
+	c.CreatePod(ctx, t, ns, "first", claim, 3600)
 	testwait.Until(ctx, t, "the first pod running with the volume", func() (bool, string) {
 		if err := g.Procs.Dead(); err != nil {
 			t.Fatal(err)
@@ -136,9 +52,7 @@ func TestReadWriteOncePodClaim(t *testing.T) {
 		return p.Status.Phase == corev1.PodRunning, fmt.Sprintf("pod %s on %q", p.Status.Phase, p.Spec.NodeName)
 	})
 
-	if _, err := g.Kube.CoreV1().Pods(ns).Create(ctx, pod("second"), metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	c.CreatePod(ctx, t, ns, "second", claim, 3600)
 	testwait.Until(ctx, t, "the second pod refused by the scheduler for the ReadWriteOncePod claim", func() (bool, string) {
 		p, err := g.Kube.CoreV1().Pods(ns).Get(ctx, "second", metav1.GetOptions{})
 		if err != nil {
@@ -167,43 +81,7 @@ func TestReadWriteOncePodClaim(t *testing.T) {
 			t.Fatal(err)
 		}
 		if !strings.Contains(string(data), "SINGLE_NODE_SINGLE_WRITER") && !strings.Contains(string(data), `"mode":6`) {
-			t.Errorf("%s never asked for SINGLE_NODE_SINGLE_WRITER; its log:\n%s", sidecar, tail(string(data), 60))
+			t.Errorf("%s never asked for SINGLE_NODE_SINGLE_WRITER; its log:\n%s", sidecar, framework.Tail(string(data), 60))
 		}
 	}
-}
-
-// unmountAllUnder lazily unmounts what the guest's kubelet left mounted
-// under dir, deepest first.
-func unmountAllUnder(t *testing.T, dir string) {
-	data, err := os.ReadFile("/proc/self/mountinfo")
-	if err != nil {
-		return
-	}
-	var mps []string
-	for _, l := range strings.Split(string(data), "\n") {
-		if f := strings.Fields(l); len(f) > 4 && strings.HasPrefix(f[4], dir) {
-			mps = append(mps, f[4])
-		}
-	}
-	for i := len(mps) - 1; i >= 0; i-- {
-		if out, err := exec.Command("umount", "-l", mps[i]).CombinedOutput(); err != nil {
-			t.Logf("umount %s: %v %s", mps[i], err, out)
-		}
-	}
-}
-
-func logTails(t *testing.T, dir string) {
-	ents, _ := os.ReadDir(dir)
-	for _, e := range ents {
-		data, _ := os.ReadFile(filepath.Join(dir, e.Name()))
-		t.Logf("---- %s (tail)\n%s", e.Name(), tail(string(data), 40))
-	}
-}
-
-func tail(s string, n int) string {
-	lines := strings.Split(s, "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "\n")
 }

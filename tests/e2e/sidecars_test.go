@@ -15,6 +15,7 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/utils/ptr"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
@@ -43,38 +44,8 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 	guestEnv, guest := g.Env, g.Kube
 
 	// What the provisioner and the PV controller would have left behind.
-	const class, ns, claim = "harvester", "default", "data"
-	mustCreate(t, func() error {
-		_, err := guest.StorageV1().StorageClasses().Create(ctx, &storagev1.StorageClass{
-			ObjectMeta: metav1.ObjectMeta{Name: class}, Provisioner: driver.Name, AllowVolumeExpansion: ptr.To(true),
-		}, metav1.CreateOptions{})
-		return err
-	})
-	pvc, err := guest.CoreV1().PersistentVolumeClaims(ns).Create(ctx, &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: claim, Namespace: ns},
-		Spec: corev1.PersistentVolumeClaimSpec{
-			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce}, StorageClassName: ptr.To(class), VolumeName: vol,
-			Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}},
-		},
-	}, metav1.CreateOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	pvc.Status = corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound, AccessModes: pvc.Spec.AccessModes,
-		Capacity: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}}
-	if _, err := guest.CoreV1().PersistentVolumeClaims(ns).UpdateStatus(ctx, pvc, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	pv := guestPV(vol)
-	pv.Spec.StorageClassName = class
-	pv.Spec.ClaimRef = &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: ns, Name: claim, UID: pvc.UID}
-	if pv, err = guest.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	pv.Status.Phase = corev1.VolumeBound
-	if _, err := guest.CoreV1().PersistentVolumes().UpdateStatus(ctx, pv, metav1.UpdateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	const ns, claim = "default", "data"
+	createBoundClaim(ctx, t, guest, ns, claim, vol, resource.MustParse("1Gi"))
 
 	if err := kubevirtsim.InstallSnapshotCRDs(ctx, guestEnv.Config); err != nil {
 		t.Fatal(err)
@@ -109,20 +80,7 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 		return got.Cmp(want) >= 0, "host capacity " + got.String()
 	})
 	testwait.Until(ctx, t, "the guest PV grown and the PVC waiting for the node", func() (bool, string) {
-		pv, err := guest.CoreV1().PersistentVolumes().Get(ctx, vol, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		pvc, err := guest.CoreV1().PersistentVolumeClaims(ns).Get(ctx, claim, metav1.GetOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		size := pv.Spec.Capacity[corev1.ResourceStorage]
-		pending := false
-		for _, c := range pvc.Status.Conditions {
-			pending = pending || (c.Type == corev1.PersistentVolumeClaimFileSystemResizePending && c.Status == corev1.ConditionTrue)
-		}
-		return size.Cmp(want) == 0 && pending, fmt.Sprintf("PV %s, PVC conditions %v", size.String(), pvc.Status.Conditions)
+		return resizedAndPending(ctx, guest, ns, claim, vol, want)
 	})
 	// A snapshot as the snapshot controller hands it to the sidecar: a
 	// VolumeSnapshotContent to cut. The sidecar calls CreateSnapshot until
@@ -215,4 +173,65 @@ func TestControllerSidecarsAndExpansion(t *testing.T) {
 	if err := guestEnv.Exited(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// createBoundClaim leaves what the provisioner and the PV controller would
+// have left for an expandable claim of size on volume vol: the StorageClass
+// "harvester" allowing expansion, the claim and a guest PV of that size,
+// bound to each other.
+func createBoundClaim(ctx context.Context, t *testing.T, guest kubernetes.Interface, ns, claim, vol string, size resource.Quantity) {
+	t.Helper()
+	const class = "harvester"
+	mustCreate(t, func() error {
+		_, err := guest.StorageV1().StorageClasses().Create(ctx, &storagev1.StorageClass{
+			ObjectMeta: metav1.ObjectMeta{Name: class}, Provisioner: driver.Name, AllowVolumeExpansion: ptr.To(true),
+		}, metav1.CreateOptions{})
+		return err
+	})
+	pvc, err := guest.CoreV1().PersistentVolumeClaims(ns).Create(ctx, &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{Name: claim, Namespace: ns},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce}, StorageClassName: ptr.To(class), VolumeName: vol,
+			Resources: corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: size}},
+		},
+	}, metav1.CreateOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pvc.Status = corev1.PersistentVolumeClaimStatus{Phase: corev1.ClaimBound, AccessModes: pvc.Spec.AccessModes,
+		Capacity: corev1.ResourceList{corev1.ResourceStorage: size}}
+	if _, err := guest.CoreV1().PersistentVolumeClaims(ns).UpdateStatus(ctx, pvc, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pv := guestPV(vol)
+	pv.Spec.Capacity = corev1.ResourceList{corev1.ResourceStorage: size}
+	pv.Spec.StorageClassName = class
+	pv.Spec.ClaimRef = &corev1.ObjectReference{Kind: "PersistentVolumeClaim", Namespace: ns, Name: claim, UID: pvc.UID}
+	if pv, err = guest.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	pv.Status.Phase = corev1.VolumeBound
+	if _, err := guest.CoreV1().PersistentVolumes().UpdateStatus(ctx, pv, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// resizedAndPending is a testwait condition: the guest PV of vol shows want
+// and the claim waits for the node's filesystem step, which is where a
+// controller expansion ends.
+func resizedAndPending(ctx context.Context, guest kubernetes.Interface, ns, claim, vol string, want resource.Quantity) (bool, string) {
+	pv, err := guest.CoreV1().PersistentVolumes().Get(ctx, vol, metav1.GetOptions{})
+	if err != nil {
+		return false, err.Error()
+	}
+	pvc, err := guest.CoreV1().PersistentVolumeClaims(ns).Get(ctx, claim, metav1.GetOptions{})
+	if err != nil {
+		return false, err.Error()
+	}
+	size := pv.Spec.Capacity[corev1.ResourceStorage]
+	pending := false
+	for _, c := range pvc.Status.Conditions {
+		pending = pending || (c.Type == corev1.PersistentVolumeClaimFileSystemResizePending && c.Status == corev1.ConditionTrue)
+	}
+	return size.Cmp(want) == 0 && pending, fmt.Sprintf("PV %s, PVC conditions %v", size.String(), pvc.Status.Conditions)
 }

@@ -13,10 +13,6 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	corev1 "k8s.io/api/core/v1"
-	storagev1 "k8s.io/api/storage/v1"
-	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/nodetest"
@@ -104,67 +100,14 @@ func TestUpstreamLayout(t *testing.T) {
 		t.Fatalf("NodeGetInfo on the same socket: %v %v, want node ID %s", info, err, vm)
 	}
 
-	nodeName := vm
-	mustCreate(t, func() error {
-		_, err := guest.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: nodeName}}, metav1.CreateOptions{})
-		return err
-	})
-	mustCreate(t, func() error {
-		_, err := guest.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{
-			ObjectMeta: metav1.ObjectMeta{Name: nodeName},
-			Spec:       storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: driver.Name, NodeID: vm}}},
-		}, metav1.CreateOptions{})
-		return err
-	})
-	for _, vol := range vols {
-		mustCreate(t, func() error {
-			_, err := guest.CoreV1().PersistentVolumes().Create(ctx, guestPV(vol), metav1.CreateOptions{})
-			return err
-		})
-	}
+	registerNode(ctx, t, guest, vm, vm, vols)
 	// Upstream's csi-attacher container, arguments as its template writes
 	// them; the namespace is the release's.
 	if err := guestEnv.Run("csi-attacher", "--v=5", "--csi-address="+sock, "--timeout=1m50s",
 		"--leader-election", "--leader-election-namespace=kube-system", "--kubeconfig="+guestEnv.Kubeconfig); err != nil {
 		t.Fatal(err)
 	}
-	for _, vol := range vols {
-		mustCreate(t, func() error {
-			_, err := guest.StorageV1().VolumeAttachments().Create(ctx, &storagev1.VolumeAttachment{
-				ObjectMeta: metav1.ObjectMeta{Name: "csi-" + vol},
-				Spec: storagev1.VolumeAttachmentSpec{
-					Attacher: driver.Name, NodeName: nodeName,
-					Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &vol},
-				},
-			}, metav1.CreateOptions{})
-			return err
-		})
-	}
-	testwait.Until(ctx, t, "every VolumeAttachment attached", func() (bool, string) {
-		list, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		attached, lastErr := 0, ""
-		for _, va := range list.Items {
-			if va.Status.Attached {
-				attached++
-			} else if va.Status.AttachError != nil {
-				lastErr = va.Status.AttachError.Message
-			}
-		}
-		return attached == n, fmt.Sprintf("%d/%d attached, last error %q", attached, n, lastErr)
-	})
-	kv := kubevirt.NewForConfigOrDie(h.Env.Config)
-	vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, vol := range vols {
-		if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); !ok || e.Target == "" {
-			t.Errorf("VolumeAttachment of %s says attached but the VMI shows %+v", vol, e)
-		}
-	}
+	attachAll(ctx, t, h, guest, vm, vm, vols)
 
 	// kubelet's part, on the same process: stage the first volume from the
 	// disk that arrived on the VM, then unstage it.
@@ -183,18 +126,7 @@ func TestUpstreamLayout(t *testing.T) {
 		t.Fatalf("unstage %s: %v", vols[0], err)
 	}
 
-	for _, vol := range vols {
-		if err := guest.StorageV1().VolumeAttachments().Delete(ctx, "csi-"+vol, metav1.DeleteOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-	testwait.Until(ctx, t, "every VolumeAttachment detached and gone", func() (bool, string) {
-		list, err := guest.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return false, err.Error()
-		}
-		return len(list.Items) == 0, fmt.Sprintf("%d left", len(list.Items))
-	})
+	detachAll(ctx, t, guest, vols)
 	for _, vol := range vols {
 		if dev, ok := disks.Device(h.Namespace+"/"+vm, vol); ok {
 			t.Errorf("VolumeAttachment of %s gone while the VM still has the disk as %s", vol, dev)

@@ -67,6 +67,22 @@ func (s *guestSuite) waitGuestCache(t *testing.T, name string, cond func(*corev1
 	})
 }
 
+// mountedOn gives a volume on fresh VM vm published to it, and guest node
+// node on vm listing it in use as kubelet does for a mounted volume, once the
+// controller's guest cache shows that: what the detach guard guards.
+func (s *guestSuite) mountedOn(ctx context.Context, t *testing.T, prefix, vm, node string) (string, *attacher) {
+	t.Helper()
+	vol := s.scene(t, prefix, 1, vm)[0]
+	s.guest.AddNode(t, node, vm)
+	a := newAttacher(s.client)
+	if err := a.publish(ctx, vm, vol); err != nil {
+		t.Fatal(err)
+	}
+	s.guest.SetMounted(t, node, vol)
+	s.waitGuestCache(t, node, listsInUse(vol))
+	return vol, a
+}
+
 func listsInUse(vols ...string) func(*corev1.Node) bool {
 	return func(n *corev1.Node) bool {
 		if n == nil || len(n.Status.VolumesInUse) != len(vols) {
@@ -331,16 +347,9 @@ func (s *guestSuite) waitCondition(t *testing.T, get func(string) (*csi.Controll
 // refused until kubelet lets go, also for a controller started since.
 func (s *guestSuite) guardWithoutRegistration(t *testing.T) {
 	vm, node := "nr-vm", "rke2-nr-worker" // the CSINode alone maps them
-	vol := s.scene(t, "nr", 1, vm)[0]
-	s.guest.AddNode(t, node, vm)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	a := newAttacher(s.client)
-	if err := a.publish(ctx, vm, vol); err != nil {
-		t.Fatal(err)
-	}
-	s.guest.SetMounted(t, node, vol)
-	s.waitGuestCache(t, node, listsInUse(vol))
+	vol, a := s.mountedOn(ctx, t, "nr", vm, node)
 	if err := s.unpublishOnce(ctx, vm, vol); status.Code(err) != codes.Aborted {
 		t.Fatalf("unpublish while registered and in use = %v, want Aborted", err)
 	}
@@ -390,15 +399,9 @@ func (s *guestSuite) timeoutAcrossRestarts(t *testing.T) {
 	}
 	restart()
 	vm, node := "tr-vm", "rke2-tr-worker"
-	vol := s.scene(t, "tr", 1, vm)[0]
-	s.guest.AddNode(t, node, vm)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	if err := newAttacher(s.client).publish(ctx, vm, vol); err != nil {
-		t.Fatal(err)
-	}
-	s.guest.SetMounted(t, node, vol)
-	s.waitGuestCache(t, node, listsInUse(vol))
+	vol, _ := s.mountedOn(ctx, t, "tr", vm, node)
 	// The attach/detach controller deletes the VolumeAttachment to detach;
 	// the external-attacher's finalizer keeps it until the detach succeeds.
 	vas := s.guest.Kube.StorageV1().VolumeAttachments()
@@ -457,15 +460,9 @@ func (s *guestSuite) forced(t *testing.T) {
 	s.ctrl = s.host.StartController(t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: queueConfig(),
 		Guest: s.guest.Env.Config, DetachGuardTimeout: timeout})
 	vm, node := "fd-vm", "rke2-fd-worker"
-	vol := s.scene(t, "fd", 1, vm)[0]
-	s.guest.AddNode(t, node, vm)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	if err := newAttacher(s.client).publish(ctx, vm, vol); err != nil {
-		t.Fatal(err)
-	}
-	s.guest.SetMounted(t, node, vol)
-	s.waitGuestCache(t, node, listsInUse(vol))
+	vol, _ := s.mountedOn(ctx, t, "fd", vm, node)
 
 	start := time.Now()
 	var codesSeen []codes.Code

@@ -29,6 +29,39 @@ func (s *suite) scene(t *testing.T, prefix string, n int, vms ...string) []strin
 	return s.host.CreateVolumes(t, prefix, n)
 }
 
+// publishedOn is the start of a move: one volume on fresh VMs vms, published
+// to the first of them.
+func (s *suite) publishedOn(ctx context.Context, t *testing.T, prefix string, vms ...string) (string, *attacher) {
+	t.Helper()
+	vol := s.scene(t, prefix, 1, vms...)[0]
+	a := newAttacher(s.client)
+	if err := a.publish(ctx, vms[0], vol); err != nil {
+		t.Fatal(err)
+	}
+	return vol, a
+}
+
+// eachAtOnce calls f for every volume, each on its own goroutine, as the
+// external-attacher's workers send one call per VolumeAttachment together,
+// and returns when every call has.
+func eachAtOnce(vols []string, f func(i int, vol string)) {
+	var wg sync.WaitGroup
+	for i, vol := range vols {
+		wg.Go(func() { f(i, vol) })
+	}
+	wg.Wait()
+}
+
+// unpublishAll takes every volume off vm, each failure an error of t.
+func unpublishAll(ctx context.Context, t *testing.T, a *attacher, vm string, vols []string) {
+	t.Helper()
+	for _, vol := range vols {
+		if err := a.unpublish(ctx, vm, vol); err != nil {
+			t.Errorf("unpublish %s from %s: %v", vol, vm, err)
+		}
+	}
+}
+
 // concurrentPublishes: 20 publishes to one VM at once all succeed, and the
 // declarative backend needs at most 3 VM spec writes for them.
 func (s *suite) concurrentPublishes(t *testing.T) {
@@ -39,12 +72,7 @@ func (s *suite) concurrentPublishes(t *testing.T) {
 	defer cancel()
 	a := newAttacher(s.client)
 	errs := make([]error, len(vols))
-	var wg sync.WaitGroup
-	for i, vol := range vols {
-		wg.Add(1)
-		go func() { defer wg.Done(); errs[i] = a.publish(ctx, vm, vol) }()
-	}
-	wg.Wait()
+	eachAtOnce(vols, func(i int, vol string) { errs[i] = a.publish(ctx, vm, vol) })
 	for i, err := range errs {
 		if err != nil {
 			t.Errorf("publish %s: %v", vols[i], err)
@@ -64,11 +92,7 @@ func (s *suite) concurrentPublishes(t *testing.T) {
 	if l := a.leaked(); len(l) > 0 {
 		t.Errorf("KubeVirt duplicate errors reached the caller: %q", l)
 	}
-	for _, vol := range vols {
-		if err := a.unpublish(ctx, vm, vol); err != nil {
-			t.Errorf("unpublish %s: %v", vol, err)
-		}
-	}
+	unpublishAll(ctx, t, a, vm, vols)
 }
 
 // storm: publishes and unpublishes on three VMs, volumes moving between
@@ -79,31 +103,25 @@ func (s *suite) storm(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	a := newAttacher(s.client)
-	var wg sync.WaitGroup
-	for i, vol := range vols {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for round := range 3 {
-				vm := vms[(i+round)%len(vms)] // each round the volume moves to the next VM
-				if err := a.publish(ctx, vm, vol); err != nil {
-					t.Errorf("round %d: publish %s to %s: %v", round, vol, vm, err)
-					return
-				}
-				if got := s.attachedTo(vol, vms...); len(got) != 1 || got[0] != vm {
-					t.Errorf("round %d: %s published to %s but held by %v", round, vol, vm, got)
-				}
-				if err := a.unpublish(ctx, vm, vol); err != nil {
-					t.Errorf("round %d: unpublish %s from %s: %v", round, vol, vm, err)
-					return
-				}
-				if got := s.attachedTo(vol, vms...); len(got) != 0 {
-					t.Errorf("round %d: %s unpublished but still held by %v", round, vol, got)
-				}
+	eachAtOnce(vols, func(i int, vol string) {
+		for round := range 3 {
+			vm := vms[(i+round)%len(vms)] // each round the volume moves to the next VM
+			if err := a.publish(ctx, vm, vol); err != nil {
+				t.Errorf("round %d: publish %s to %s: %v", round, vol, vm, err)
+				return
 			}
-		}()
-	}
-	wg.Wait()
+			if got := s.attachedTo(vol, vms...); len(got) != 1 || got[0] != vm {
+				t.Errorf("round %d: %s published to %s but held by %v", round, vol, vm, got)
+			}
+			if err := a.unpublish(ctx, vm, vol); err != nil {
+				t.Errorf("round %d: unpublish %s from %s: %v", round, vol, vm, err)
+				return
+			}
+			if got := s.attachedTo(vol, vms...); len(got) != 0 {
+				t.Errorf("round %d: %s unpublished but still held by %v", round, vol, got)
+			}
+		}
+	})
 	t.Logf("%s: answers %v", s.f.name, a.Answers())
 	if l := a.leaked(); len(l) > 0 {
 		t.Errorf("KubeVirt duplicate errors reached the caller: %q", l)
@@ -154,13 +172,9 @@ func (s *suite) cancelBeforeBatch(t *testing.T) {
 // exclusive: an RWO volume published to one VM is refused on another with
 // FailedPrecondition naming the holder, and moves once unpublished.
 func (s *suite) exclusive(t *testing.T) {
-	vol := s.scene(t, "ex", 1, "ex-a", "ex-b")[0]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	a := newAttacher(s.client)
-	if err := a.publish(ctx, "ex-a", vol); err != nil {
-		t.Fatal(err)
-	}
+	vol, a := s.publishedOn(ctx, t, "ex", "ex-a", "ex-b")
 	s.move(ctx, t, a, vol, "ex-a", "ex-b")
 	if err := a.unpublish(ctx, "ex-b", vol); err != nil {
 		t.Fatal(err)
@@ -199,18 +213,12 @@ func (s *suite) webhookDenied(t *testing.T) {
 	defer cancel()
 	a := newAttacher(s.client)
 	errs := make([]error, len(vols))
-	var wg sync.WaitGroup
-	for i, vol := range vols {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			// The bad volume's attacher would retry forever; bound it.
-			cctx, c := context.WithTimeout(ctx, 20*time.Second)
-			defer c()
-			errs[i] = a.publish(cctx, vm, vol)
-		}()
-	}
-	wg.Wait()
+	eachAtOnce(vols, func(i int, vol string) {
+		// The bad volume's attacher would retry forever; bound it.
+		cctx, c := context.WithTimeout(ctx, 20*time.Second)
+		defer c()
+		errs[i] = a.publish(cctx, vm, vol)
+	})
 	for i, err := range errs {
 		switch {
 		case vols[i] == bad && status.Code(err) != codes.FailedPrecondition:
@@ -241,13 +249,9 @@ func (s *suite) webhookDenied(t *testing.T) {
 // deletedVM: a VM deleted while holding a volume keeps it until its VMI is
 // gone; then unpublish from it succeeds and the volume attaches elsewhere.
 func (s *suite) deletedVM(t *testing.T) {
-	vol := s.scene(t, "dv", 1, "dv-a", "dv-b")[0]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	a := newAttacher(s.client)
-	if err := a.publish(ctx, "dv-a", vol); err != nil {
-		t.Fatal(err)
-	}
+	vol, a := s.publishedOn(ctx, t, "dv", "dv-a", "dv-b")
 	if err := s.host.Sim.DeleteVM(ctx, s.host.Namespace, "dv-a"); err != nil {
 		t.Fatal(err)
 	}
@@ -263,13 +267,9 @@ func (s *suite) deletedVM(t *testing.T) {
 // kubelet gives up on the node) takes it out of the stopped VM, the volume
 // attaches elsewhere, and starting the old VM again does not bring it back.
 func (s *suite) stoppedVM(t *testing.T) {
-	vol := s.scene(t, "sv", 1, "sv-a", "sv-b")[0]
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	a := newAttacher(s.client)
-	if err := a.publish(ctx, "sv-a", vol); err != nil {
-		t.Fatal(err)
-	}
+	vol, a := s.publishedOn(ctx, t, "sv", "sv-a", "sv-b")
 	ns := s.host.Namespace
 	if err := s.host.Sim.StopVM(ctx, ns, "sv-a"); err != nil {
 		t.Fatal(err)
@@ -395,17 +395,11 @@ func (s *suite) restartMidBatch(t *testing.T) {
 		t.Error("no volume was fenced after the restart although the dead controller had written")
 	}
 	a := newAttacher(s.client)
-	var wg sync.WaitGroup
-	for _, vol := range vols {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := a.publish(ctx, "rs-a", vol); err != nil {
-				t.Errorf("retry publish %s: %v", vol, err)
-			}
-		}()
-	}
-	wg.Wait()
+	eachAtOnce(vols, func(_ int, vol string) {
+		if err := a.publish(ctx, "rs-a", vol); err != nil {
+			t.Errorf("retry publish %s: %v", vol, err)
+		}
+	})
 	for _, vol := range vols {
 		if got := s.attachedTo(vol, "rs-a", "rs-b"); len(got) != 1 || got[0] != "rs-a" {
 			t.Errorf("%s held by %v after the retries, want [rs-a]", vol, got)

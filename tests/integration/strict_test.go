@@ -44,31 +44,25 @@ func (s *suite) cronJobReattach(t *testing.T) {
 	vm := "cj-vm"
 	vols := s.scene(t, "cj", 3, vm)
 	a := newAttacher(s.client)
-	var wg sync.WaitGroup
-	for _, vol := range vols {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for round := range 8 {
-				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-				err := a.publish(ctx, vm, vol)
-				cancel()
-				if err != nil {
-					t.Errorf("round %d: publish %s: %v; entry %s", round, vol, err, s.entryOf(vm, vol))
-					return
-				}
-				s.requireReady(vm, vol)
-				ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
-				err = a.unpublish(ctx, vm, vol)
-				cancel()
-				if err != nil {
-					t.Errorf("round %d: unpublish %s: %v; entry %s", round, vol, err, s.entryOf(vm, vol))
-					return
-				}
+	eachAtOnce(vols, func(_ int, vol string) {
+		for round := range 8 {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			err := a.publish(ctx, vm, vol)
+			cancel()
+			if err != nil {
+				t.Errorf("round %d: publish %s: %v; entry %s", round, vol, err, s.entryOf(vm, vol))
+				return
 			}
-		}()
-	}
-	wg.Wait()
+			s.requireReady(vm, vol)
+			ctx, cancel = context.WithTimeout(context.Background(), time.Minute)
+			err = a.unpublish(ctx, vm, vol)
+			cancel()
+			if err != nil {
+				t.Errorf("round %d: unpublish %s: %v; entry %s", round, vol, err, s.entryOf(vm, vol))
+				return
+			}
+		}
+	})
 	if l := a.leaked(); len(l) > 0 {
 		t.Errorf("KubeVirt duplicate errors reached the caller: %q", l)
 	}
@@ -145,11 +139,7 @@ func (s *suite) unboundClaim(t *testing.T) {
 	if e := s.entryOf(vm, pending.Name); e != "no entry" {
 		t.Errorf("the unbound claim reached the VMI: %s", e)
 	}
-	for _, vol := range vols {
-		if err := a.unpublish(ctx, vm, vol); err != nil {
-			t.Error(err)
-		}
-	}
+	unpublishAll(ctx, t, a, vm, vols)
 }
 
 // burstsAPodStartApart: waves of publishes to one VM, each about one
@@ -182,11 +172,7 @@ func (s *suite) burstsAPodStartApart(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	for _, vol := range vols {
-		if err := a.unpublish(ctx, vm, vol); err != nil {
-			t.Error(err)
-		}
-	}
+	unpublishAll(ctx, t, a, vm, vols)
 }
 
 // reattachWhileDetaching: the unpublish's caller gives up before KubeVirt

@@ -210,6 +210,21 @@ func (n *node) unstage(ctx context.Context, vol, staging string) error {
 	return err
 }
 
+// mount stages vol at staging and publishes it read-write at target, as
+// kubelet mounts a pod's volume.
+func (n *node) mount(ctx context.Context, t *testing.T, vol, staging, target string, c *csi.VolumeCapability) {
+	t.Helper()
+	must(t, n.stage(ctx, vol, staging, c), "stage on "+n.vm)
+	must(t, n.publish(ctx, vol, staging, target, c, false), "publish on "+n.vm)
+}
+
+// unmount undoes mount, as kubelet does once the pod is gone.
+func (n *node) unmount(ctx context.Context, t *testing.T, vol, staging, target string) {
+	t.Helper()
+	must(t, n.unpublish(ctx, vol, target), "unpublish on "+n.vm)
+	must(t, n.unstage(ctx, vol, staging), "unstage on "+n.vm)
+}
+
 func must(t *testing.T, err error, what string) {
 	t.Helper()
 	if err != nil {

@@ -92,13 +92,11 @@ func TestFilesystemMovesBetweenNodes(t *testing.T) {
 			b := h.node("vm-b", nil)
 			h.plug("vm-b", vol)
 			stagingB, targetB := b.paths(vol, "pod-2")
-			must(t, b.stage(ctx, vol, stagingB, c), "stage on vm-b")
-			must(t, b.publish(ctx, vol, stagingB, targetB, c, false), "publish on vm-b")
+			b.mount(ctx, t, vol, stagingB, targetB, c)
 			if got := nodetest.Checksum(t, filepath.Join(targetB, "data")); got != sum {
 				t.Fatalf("data changed moving between nodes: %s != %s", got, sum)
 			}
-			must(t, b.unpublish(ctx, vol, targetB), "unpublish on vm-b")
-			must(t, b.unstage(ctx, vol, stagingB), "unstage on vm-b")
+			b.unmount(ctx, t, vol, stagingB, targetB)
 			h.unplug("vm-b", vol)
 			h.waitNoLoops(vol)
 		})
@@ -114,12 +112,10 @@ func TestExistingFilesystemIsNeverReformatted(t *testing.T) {
 	a := h.node("vm-a", nil)
 	h.plug("vm-a", vol)
 	staging, target := a.paths(vol, "pod")
-	must(t, a.stage(ctx, vol, staging, mountCap("ext4", rwo)), "stage ext4")
-	must(t, a.publish(ctx, vol, staging, target, mountCap("ext4", rwo), false), "publish")
+	a.mount(ctx, t, vol, staging, target, mountCap("ext4", rwo))
 	nodetest.WriteRandom(t, filepath.Join(target, "keep"), 1<<20, 3)
 	sum := nodetest.Checksum(t, filepath.Join(target, "keep"))
-	must(t, a.unpublish(ctx, vol, target), "unpublish")
-	must(t, a.unstage(ctx, vol, staging), "unstage")
+	a.unmount(ctx, t, vol, staging, target)
 
 	err := a.stage(ctx, vol, staging, mountCap("xfs", rwo))
 	wantCode(t, err, codes.FailedPrecondition, "stage as xfs over ext4")
@@ -127,13 +123,11 @@ func TestExistingFilesystemIsNeverReformatted(t *testing.T) {
 		t.Fatalf("unclear error: %v", err)
 	}
 	// No fsType: the existing filesystem is used as it is.
-	must(t, a.stage(ctx, vol, staging, mountCap("", rwo)), "stage without fsType")
-	must(t, a.publish(ctx, vol, staging, target, mountCap("", rwo), false), "publish")
+	a.mount(ctx, t, vol, staging, target, mountCap("", rwo))
 	if got := nodetest.Checksum(t, filepath.Join(target, "keep")); got != sum {
 		t.Fatal("data lost")
 	}
-	must(t, a.unpublish(ctx, vol, target), "unpublish")
-	must(t, a.unstage(ctx, vol, staging), "unstage")
+	a.unmount(ctx, t, vol, staging, target)
 }
 
 // Mount flags reach the staging mount and the per-mount ones the bind.
@@ -145,8 +139,7 @@ func TestMountFlags(t *testing.T) {
 	h.plug("vm-a", vol)
 	staging, target := a.paths(vol, "pod")
 	c := mountCap("ext4", rwo, "noatime", "nosuid", "discard")
-	must(t, a.stage(ctx, vol, staging, c), "stage")
-	must(t, a.publish(ctx, vol, staging, target, c, false), "publish")
+	a.mount(ctx, t, vol, staging, target, c)
 	for path, want := range map[string][]string{staging: {"noatime", "nosuid", "discard"}, target: {"noatime", "nosuid"}} {
 		got := nodetest.Run(t, "findmnt", "-n", "-o", "OPTIONS", path)
 		for _, w := range want {
@@ -155,8 +148,7 @@ func TestMountFlags(t *testing.T) {
 			}
 		}
 	}
-	must(t, a.unpublish(ctx, vol, target), "unpublish")
-	must(t, a.unstage(ctx, vol, staging), "unstage")
+	a.unmount(ctx, t, vol, staging, target)
 }
 
 // Raw block: the device bound onto a file; bytes written there are read back
@@ -169,8 +161,7 @@ func TestBlockMovesBetweenNodes(t *testing.T) {
 	a := h.node("vm-a", nil)
 	h.plug("vm-a", vol)
 	stagingA, targetA := a.paths(vol, "pod-1")
-	must(t, a.stage(ctx, vol, stagingA, c), "stage")
-	must(t, a.publish(ctx, vol, stagingA, targetA, c, false), "publish")
+	a.mount(ctx, t, vol, stagingA, targetA, c)
 	must(t, a.publish(ctx, vol, stagingA, targetA, c, false), "publish again (idempotent)")
 	var st unix.Stat_t
 	must(t, unix.Stat(targetA, &st), "stat target")
@@ -205,8 +196,7 @@ func TestBlockMovesBetweenNodes(t *testing.T) {
 	b := h.node("vm-b", nil)
 	h.plug("vm-b", vol)
 	stagingB, targetB := b.paths(vol, "pod-2")
-	must(t, b.stage(ctx, vol, stagingB, c), "stage on vm-b")
-	must(t, b.publish(ctx, vol, stagingB, targetB, c, false), "publish on vm-b")
+	b.mount(ctx, t, vol, stagingB, targetB, c)
 	got := make([]byte, len(payload))
 	f, err = os.Open(targetB)
 	must(t, err, "open on vm-b")
@@ -216,8 +206,7 @@ func TestBlockMovesBetweenNodes(t *testing.T) {
 	if !bytes.Equal(got, payload) {
 		t.Fatal("block data differs on the other node")
 	}
-	must(t, b.unpublish(ctx, vol, targetB), "unpublish on vm-b")
-	must(t, b.unstage(ctx, vol, stagingB), "unstage on vm-b")
+	b.unmount(ctx, t, vol, stagingB, targetB)
 	h.unplug("vm-b", vol)
 	h.waitNoLoops(vol)
 }
@@ -233,8 +222,7 @@ func TestReadOnlyPublish(t *testing.T) {
 	h.plug("vm-a", vol)
 	staging, rwTarget := a.paths(vol, "pod-rw")
 	_, roTarget := a.paths(vol, "pod-ro")
-	must(t, a.stage(ctx, vol, staging, c), "stage")
-	must(t, a.publish(ctx, vol, staging, rwTarget, c, false), "publish rw")
+	a.mount(ctx, t, vol, staging, rwTarget, c)
 	must(t, a.publish(ctx, vol, staging, roTarget, c, true), "publish ro")
 	must(t, a.publish(ctx, vol, staging, roTarget, c, true), "publish ro again (idempotent)")
 	wantCode(t, a.publish(ctx, vol, staging, roTarget, c, false), codes.AlreadyExists, "publish rw over ro target")
@@ -275,8 +263,7 @@ func TestExpandGrowsFilesystem(t *testing.T) {
 			a := h.node("vm-a", nil)
 			h.plug("vm-a", vol)
 			staging, target := a.paths(vol, "pod")
-			must(t, a.stage(ctx, vol, staging, c), "stage")
-			must(t, a.publish(ctx, vol, staging, target, c, false), "publish")
+			a.mount(ctx, t, vol, staging, target, c)
 			nodetest.WriteRandom(t, filepath.Join(target, "data"), 1<<20, 9)
 			sum := nodetest.Checksum(t, filepath.Join(target, "data"))
 			before := totalBytes(t, a, vol, target)
@@ -300,8 +287,7 @@ func TestExpandGrowsFilesystem(t *testing.T) {
 			if got := nodetest.Checksum(t, filepath.Join(target, "data")); got != sum {
 				t.Fatal("data changed by expansion")
 			}
-			must(t, a.unpublish(ctx, vol, target), "unpublish")
-			must(t, a.unstage(ctx, vol, staging), "unstage")
+			a.unmount(ctx, t, vol, staging, target)
 		})
 	}
 }
@@ -321,16 +307,14 @@ func TestExpandBlock(t *testing.T) {
 	a := h.node("vm-a", nil)
 	h.plug("vm-a", vol)
 	staging, target := a.paths(vol, "pod")
-	must(t, a.stage(ctx, vol, staging, blockCap()), "stage")
-	must(t, a.publish(ctx, vol, staging, target, blockCap(), false), "publish")
+	a.mount(ctx, t, vol, staging, target, blockCap())
 	must(t, h.disks.Grow(ctx, vol, 48*mib), "grow disk")
 	resp, err := a.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: vol, VolumePath: target, VolumeCapability: blockCap()})
 	must(t, err, "expand")
 	if resp.GetCapacityBytes() != 48*mib {
 		t.Fatalf("capacity %d, want %d", resp.GetCapacityBytes(), 48*mib)
 	}
-	must(t, a.unpublish(ctx, vol, target), "unpublish")
-	must(t, a.unstage(ctx, vol, staging), "unstage")
+	a.unmount(ctx, t, vol, staging, target)
 }
 
 // holdDevice starts `sleep` with dev open as fd 3 (via bash's exec 3<) and
@@ -455,15 +439,13 @@ func TestUnstageRefusesWhilePublished(t *testing.T) {
 	a := h.node("vm-a", nil)
 	h.plug("vm-a", vol)
 	staging, target := a.paths(vol, "pod")
-	must(t, a.stage(ctx, vol, staging, c), "stage")
-	must(t, a.publish(ctx, vol, staging, target, c, false), "publish")
+	a.mount(ctx, t, vol, staging, target, c)
 	err := a.unstage(ctx, vol, staging)
 	wantCode(t, err, codes.FailedPrecondition, "unstage while published")
 	if !strings.Contains(err.Error(), target) {
 		t.Fatalf("error does not name the publish mount %s: %v", target, err)
 	}
-	must(t, a.unpublish(ctx, vol, target), "unpublish")
-	must(t, a.unstage(ctx, vol, staging), "unstage")
+	a.unmount(ctx, t, vol, staging, target)
 }
 
 // harvester/harvester#11716 on the node: the disk of a 1G claim is the host's
@@ -485,8 +467,7 @@ func TestNodeExpandInsideTheHostRounding(t *testing.T) {
 			a := h.node("vm-a", nil)
 			h.plug("vm-a", vol)
 			staging, target := a.paths(vol, "pod")
-			must(t, a.stage(ctx, vol, staging, c), "stage")
-			must(t, a.publish(ctx, vol, staging, target, c, false), "publish")
+			a.mount(ctx, t, vol, staging, target, c)
 			for _, required := range []int64{1_000_000_001, 1_000_300_000, hostPVC} {
 				resp, err := a.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: vol, VolumePath: target,
 					StagingTargetPath: staging, VolumeCapability: c, CapacityRange: &csi.CapacityRange{RequiredBytes: required}})
@@ -495,8 +476,7 @@ func TestNodeExpandInsideTheHostRounding(t *testing.T) {
 					t.Errorf("node expansion to %d answered %d bytes, want the disk's %d", required, resp.GetCapacityBytes(), hostPVC)
 				}
 			}
-			must(t, a.unpublish(ctx, vol, target), "unpublish")
-			must(t, a.unstage(ctx, vol, staging), "unstage")
+			a.unmount(ctx, t, vol, staging, target)
 		})
 	}
 }
