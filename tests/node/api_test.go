@@ -226,12 +226,15 @@ func TestCapabilities(t *testing.T) {
 	for _, want := range []csi.NodeServiceCapability_RPC_Type{
 		csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME, csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
 		csi.NodeServiceCapability_RPC_EXPAND_VOLUME, csi.NodeServiceCapability_RPC_VOLUME_CONDITION,
+		// ReadWriteOncePod claims reach the driver as SINGLE_NODE_SINGLE_WRITER
+		// only when the node says it knows the new modes.
+		csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	} {
 		if !got[want] {
 			t.Errorf("missing capability %s", want)
 		}
 	}
-	if len(got) != 4 {
+	if len(got) != 5 {
 		t.Errorf("unexpected capabilities %v", got)
 	}
 }
