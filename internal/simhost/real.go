@@ -9,6 +9,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
@@ -155,4 +156,43 @@ func (h *Host) ClientConfig() *rest.Config {
 		return h.Sim.ClientConfig()
 	}
 	return rest.CopyConfig(h.Env.Config)
+}
+
+// DeleteVM deletes a guest VM, on either control plane.
+func (h *Host) DeleteVM(ctx context.Context, name string) error {
+	if h.Sim != nil {
+		return h.Sim.DeleteVM(ctx, h.Namespace, name)
+	}
+	return h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace).Delete(ctx, name, metav1.DeleteOptions{})
+}
+
+// StopVM powers a guest VM off and returns once its VMI is gone.
+func (h *Host) StopVM(ctx context.Context, name string) error {
+	if h.Sim != nil {
+		if err := h.Sim.StopVM(ctx, h.Namespace, name); err != nil {
+			return err
+		}
+		return h.Sim.Wait(ctx, h.Namespace, name, func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool { return vmi == nil })
+	}
+	if err := h.setRunStrategy(ctx, name, kubevirtv1.RunStrategyHalted); err != nil {
+		return err
+	}
+	return wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		_, err := h.KubeVirt.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	})
+}
+
+// StartVM powers a stopped guest VM on again.
+func (h *Host) StartVM(ctx context.Context, name string) error {
+	if h.Sim != nil {
+		return h.Sim.StartVM(ctx, h.Namespace, name)
+	}
+	return h.setRunStrategy(ctx, name, kubevirtv1.RunStrategyAlways)
+}
+
+func (h *Host) setRunStrategy(ctx context.Context, name string, rs kubevirtv1.VirtualMachineRunStrategy) error {
+	patch := []byte(`{"spec":{"runStrategy":"` + string(rs) + `"}}`)
+	_, err := h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{})
+	return err
 }
