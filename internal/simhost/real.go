@@ -196,3 +196,20 @@ func (h *Host) setRunStrategy(ctx context.Context, name string, rs kubevirtv1.Vi
 	_, err := h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace).Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{})
 	return err
 }
+
+// VM is a guest VM and its VMI, either nil when absent: the simulator's
+// cached copies, or live reads from KubeVirt's real control plane.
+func (h *Host) VM(ctx context.Context, name string) (*kubevirtv1.VirtualMachine, *kubevirtv1.VirtualMachineInstance) {
+	if h.Sim != nil {
+		return h.Sim.VM(h.Namespace, name)
+	}
+	vm, err := h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		vm = nil
+	}
+	vmi, err := h.KubeVirt.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		vmi = nil
+	}
+	return vm, vmi
+}
