@@ -107,9 +107,11 @@ func TestStartOnTheRealControlPlane(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
+	// Loop disks need root; the rest of the test does not.
+	disks := os.Geteuid() == 0
 	h, err := Start(ctx, Options{
 		Real: version, Sim: kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative},
-		VMs: []string{"node-0"}, Harvester: true,
+		VMs: []string{"node-0"}, Harvester: true, Disks: disks,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -170,5 +172,28 @@ func TestStartOnTheRealControlPlane(t *testing.T) {
 			}
 		}
 		return false, fmt.Sprintf("no entry: %+v", vmi.Status.VolumeStatus)
+	})
+	if !disks {
+		return
+	}
+	vmKey := h.Namespace + "/node-0"
+	if dev, ok := h.Disks.Device(vmKey, vols[0]); !ok {
+		t.Fatalf("the Ready volume %s has no loop disk", vols[0])
+	} else {
+		t.Logf("volume %s is %s", vols[0], dev)
+	}
+	// Out of the spec, the stand-in unmounts it and the disk goes.
+	if vm, err = h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace).Get(ctx, "node-0", metav1.GetOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	spec = &vm.Spec.Template.Spec
+	spec.Domain.Devices.Disks = spec.Domain.Devices.Disks[:1]
+	spec.Volumes = spec.Volumes[:1]
+	if _, err := h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace).Update(ctx, vm, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(ctx, t, "the removed volume's loop disk unplugged", func() (bool, string) {
+		dev, ok := h.Disks.Device(vmKey, vols[0])
+		return !ok, "still " + dev
 	})
 }
