@@ -78,3 +78,17 @@ func TestParseRealKubeVirt(t *testing.T) {
 		t.Errorf("the deny-hotplug fault on the real control plane: %v, want a refusal naming it", err)
 	}
 }
+
+// On the real control plane nothing counts the driver's KubeVirt writes, so
+// the summary says so instead of printing zeros.
+func TestSummaryOnTheRealControlPlaneCountsNoWrites(t *testing.T) {
+	for name, wantCounted := range map[string]bool{"real-v1.7.0": false, "declarative": true} {
+		got := (&Report{Config: Config{KubeVirt: name}}).Summary()
+		if counted := strings.Contains(got, "KubeVirt writes: 0"); counted != wantCounted {
+			t.Errorf("--kubevirt %s: summary prints write counts %v, want %v:\n%s", name, counted, wantCounted, got)
+		}
+		if notCounted := strings.Contains(got, "not counted"); notCounted == wantCounted {
+			t.Errorf("--kubevirt %s: summary says not counted %v, want %v:\n%s", name, notCounted, !wantCounted, got)
+		}
+	}
+}
