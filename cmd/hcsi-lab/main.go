@@ -86,7 +86,7 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	fs.Float64Var(&c.Minutes, "minutes", 8, "how long the workload runs (schedule minutes) before quiescing")
 	fs.IntVar(&c.Namespaces, "namespaces", 40, "workload namespaces (a database StatefulSet and a backup CronJob each)")
 	fs.IntVar(&c.Nodes, "nodes", 3, "guest nodes (VMs)")
-	fs.StringVar(&c.KubeVirt, "kubevirt", lab.KubeVirtLegacyV15, "simulated KubeVirt: a version (v1.5.3, v1.6.3, v1.7.0, v1.8.2, main), optionally prefixed legacy- or declarative- (default: the hotplug Harvester ships it with), or "+lab.KubeVirtLegacyV15+" (Harvester 1.6), "+lab.KubeVirtLegacyV17+" (1.7), "+lab.KubeVirtDeclarative+" (1.8)")
+	fs.StringVar(&c.KubeVirt, "kubevirt", lab.KubeVirtLegacyV15, "KubeVirt: a simulated version (v1.5.3, v1.6.3, v1.7.0, v1.8.2, main), optionally prefixed legacy- or declarative- (default: the hotplug Harvester ships it with), or "+lab.KubeVirtLegacyV15+" (Harvester 1.6), "+lab.KubeVirtLegacyV17+" (1.7), "+lab.KubeVirtDeclarative+" (1.8); "+lab.RealPrefix+"[legacy-|declarative-]TAG runs KubeVirt's own virt-controller and virt-api of a tag hack/tools.sh builds (v1.6.0, v1.7.0, v1.8.2, v1.8.4) instead")
 	fs.Float64Var(&c.TimeScale, "time-scale", 1, "multiplies the simulated real-world timings (0.1 = ten times faster)")
 	fs.Uint64Var(&c.Seed, "seed", 1, "seed of every random choice")
 	fs.StringVar(&c.Out, "out", "", "run directory `DIR` (default lab-runs/<time> in the working tree)")

@@ -30,7 +30,7 @@ func (r *run) checkLoop(ctx context.Context) {
 		r.mu.Lock()
 		r.inflight = append(r.inflight, InFlight{Seconds: now.Sub(r.start).Seconds(), Attaching: snap.Attaching, Detaching: snap.Detaching})
 		r.mu.Unlock()
-		r.violate(invariants.RWOHost(now, vmiVolumes(r.h, r.nodes))...)
+		r.violate(invariants.RWOHost(now, vmiVolumes(ctx, r.h, r.nodes))...)
 		if st, err := staged(r.h, r.g.Nodes()); err == nil {
 			r.violate(invariants.RWOStaged(now, st)...)
 		}
@@ -41,7 +41,7 @@ func (r *run) checkLoop(ctx context.Context) {
 		pending := r.mon.Pending()
 		stuck := invariants.Stuck(now, r.c.StuckBound, pending)
 		for i := range stuck {
-			stuck[i].Details += r.stuckContext(stuck[i])
+			stuck[i].Details += r.stuckContext(ctx, stuck[i])
 		}
 		r.violate(stuck...)
 		if err := r.g.Procs.Dead(); err != nil {
@@ -62,10 +62,10 @@ func dataChecks(evs []agent.Event) []invariants.DataCheck {
 // stuckContext is what an operator would look at for a stuck volume: the
 // VM spec and VMI volumeStatus entries of the volume, and the driver's log
 // lines that name it.
-func (r *run) stuckContext(v invariants.Violation) string {
+func (r *run) stuckContext(ctx context.Context, v invariants.Violation) string {
 	var b strings.Builder
 	for _, n := range r.nodes {
-		vm, vmi := r.h.Sim.VM(r.h.Namespace, n)
+		vm, vmi := r.h.VM(ctx, n)
 		if vm != nil && vm.Spec.Template != nil {
 			for _, vol := range vm.Spec.Template.Spec.Volumes {
 				if strings.Contains(v.Volume, vol.Name) && vol.Name != "" {

@@ -32,6 +32,13 @@ func components(kubevirt string) map[string]string {
 		"csi-attacher":    "external-attacher " + pinned("attacher", "github.com/kubernetes-csi/external-attacher"),
 		"csi-provisioner": "external-provisioner " + pinned("provisioner", "github.com/kubernetes-csi/external-provisioner"),
 		"csi-resizer":     "external-resizer " + pinned("resizer", "github.com/kubernetes-csi/external-resizer"),
-		"kubevirt":        "simulated (" + kubevirt + ")",
+		"kubevirt":        kubevirtComponent(kubevirt),
 	}
+}
+
+func kubevirtComponent(kubevirt string) string {
+	if tag, mode, ok, err := ParseRealKubeVirt(kubevirt); ok && err == nil {
+		return "virt-controller and virt-api " + tag + " (" + string(mode) + "), node agents simulated"
+	}
+	return "simulated (" + kubevirt + ")"
 }

@@ -5,6 +5,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -79,6 +80,15 @@ func (c *Config) scaled(d time.Duration) time.Duration {
 
 func (c *Config) simOptions() (kubevirtsim.Options, error) {
 	o := kubevirtsim.Options{Scale: c.TimeScale, Jitter: 0.2, Seed: c.Seed}
+	if tag, mode, ok, err := ParseRealKubeVirt(c.KubeVirt); ok || err != nil {
+		// KubeVirt's own control plane keeps its own time; only the
+		// hotplug mode (its CR's gates) comes from here.
+		o.Mode = mode
+		if err == nil {
+			err = c.realFaults(tag)
+		}
+		return o, err
+	}
 	mode, version, err := ParseKubeVirt(c.KubeVirt)
 	if err != nil {
 		return o, err
@@ -95,11 +105,59 @@ func (c *Config) simOptions() (kubevirtsim.Options, error) {
 // hostOptions is the lab's Harvester: one VM per guest node, real disks
 // that stop answering once unplugged, and what an installed Harvester gives
 // the driver process (default class, online-expansion setting).
-func hostOptions(out string, sim kubevirtsim.Options, nodes []string) simhost.Options {
+func hostOptions(out, kubevirt string, sim kubevirtsim.Options, nodes []string) simhost.Options {
+	tag, _, _, _ := ParseRealKubeVirt(kubevirt)
 	return simhost.Options{
-		Dir: filepath.Join(out, "host"), LogDir: filepath.Join(out, "logs"), Sim: sim, VMs: nodes,
+		Dir: filepath.Join(out, "host"), LogDir: filepath.Join(out, "logs"), Sim: sim, Real: tag, VMs: nodes,
 		Disks: true, HardUnplug: true, Harvester: true,
 	}
+}
+
+// RealPrefix in --kubevirt picks KubeVirt's real control plane
+// (internal/realkubevirt) over the simulator.
+const RealPrefix = "real-"
+
+// ParseRealKubeVirt reads --kubevirt "real-[legacy-|declarative-]TAG": a
+// KubeVirt tag hack/tools.sh builds (v1.6.0, v1.7.0, v1.8.2, v1.8.4). ok is
+// false for a simulated name. Without a mode, a tag gets the hotplug
+// Harvester runs it with: legacy on 1.6 (Harvester 1.7's line), declarative
+// from 1.7 (Harvester 1.8).
+func ParseRealKubeVirt(name string) (tag string, mode kubevirtsim.Mode, ok bool, err error) {
+	rest, ok := strings.CutPrefix(name, RealPrefix)
+	if !ok {
+		return "", "", false, nil
+	}
+	for _, m := range []kubevirtsim.Mode{kubevirtsim.ModeLegacy, kubevirtsim.ModeDeclarative} {
+		if after, found := strings.CutPrefix(rest, string(m)+"-"); found {
+			mode, rest = m, after
+		}
+	}
+	if !regexp.MustCompile(`^v\d+\.\d+\.\d+$`).MatchString(rest) {
+		return "", "", true, fmt.Errorf("--kubevirt %q: want %s[legacy-|declarative-]vX.Y.Z, a KubeVirt tag hack/tools.sh builds", name, RealPrefix)
+	}
+	if mode == "" {
+		mode = kubevirtsim.ModeDeclarative
+		if strings.HasPrefix(rest, "v1.6.") {
+			mode = kubevirtsim.ModeLegacy
+		}
+	}
+	return rest, mode, true, nil
+}
+
+// realFaults refuses the faults only the simulator can play: KubeVirt's
+// own control plane has no switch for stuck attachment pods, a denying
+// webhook or the stuck re-add.
+func (c *Config) realFaults(tag string) error {
+	for name, on := range map[string]bool{
+		"--attachment-pod-stuck":  c.AttachPodStuck > 0,
+		"--deny-hotplug":          c.DenyHotplug > 0,
+		"--stuck-detach-on-readd": c.StuckDetachOnReadd,
+	} {
+		if on {
+			return fmt.Errorf("%s needs the simulated KubeVirt; KubeVirt %s's real control plane (--kubevirt %s%s) has no such switch", name, tag, RealPrefix, tag)
+		}
+	}
+	return nil
 }
 
 // ParseKubeVirt reads --kubevirt: "[legacy-|declarative-]VERSION" with a

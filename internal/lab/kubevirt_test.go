@@ -1,6 +1,7 @@
 package lab
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
@@ -29,6 +30,65 @@ func TestParseKubeVirt(t *testing.T) {
 	for _, bad := range []string{"v1.4.0", "declarative-v1.5.3", "legacy-", "nonsense"} {
 		if _, _, err := ParseKubeVirt(bad); err == nil {
 			t.Errorf("ParseKubeVirt(%q) accepted", bad)
+		}
+	}
+}
+
+// "real-" picks KubeVirt's own control plane of a tag, with the hotplug
+// Harvester runs that line with unless a mode is named; simulated names are
+// not real ones, and the faults only the simulator plays are refused.
+func TestParseRealKubeVirt(t *testing.T) {
+	for name, want := range map[string]struct {
+		tag  string
+		mode kubevirtsim.Mode
+	}{
+		"real-v1.7.0":             {"v1.7.0", kubevirtsim.ModeDeclarative},
+		"real-v1.6.0":             {"v1.6.0", kubevirtsim.ModeLegacy},
+		"real-legacy-v1.7.0":      {"v1.7.0", kubevirtsim.ModeLegacy},
+		"real-declarative-v1.8.2": {"v1.8.2", kubevirtsim.ModeDeclarative},
+	} {
+		tag, mode, ok, err := ParseRealKubeVirt(name)
+		if !ok || err != nil || tag != want.tag || mode != want.mode {
+			t.Errorf("ParseRealKubeVirt(%q) = %q, %s, %v, %v; want %q, %s", name, tag, mode, ok, err, want.tag, want.mode)
+		}
+		c := Config{KubeVirt: name, TimeScale: 1}
+		o, err := c.simOptions()
+		if err != nil || o.Mode != want.mode {
+			t.Errorf("simOptions for %q: mode %s, %v; want %s", name, o.Mode, err, want.mode)
+		}
+		if h := hostOptions("/out", name, o, nil); h.Real != want.tag {
+			t.Errorf("hostOptions for %q: Real %q, want %q", name, h.Real, want.tag)
+		}
+	}
+	for _, sim := range []string{"declarative", "v1.7.0", "legacy-v1.7.0"} {
+		if _, _, ok, err := ParseRealKubeVirt(sim); ok || err != nil {
+			t.Errorf("ParseRealKubeVirt(%q) = real %v, %v; want a simulated name", sim, ok, err)
+		}
+		if h := hostOptions("/out", sim, kubevirtsim.Options{}, nil); h.Real != "" {
+			t.Errorf("hostOptions for %q runs the real control plane %q", sim, h.Real)
+		}
+	}
+	for _, bad := range []string{"real-", "real-legacy-", "real-main", "real-1.7"} {
+		if _, _, ok, err := ParseRealKubeVirt(bad); !ok || err == nil {
+			t.Errorf("ParseRealKubeVirt(%q) accepted (real %v)", bad, ok)
+		}
+	}
+	c := Config{KubeVirt: "real-v1.7.0", DenyHotplug: 0.1}
+	if _, err := c.simOptions(); err == nil || !strings.Contains(err.Error(), "--deny-hotplug") {
+		t.Errorf("the deny-hotplug fault on the real control plane: %v, want a refusal naming it", err)
+	}
+}
+
+// On the real control plane nothing counts the driver's KubeVirt writes, so
+// the summary says so instead of printing zeros.
+func TestSummaryOnTheRealControlPlaneCountsNoWrites(t *testing.T) {
+	for name, wantCounted := range map[string]bool{"real-v1.7.0": false, "declarative": true} {
+		got := (&Report{Config: Config{KubeVirt: name}}).Summary()
+		if counted := strings.Contains(got, "KubeVirt writes: 0"); counted != wantCounted {
+			t.Errorf("--kubevirt %s: summary prints write counts %v, want %v:\n%s", name, counted, wantCounted, got)
+		}
+		if notCounted := strings.Contains(got, "not counted"); notCounted == wantCounted {
+			t.Errorf("--kubevirt %s: summary says not counted %v, want %v:\n%s", name, notCounted, !wantCounted, got)
 		}
 	}
 }

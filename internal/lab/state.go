@@ -110,10 +110,10 @@ func staged(h *simhost.Host, nodes []*simguest.Node) ([]invariants.Staged, error
 }
 
 // vmiVolumes is every VMI's volumeStatus (hotplug entries).
-func vmiVolumes(h *simhost.Host, nodes []string) map[string]invariants.VMIVolumes {
+func vmiVolumes(ctx context.Context, h *simhost.Host, nodes []string) map[string]invariants.VMIVolumes {
 	out := map[string]invariants.VMIVolumes{}
 	for _, n := range nodes {
-		_, vmi := h.Sim.VM(h.Namespace, n)
+		_, vmi := h.VM(ctx, n)
 		vols := invariants.VMIVolumes{}
 		if vmi != nil {
 			for _, vs := range vmi.Status.VolumeStatus {
@@ -147,7 +147,7 @@ func finalState(ctx context.Context, kube kubernetes.Interface, h *simhost.Host,
 		return f, err
 	}
 	for _, n := range nodes {
-		vm, vmi := h.Sim.VM(h.Namespace, n.Name)
+		vm, vmi := h.VM(ctx, n.Name)
 		if vm != nil {
 			if t := vm.Spec.Template; t != nil {
 				for _, v := range t.Spec.Volumes {

@@ -44,6 +44,19 @@ type nodeAgents struct {
 	// it has mounted into virt-launcher. It outlives status writes because
 	// virt-handler decides from the node, not from the status it wrote.
 	mounted map[types.UID]map[string]bool
+	// disks, when set, follow each volume into and out of the guest.
+	disks DiskHook
+}
+
+// DiskHook lets the host attach something real (a loop device, say) as the
+// virt-handler stand-in hot-plugs a volume: vm is "namespace/name". Plug runs
+// just before an entry turns Ready, and an error keeps it MountedToPod until
+// a later sync; Unplug runs as a volume that left the spec is unmounted, and
+// an error keeps it mounted until a later sync. Its method set is the
+// simulator's disk hook's, so one implementation serves both hosts.
+type DiskHook interface {
+	Plug(ctx context.Context, vm, volume, claimName string) error
+	Unplug(ctx context.Context, vm, volume string) error
 }
 
 type item struct {
@@ -52,9 +65,9 @@ type item struct {
 	name      string
 }
 
-func newNodeAgents(kube kubernetes.Interface, kv, handlerKV kubevirt.Interface, nodes []string) *nodeAgents {
+func newNodeAgents(kube kubernetes.Interface, kv, handlerKV kubevirt.Interface, nodes []string, disks DiskHook) *nodeAgents {
 	return &nodeAgents{
-		kube: kube, kv: kv, handlerKV: handlerKV, nodes: nodes,
+		kube: kube, kv: kv, handlerKV: handlerKV, nodes: nodes, disks: disks,
 		queue:   workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[item]()),
 		mounted: map[types.UID]map[string]bool{},
 	}
@@ -250,19 +263,21 @@ func (a *nodeAgents) syncVMI(ctx context.Context, namespace, name string) error 
 	vmi := obj.(*kubevirtv1.VirtualMachineInstance).DeepCopy()
 	if vmi.Status.NodeName == "" || vmi.IsFinal() {
 		if vmi.IsFinal() {
-			delete(a.mounted, vmi.UID)
+			return a.shutDown(ctx, vmi)
 		}
 		return nil
 	}
 	before := vmi.DeepCopy()
 	switch {
 	case vmi.DeletionTimestamp != nil:
+		if err := a.shutDown(ctx, vmi); err != nil {
+			return err
+		}
 		vmi.Status.Phase = kubevirtv1.Succeeded
-		delete(a.mounted, vmi.UID)
 	case vmi.Status.Phase == kubevirtv1.Scheduled:
 		startDomain(vmi)
 	case vmi.Status.Phase == kubevirtv1.Running:
-		a.hotplug(vmi)
+		a.hotplug(ctx, vmi)
 	}
 	if equalStatus(before, vmi) {
 		return nil
@@ -270,6 +285,19 @@ func (a *nodeAgents) syncVMI(ctx context.Context, namespace, name string) error 
 	klog.V(3).InfoS("virt-handler stand-in updates VMI", "vmi", klog.KObj(vmi), "phase", vmi.Status.Phase)
 	_, err = a.handlerKV.KubevirtV1().VirtualMachineInstances(namespace).Update(ctx, vmi, metav1.UpdateOptions{})
 	return err
+}
+
+// shutDown forgets a stopping VMI's mounts, unplugging each disk first: a
+// domain that ends takes its hot-plugged disks with it.
+func (a *nodeAgents) shutDown(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) error {
+	for volume, on := range a.mounted[vmi.UID] {
+		if on && !a.unplug(ctx, vmi, volume) {
+			return fmt.Errorf("VMI %s/%s: disk %s not unplugged", vmi.Namespace, vmi.Name, volume)
+		}
+		a.mounted[vmi.UID][volume] = false
+	}
+	delete(a.mounted, vmi.UID)
+	return nil
 }
 
 // startDomain writes what virt-handler reports once the domain runs. The
@@ -297,7 +325,7 @@ func startDomain(vmi *kubevirtv1.VirtualMachineInstance) {
 // pkg/virt-handler/vm.go:474): mounted and in the spec becomes MountedToPod,
 // then Ready with a target once the domain has the disk; out of the spec,
 // the disk is detached (no target) and unmounted, then UnMountedFromPod.
-func (a *nodeAgents) hotplug(vmi *kubevirtv1.VirtualMachineInstance) {
+func (a *nodeAgents) hotplug(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) {
 	mounted := a.mounted[vmi.UID]
 	if mounted == nil {
 		mounted = map[string]bool{}
@@ -313,14 +341,65 @@ func (a *nodeAgents) hotplug(vmi *kubevirtv1.VirtualMachineInstance) {
 		case inSpec && !mounted[e.Name] && e.HotplugVolume.AttachPodUID != "":
 			mounted[e.Name] = true
 		case inSpec && mounted[e.Name] && e.Phase == kubevirtv1.HotplugVolumeMounted && e.Target == "":
-			e.Target = freeTarget(vmi.Status.VolumeStatus)
+			if a.plug(ctx, vmi, e.Name) {
+				e.Target = freeTarget(vmi.Status.VolumeStatus)
+			}
 		case !inSpec:
 			e.Target = ""
-			mounted[e.Name] = false
+			mounted[e.Name] = mounted[e.Name] && !a.unplug(ctx, vmi, e.Name)
 		}
 		handlerPhase(e, inSpec, mounted[e.Name])
 	}
 }
+
+// plug runs the disk hook as the domain gets the disk; false keeps the
+// entry MountedToPod, to be tried again at the next sync.
+func (a *nodeAgents) plug(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, volume string) bool {
+	if a.disks == nil {
+		return true
+	}
+	vm := vmi.Namespace + "/" + vmi.Name
+	if err := a.disks.Plug(ctx, vm, volume, claimOf(vmi.Spec.Volumes, volume)); err != nil {
+		klog.FromContext(ctx).Error(err, "virt-handler stand-in: disk hook cannot plug, retrying", "vmi", klog.KObj(vmi), "volume", volume)
+		a.queue.AddAfter(item{namespace: vmi.Namespace, name: vmi.Name}, hookRetry)
+		return false
+	}
+	return true
+}
+
+// unplug runs the disk hook for a mounted volume that left the spec; false
+// keeps it mounted (and so not UnMountedFromPod), to be tried again.
+func (a *nodeAgents) unplug(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, volume string) bool {
+	if a.disks == nil || !a.mounted[vmi.UID][volume] {
+		return true
+	}
+	if err := a.disks.Unplug(ctx, vmi.Namespace+"/"+vmi.Name, volume); err != nil {
+		klog.FromContext(ctx).Error(err, "virt-handler stand-in: disk hook cannot unplug, retrying", "vmi", klog.KObj(vmi), "volume", volume)
+		a.queue.AddAfter(item{namespace: vmi.Namespace, name: vmi.Name}, hookRetry)
+		return false
+	}
+	return true
+}
+
+// claimOf is the PVC behind a VMI volume (a DataVolume's claim has its name).
+func claimOf(vols []kubevirtv1.Volume, name string) string {
+	for _, v := range vols {
+		if v.Name != name {
+			continue
+		}
+		switch {
+		case v.PersistentVolumeClaim != nil:
+			return v.PersistentVolumeClaim.ClaimName
+		case v.DataVolume != nil:
+			return v.DataVolume.Name
+		}
+	}
+	return name
+}
+
+// hookRetry paces a failing disk hook: no watch event would bring the VMI
+// back, since nothing changed in the API.
+const hookRetry = 200 * time.Millisecond
 
 // handlerPhase moves an entry only from the phases virt-handler's guards
 // allow (v1.7.0 pkg/virt-handler/vm.go:443 and 447).

@@ -1,8 +1,12 @@
 package realkubevirt
 
 import (
+	"context"
+	"errors"
+	"slices"
 	"testing"
 
+	corev1 "k8s.io/api/core/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
@@ -19,7 +23,7 @@ func TestDiskLettersFollowTheKernel(t *testing.T) {
 // names an attachment pod, Ready with the first free target, and detached
 // and UnMountedFromPod once the volume left the spec.
 func TestHandlerStepsAHotplugVolumeLikeVirtHandler(t *testing.T) {
-	a := newNodeAgents(nil, nil, nil, []string{"n"})
+	a := newNodeAgents(nil, nil, nil, []string{"n"}, nil)
 	vmi := &kubevirtv1.VirtualMachineInstance{}
 	vmi.UID = "vmi-uid"
 	vmi.Status.Phase = kubevirtv1.Running
@@ -39,7 +43,7 @@ func TestHandlerStepsAHotplugVolumeLikeVirtHandler(t *testing.T) {
 	}
 	step := func(wantPhase kubevirtv1.VolumePhase, wantTarget string) {
 		t.Helper()
-		a.hotplug(vmi)
+		a.hotplug(context.Background(), vmi)
 		if e := entry("new"); e.Phase != wantPhase || e.Target != wantTarget {
 			t.Fatalf("entry new = %s target %q, want %s target %q", e.Phase, e.Target, wantPhase, wantTarget)
 		}
@@ -55,5 +59,64 @@ func TestHandlerStepsAHotplugVolumeLikeVirtHandler(t *testing.T) {
 	step(kubevirtv1.HotplugVolumeUnMounted, "") // stays until virt-controller drops it
 	if e := entry("old"); e.Phase != kubevirtv1.VolumeReady || e.Target != "sda" {
 		t.Errorf("untouched volume moved: %s target %q", e.Phase, e.Target)
+	}
+}
+
+// hookLog is a disk hook that records its calls and fails while fail is set.
+type hookLog struct {
+	calls []string
+	fail  bool
+}
+
+func (h *hookLog) Plug(_ context.Context, vm, volume, claim string) error {
+	h.calls = append(h.calls, "plug "+vm+" "+volume+" "+claim)
+	if h.fail {
+		return errors.New("not yet")
+	}
+	return nil
+}
+
+func (h *hookLog) Unplug(_ context.Context, vm, volume string) error {
+	h.calls = append(h.calls, "unplug "+vm+" "+volume)
+	if h.fail {
+		return errors.New("busy")
+	}
+	return nil
+}
+
+// The host's disks follow the stand-in as they follow the simulator's
+// virt-handler: a volume turns Ready only once its disk is plugged, and is
+// UnMountedFromPod only once its disk is unplugged; a failing hook holds the
+// entry where it is.
+func TestHandlerRunsTheDiskHook(t *testing.T) {
+	hook := &hookLog{fail: true}
+	a := newNodeAgents(nil, nil, nil, []string{"n"}, hook)
+	defer a.queue.ShutDown()
+	vmi := &kubevirtv1.VirtualMachineInstance{}
+	vmi.Namespace, vmi.Name, vmi.UID = "guests", "vm-0", "vmi-uid"
+	vmi.Status.Phase = kubevirtv1.Running
+	vmi.Spec.Volumes = []kubevirtv1.Volume{{Name: "pvc-1", VolumeSource: kubevirtv1.VolumeSource{PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{
+		PersistentVolumeClaimVolumeSource: corev1.PersistentVolumeClaimVolumeSource{ClaimName: "claim-1"}, Hotpluggable: true}}}}
+	vmi.Status.VolumeStatus = []kubevirtv1.VolumeStatus{{Name: "pvc-1", Phase: kubevirtv1.HotplugVolumeAttachedToNode,
+		HotplugVolume: &kubevirtv1.HotplugVolumeStatus{AttachPodUID: "pod-1"}}}
+	step := func(want kubevirtv1.VolumePhase) {
+		t.Helper()
+		a.hotplug(context.Background(), vmi)
+		if e := vmi.Status.VolumeStatus[0]; e.Phase != want {
+			t.Fatalf("entry = %s target %q, want %s (hook calls %q)", e.Phase, e.Target, want, hook.calls)
+		}
+	}
+	step(kubevirtv1.HotplugVolumeMounted)
+	step(kubevirtv1.HotplugVolumeMounted) // the plug failed: no target
+	hook.fail = false
+	step(kubevirtv1.VolumeReady)
+	vmi.Spec.Volumes = nil
+	hook.fail = true
+	step(kubevirtv1.VolumeReady) // the unplug failed: still mounted
+	hook.fail = false
+	step(kubevirtv1.HotplugVolumeUnMounted)
+	want := []string{"plug guests/vm-0 pvc-1 claim-1", "plug guests/vm-0 pvc-1 claim-1", "unplug guests/vm-0 pvc-1", "unplug guests/vm-0 pvc-1"}
+	if !slices.Equal(hook.calls, want) {
+		t.Errorf("hook calls %q, want %q", hook.calls, want)
 	}
 }

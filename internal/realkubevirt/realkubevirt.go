@@ -94,6 +94,9 @@ type Options struct {
 	// Nodes are the host nodes virt-launcher pods are bound to, round robin;
 	// missing ones are created. One node "kubevirt-node-0" if empty.
 	Nodes []string
+	// Disks, when set, follow each hot-plugged volume into and out of its
+	// VM as the virt-handler stand-in mounts and unmounts it.
+	Disks DiskHook
 }
 
 // ControlPlane is KubeVirt's control plane running on an Env. Its processes
@@ -185,7 +188,7 @@ func Start(ctx context.Context, env *testenv.Env, version string, opts Options) 
 	}
 	agentCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	cp := &ControlPlane{Version: version, KubeVirt: kv, cancel: cancel, done: make(chan struct{})}
-	agents := newNodeAgents(kube, kv, handlerKV, opts.Nodes)
+	agents := newNodeAgents(kube, kv, handlerKV, opts.Nodes, opts.Disks)
 	go func() {
 		defer close(cp.done)
 		agents.run(agentCtx)

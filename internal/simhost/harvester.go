@@ -24,6 +24,11 @@ const onlineExpandSetting = "csi-online-expand-validation"
 // creates, which the PersistentVolumeClaimResize admission needs before it
 // lets one grow. And it writes the online-expansion setting.
 func (h *Host) harvesterDefaults(ctx context.Context) error {
+	if h.Sim == nil {
+		if err := h.settingCRD(ctx); err != nil {
+			return fmt.Errorf("harvester Setting CRD: %w", err)
+		}
+	}
 	if err := h.markDefaultClass(ctx); err != nil {
 		return fmt.Errorf("default storage class: %w", err)
 	}
@@ -58,4 +63,30 @@ func (h *Host) markDefaultClass(ctx context.Context) error {
 		_, err := h.Kube.StorageV1().StorageClasses().Patch(ctx, h.StorageClass(), types.MergePatchType, patch, metav1.PatchOptions{})
 		return err == nil, nil // the simulator creates the class as it starts
 	})
+}
+
+// settingCRD installs Harvester's Setting API where no simulator does: the
+// names and scope of harvester deploy/charts/harvester-crd, an open schema.
+func (h *Host) settingCRD(ctx context.Context) error {
+	dyn, err := dynamic.NewForConfig(h.Env.Config)
+	if err != nil {
+		return err
+	}
+	crd := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+		"metadata": map[string]any{"name": "settings.harvesterhci.io"},
+		"spec": map[string]any{
+			"group": "harvesterhci.io", "scope": "Cluster",
+			"names": map[string]any{"plural": "settings", "singular": "setting", "kind": "Setting", "listKind": "SettingList"},
+			"versions": []any{map[string]any{
+				"name": "v1beta1", "served": true, "storage": true,
+				"schema": map[string]any{"openAPIV3Schema": map[string]any{"type": "object", "x-kubernetes-preserve-unknown-fields": true}},
+			}},
+		},
+	}}
+	res := dyn.Resource(schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"})
+	if _, err := res.Create(ctx, crd, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		return err
+	}
+	return nil
 }

@@ -1,7 +1,8 @@
 // Package simhost assembles a simulated Harvester cluster, the one place the
 // test suites (tests/framework) and the lab build it: a real etcd and
 // kube-apiserver (internal/testenv), the KubeVirt simulator
-// (internal/kubevirtsim), a namespace for the guest cluster's VMs with one
+// (internal/kubevirtsim) or KubeVirt's own control plane
+// (internal/realkubevirt, Options.Real), a namespace for the guest cluster's VMs with one
 // running VM and its VMI per guest node, and, when asked, loop-device disks
 // (internal/loopdisk) that grow with their claims. What differs between its
 // users is in Options.
@@ -20,9 +21,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
+	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
+	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -40,8 +43,14 @@ type Options struct {
 	// Namespace holds the guest VMs (default DefaultNamespace).
 	Namespace string
 	// Sim are the simulator's options; Namespace is set from the host's and,
-	// with Disks, DiskHook is the host's loop disks.
+	// with Disks, DiskHook is the host's loop disks. With Real, only Mode
+	// (the KubeVirt CR's hotplug gates), StorageClass and BindClasslessPVCs
+	// apply.
 	Sim kubevirtsim.Options
+	// Real, a KubeVirt tag built by hack/tools.sh (internal/realkubevirt),
+	// runs KubeVirt's own virt-controller and virt-api in the simulator's
+	// place; only the node agents are stand-ins. Host.Sim is nil then.
+	Real string
 	// VMs are the guest nodes whose running VMs (and VMIs) exist when Start
 	// returns.
 	VMs []string
@@ -61,7 +70,12 @@ type Options struct {
 // Host is a running simulated Harvester cluster.
 type Host struct {
 	Env *testenv.Env
+	// Sim is the simulator; nil with Options.Real.
 	Sim *kubevirtsim.Sim
+	// Real is KubeVirt's control plane with Options.Real, and KubeVirt
+	// reaches it as the admin; both nil otherwise.
+	Real     *realkubevirt.ControlPlane
+	KubeVirt kubevirt.Interface
 	// Disks are the loop disks (nil without Options.Disks).
 	Disks     *loopdisk.LoopDisks
 	Kube      kubernetes.Interface
@@ -100,7 +114,7 @@ func (h *Host) start(ctx context.Context) error {
 	if err := os.MkdirAll(cp, 0o750); err != nil {
 		return err
 	}
-	env, err := testenv.Start(ctx, testenv.Options{Dir: cp})
+	env, err := testenv.Start(ctx, h.envOptions(cp))
 	if err != nil {
 		return fmt.Errorf("host control plane: %w", err)
 	}
@@ -110,6 +124,14 @@ func (h *Host) start(ctx context.Context) error {
 	}
 	if _, err := h.Kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: h.Namespace}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return fmt.Errorf("namespace %s: %w", h.Namespace, err)
+	}
+	runCtx, cancel := context.WithCancel(klog.NewContext(context.WithoutCancel(ctx), klog.FromContext(ctx)))
+	h.cancel = cancel
+	if h.o.Real != "" {
+		if err := h.startReal(ctx, runCtx); err != nil {
+			return err
+		}
+		return h.finishStart(ctx, runCtx)
 	}
 	so := h.o.Sim
 	so.Namespace = h.Namespace
@@ -126,8 +148,6 @@ func (h *Host) start(ctx context.Context) error {
 	if h.Sim, err = kubevirtsim.New(env.Config, so); err != nil {
 		return err
 	}
-	runCtx, cancel := context.WithCancel(klog.NewContext(context.WithoutCancel(ctx), klog.FromContext(ctx)))
-	h.cancel = cancel
 	if err := h.Sim.Start(runCtx); err != nil {
 		h.Sim = nil
 		return fmt.Errorf("simulator: %w", err)
@@ -137,6 +157,12 @@ func (h *Host) start(ctx context.Context) error {
 			return err
 		}
 	}
+	return h.finishStart(ctx, runCtx)
+}
+
+// finishStart is what follows either control plane: disk growth and the
+// guest VMs.
+func (h *Host) finishStart(ctx, runCtx context.Context) error {
 	if h.o.Disks {
 		if err := h.growDisks(runCtx); err != nil {
 			return fmt.Errorf("disk growth: %w", err)
@@ -157,6 +183,12 @@ func (h *Host) CreateVMs(ctx context.Context, names ...string) error {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			if h.Real != nil {
+				if err := h.createRealVM(ctx, n); err != nil {
+					errs[i] = fmt.Errorf("VM %s/%s: %w", h.Namespace, n, err)
+				}
+				return
+			}
 			if _, err := h.Sim.CreateVM(ctx, kubevirtsim.VMSpec{Namespace: h.Namespace, Name: n}); err != nil {
 				errs[i] = fmt.Errorf("VM %s/%s: %w", h.Namespace, n, err)
 			}
@@ -177,6 +209,12 @@ func (h *Host) CreateVolumes(ctx context.Context, prefix string, n int) ([]strin
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			if h.Real != nil {
+				if err := h.createRealPVC(ctx, names[i], "1Gi"); err != nil {
+					errs[i] = fmt.Errorf("host PVC %s/%s: %w", h.Namespace, names[i], err)
+				}
+				return
+			}
 			if _, err := h.Sim.CreatePVC(ctx, h.Namespace, names[i], "1Gi", false); err != nil {
 				errs[i] = fmt.Errorf("host PVC %s/%s: %w", h.Namespace, names[i], err)
 			}
@@ -194,6 +232,10 @@ func (h *Host) ByIDDir(name string) string { return h.Disks.ByIDDir(h.Namespace 
 // the host (TLS front of the simulator's proxy, admin token, VM namespace);
 // it works until ctx is done.
 func (h *Host) WriteDriverKubeconfig(ctx context.Context, path string) error {
+	if h.Sim == nil {
+		// The admin as well, straight to the API server.
+		return testenv.WriteKubeconfig(path, h.Env.Config, h.Namespace)
+	}
 	return h.Sim.WriteKubeconfig(ctx, path, h.Namespace)
 }
 
@@ -215,6 +257,9 @@ func (h *Host) Stop(ctx context.Context) error {
 	}
 	if h.Sim != nil {
 		h.Sim.Stop()
+	}
+	if h.Real != nil {
+		h.Real.Stop()
 	}
 	if h.Disks != nil {
 		errs = append(errs, h.Disks.Close(context.WithoutCancel(ctx)))

@@ -52,6 +52,13 @@ func StartHostWithDisks(tb testing.TB, opts kubevirtsim.Options) (*Host, *loopdi
 	return h, h.Disks
 }
 
+// StartHostWith starts a host cluster built from o (KubeVirt's real control
+// plane with o.Real); it is stopped when tb ends.
+func StartHostWith(tb testing.TB, o simhost.Options) *Host {
+	tb.Helper()
+	return startHost(tb, o)
+}
+
 func startHost(tb testing.TB, o simhost.Options) *Host {
 	tb.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -101,8 +108,9 @@ type ControllerOptions struct {
 	// InformerLag delays every watch event the controller's informers get;
 	// its live reads and writes are not delayed.
 	InformerLag time.Duration
-	// Config is the host identity the controller acts as; nil: the
-	// simulator's admin. It must reach the simulator's front proxy.
+	// Config is the host identity the controller acts as; nil: the host's
+	// admin (Host.ClientConfig). On the simulator it must reach its front
+	// proxy.
 	Config *rest.Config
 	// Guest, when set, is the guest cluster's API server: the detach guard
 	// (DetachGuardTimeout > 0) and, with NodeMonitor, the guest node
@@ -134,7 +142,7 @@ func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controlle
 	ctx, cancel := context.WithCancel(context.Background())
 	cfg := opts.Config
 	if cfg == nil {
-		cfg = h.Sim.ClientConfig()
+		cfg = h.ClientConfig()
 	}
 	if opts.InformerLag > 0 {
 		cfg = withInformerLag(tb, cfg, opts.InformerLag)

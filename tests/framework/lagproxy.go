@@ -24,6 +24,14 @@ func withInformerLag(tb testing.TB, cfg *rest.Config, lag time.Duration) *rest.C
 		tb.Fatal(err)
 	}
 	proxy := httputil.NewSingleHostReverseProxy(target)
+	// The real control plane's host is the API server itself, over TLS (the
+	// simulator's front proxy speaks plain HTTP): the proxy then needs the
+	// config's TLS settings, and the client in front of it none.
+	tlsCfg := rest.CopyConfig(cfg)
+	tlsCfg.BearerToken, tlsCfg.BearerTokenFile = "", ""
+	if proxy.Transport, err = rest.TransportFor(tlsCfg); err != nil {
+		tb.Fatal(err)
+	}
 	proxy.FlushInterval = -1 // stream watch events as they come out of the lag
 	proxy.ModifyResponse = func(resp *http.Response) error {
 		if isWatch(resp.Request) {
@@ -40,6 +48,7 @@ func withInformerLag(tb testing.TB, cfg *rest.Config, lag time.Duration) *rest.C
 	tb.Cleanup(func() { _ = srv.Close() })
 	out := rest.CopyConfig(cfg)
 	out.Host = "http://" + l.Addr().String()
+	out.TLSClientConfig = rest.TLSClientConfig{}
 	return out
 }
 

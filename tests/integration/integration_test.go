@@ -1,11 +1,13 @@
 // Package integration runs the controller service against a real
 // kube-apiserver and the KubeVirt simulator, for every simulated KubeVirt
-// version and hotplug mode, under the concurrency the external-attacher
-// produces. One flavor runs alone with -run 'TestController/<flavor>'.
+// version and hotplug mode, and against KubeVirt's own control plane
+// (real-* flavors), under the concurrency the external-attacher produces.
+// One flavor runs alone with -run 'TestController/<flavor>'.
 package integration
 
 import (
 	"context"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -17,6 +19,9 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/csiattacher"
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
@@ -75,10 +80,36 @@ func queueConfigAt(s float64) hotplug.Config {
 	}
 }
 
+// realFlavors run the same scenarios on KubeVirt's own virt-controller and
+// virt-api (internal/realkubevirt, built by hack/tools.sh) in the
+// simulator's place: Harvester 1.8's declarative gate and the legacy gate
+// on v1.7.0, and the declarative gate on v1.8.2. Only the node agents are
+// stand-ins there, so simulated time does not apply and the scenarios that
+// need the simulator's faults or request counters skip (simOnly). Each
+// takes about three minutes of wall time on two cores, so only Harvester
+// 1.8's (declarative on v1.7.0) runs by default; allRealEnv=all runs the
+// others too.
+var realFlavors = []realFlavor{
+	{flavor{"real-declarative-v1.7.0", kubevirtsim.ModeDeclarative, "", kvbackend.BackendDeclarative, false}, "v1.7.0", true},
+	{flavor{"real-legacy-v1.7.0", kubevirtsim.ModeLegacy, "", kvbackend.BackendSubresource, false}, "v1.7.0", false},
+	{flavor{"real-declarative-v1.8.2", kubevirtsim.ModeDeclarative, "", kvbackend.BackendDeclarative, false}, "v1.8.2", false},
+}
+
+// allRealEnv set to "all" runs every real-control-plane flavor.
+const allRealEnv = "HCSI_KUBEVIRT_REAL"
+
+// realFlavor is a flavor on KubeVirt's real control plane of tag.
+type realFlavor struct {
+	flavor
+	tag       string
+	byDefault bool
+}
+
 // suite is one host cluster flavor with a controller in front of it.
 type suite struct {
 	t    *testing.T
 	f    flavor
+	real string // the KubeVirt tag of the real control plane, or "" (simulator)
 	host *framework.Host
 	ctrl *framework.Controller
 	kv   kubevirt.Interface // live reads, admin
@@ -92,31 +123,78 @@ func TestController(t *testing.T) {
 			// minutes.
 			t.Parallel()
 			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
-			s := &suite{t: t, f: f, host: h, kv: kubevirt.NewForConfigOrDie(h.Env.Config)}
-			s.ctrl = h.StartController(t, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig()})
-			if got := s.ctrl.Queue.BackendName(); got != f.backend {
-				t.Fatalf("backend %s, want %s (flag %s)", got, f.backend, f.backendFlag())
-			}
-			t.Run("ConcurrentPublishesToOneVM", s.concurrentPublishes)
-			t.Run("StormOnThreeVMs", s.storm)
-			t.Run("UnpublishBeforeTheBatchCancels", s.cancelBeforeBatch)
-			t.Run("ExclusiveVolumeOnSecondVM", s.exclusive)
-			t.Run("WebhookDeniedVolumeFailsAlone", s.webhookDenied)
-			t.Run("DeletedVMReleasesItsVolumes", s.deletedVM)
-			t.Run("StoppedVMReleasesOnUnpublish", s.stoppedVM)
-			t.Run("TimedOutPublishThenUnpublish", s.timedOutPublishThenUnpublish)
-			t.Run("RestartMidBatch", s.restartMidBatch)
-			t.Run("FencingUnderInformerLagAndRestarts", s.fencingUnderLag)
-			t.Run("TwoControllersAtOnce", s.twoControllers)
-			t.Run("ReservationIsACompareAndSwap", s.reservationCAS)
-			t.Run("CronJobReattachToTheSameVM", s.cronJobReattach)
-			t.Run("ClaimDeletedWhileQueued", s.claimDeletedWhileQueued)
-			t.Run("UnboundClaimBesideOthers", s.unboundClaim)
-			t.Run("BurstsAPodStartApart", s.burstsAPodStartApart)
-			t.Run("ReattachWhileDetaching", s.reattachWhileDetaching)
-			t.Run("DeclarativeReadsTheSpecOnlyWhenItMoved", s.specReadOnlyWhenMoved)
+			runScenarios(t, &suite{t: t, f: f, host: h})
 		})
 	}
+	bin, err := testenv.BinDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rf := range realFlavors {
+		t.Run(rf.name, func(t *testing.T) {
+			if !rf.byDefault && os.Getenv(allRealEnv) != "all" {
+				t.Skipf("one real-control-plane flavor runs by default; %s=all runs this one too", allRealEnv)
+			}
+			if !realkubevirt.Built(bin, rf.tag) {
+				t.Skipf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", rf.tag, bin)
+			}
+			t.Parallel()
+			h := framework.StartHostWith(t, simhost.Options{Real: rf.tag,
+				Sim: kubevirtsim.Options{Mode: rf.mode, BindClasslessPVCs: true}})
+			runScenarios(t, &suite{t: t, f: rf.flavor, real: rf.tag, host: h})
+		})
+	}
+}
+
+func runScenarios(t *testing.T, s *suite) {
+	s.kv = kubevirt.NewForConfigOrDie(s.host.Env.Config)
+	s.ctrl = s.host.StartController(t, framework.ControllerOptions{Backend: s.f.backendFlag(), Queue: queueConfig()})
+	if got := s.ctrl.Queue.BackendName(); got != s.f.backend {
+		t.Fatalf("backend %s, want %s (flag %s)", got, s.f.backend, s.f.backendFlag())
+	}
+	t.Run("ConcurrentPublishesToOneVM", s.concurrentPublishes)
+	t.Run("StormOnThreeVMs", s.storm)
+	t.Run("UnpublishBeforeTheBatchCancels", s.cancelBeforeBatch)
+	t.Run("ExclusiveVolumeOnSecondVM", s.exclusive)
+	t.Run("WebhookDeniedVolumeFailsAlone", s.webhookDenied)
+	t.Run("DeletedVMReleasesItsVolumes", s.deletedVM)
+	t.Run("StoppedVMReleasesOnUnpublish", s.stoppedVM)
+	t.Run("TimedOutPublishThenUnpublish", s.timedOutPublishThenUnpublish)
+	t.Run("RestartMidBatch", s.restartMidBatch)
+	t.Run("FencingUnderInformerLagAndRestarts", s.fencingUnderLag)
+	t.Run("TwoControllersAtOnce", s.twoControllers)
+	t.Run("ReservationIsACompareAndSwap", s.reservationCAS)
+	t.Run("CronJobReattachToTheSameVM", s.cronJobReattach)
+	t.Run("ClaimDeletedWhileQueued", s.claimDeletedWhileQueued)
+	t.Run("UnboundClaimBesideOthers", s.unboundClaim)
+	t.Run("BurstsAPodStartApart", s.burstsAPodStartApart)
+	t.Run("ReattachWhileDetaching", s.reattachWhileDetaching)
+	t.Run("DeclarativeReadsTheSpecOnlyWhenItMoved", s.specReadOnlyWhenMoved)
+}
+
+// simOnly skips a scenario on the real control plane: it needs one of the
+// simulator's faults or its front proxy's request counters, which KubeVirt's
+// own components do not have.
+func (s *suite) simOnly(t *testing.T, what string) {
+	t.Helper()
+	if s.host.Sim == nil {
+		t.Skipf("needs the simulator's %s; KubeVirt %s's real control plane has none", what, s.real)
+	}
+}
+
+// resetStats zeroes the simulator's request counters; stats reads them, ok
+// false on the real control plane (no counting proxy there).
+func (s *suite) resetStats() {
+	if s.host.Sim != nil {
+		s.host.Sim.ResetStats()
+	}
+}
+
+func (s *suite) stats() (kubevirtsim.Stats, bool) {
+	if s.host.Sim == nil {
+		return kubevirtsim.Stats{}, false
+	}
+	return s.host.Sim.Stats(), true
 }
 
 type csiClient = csi.ControllerClient

@@ -23,6 +23,7 @@ func (s *suite) specReadOnlyWhenMoved(t *testing.T) {
 	if s.f.backend != kubevirt.BackendDeclarative {
 		t.Skip("the subresource backend does not read the VM spec")
 	}
+	s.simOnly(t, "request counters")
 	vm := "sr-vm"
 	vols := s.scene(t, "sr", 3, vm)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)

@@ -194,7 +194,7 @@ func (s *suite) reservationCAS(t *testing.T) {
 	clients := make([]*host.Client, writers)
 	reads := make([]hotplug.HostClaim, writers)
 	for i := range clients {
-		if clients[i], err = host.NewForConfig(s.host.Sim.ClientConfig(), s.host.Namespace); err != nil {
+		if clients[i], err = host.NewForConfig(s.host.ClientConfig(), s.host.Namespace); err != nil {
 			t.Fatal(err)
 		}
 		if reads[i], err = clients[i].Claim(ctx, vol); err != nil {
