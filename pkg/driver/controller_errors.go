@@ -54,7 +54,7 @@ func answers() []answerRow {
 		// the external-attacher retries it, so the attach goes ahead once a
 		// disk leaves the VM. Before RejectedError: KubeVirt's own refusal
 		// of a VM over the limit comes wrapped in one.
-		{is(hotplug.ErrVMFull), event(codes.ResourceExhausted, corev1.EventTypeWarning, "VMDiskLimit")},
+		{is(hotplug.ErrVMFull), event(codes.ResourceExhausted, corev1.EventTypeWarning, "DiskLimitReached")},
 		{isA[*hotplug.RejectedError], event(codes.FailedPrecondition, corev1.EventTypeWarning, "HotplugRejected")},
 		{is(hotplug.ErrStopped), event(codes.Unavailable, corev1.EventTypeWarning, "HotplugFailed")},
 		// Aborted, not Unavailable: the external-attacher retries both with
