@@ -196,17 +196,16 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 	if spec.StorageClass == "" {
 		spec.StorageClass = s.opts.HostStorageClass
 	}
-	want := spec.Bytes
 	if src := req.GetVolumeContentSource(); src != nil {
 		if isBackupID(src.GetSnapshot().GetSnapshotId()) {
 			return s.createFromBackup(ctx, req, spec)
 		}
 		if src.GetVolume() != nil {
+			requested := spec.Bytes
 			if err := s.cloneSpec(ctx, req, &spec); err != nil {
 				return nil, err
 			}
-			want = max(want, spec.Bytes)
-			return s.createVolume(ctx, req, spec, want)
+			return s.createVolume(ctx, req, spec, max(requested, spec.Bytes))
 		}
 		snap, err := s.restoreSource(ctx, src)
 		if err != nil {

@@ -40,6 +40,8 @@ func (s *controllerService) cloneSpec(ctx context.Context, req *csi.CreateVolume
 	}
 	spec.FromVolume = id
 	spec.Bytes = size.Value()
+	// A source without a class has the host's default, as its clone then.
+	spec.StorageClass = ""
 	if src.Spec.StorageClassName != nil {
 		spec.StorageClass = *src.Spec.StorageClassName
 	}
