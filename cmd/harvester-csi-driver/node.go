@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"flag"
+	"fmt"
 	"os"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 type nodeFlags struct {
 	sysfsRoot, byIDDir, kubeletRoot string
 	sweepInterval                   time.Duration
+	maxVolumes                      int64
 }
 
 func (n *nodeFlags) register(fs *flag.FlagSet) {
@@ -28,18 +30,23 @@ func (n *nodeFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&n.byIDDir, "by-id-dir", device.DefaultByIDDir, "where hot-plugged disks appear")
 	fs.StringVar(&n.kubeletRoot, "kubelet-root-dir", sweeper.DefaultKubeletRoot, "kubelet's root directory; the stale staging sweeper touches nothing outside its plugins/kubernetes.io/csi")
 	fs.DurationVar(&n.sweepInterval, "sweep-interval", time.Minute, "how often stale staging mounts are looked for (negative: never)")
+	fs.Int64Var(&n.maxVolumes, "max-volumes-per-node", 0, "most volumes NodeGetInfo reports for this node, below the room KubeVirt's 256-disk limit leaves on its VM (0: that room)")
 }
 
 // service builds the node service. hostClient (nil when --nodeid is given in
 // node mode) lets node ID discovery match MAC addresses against host VMIs.
 func (n *nodeFlags) service(ctx context.Context, o *options, hostClient *host.Client) (*driver.NodeService, error) {
+	if n.maxVolumes < 0 {
+		return nil, fmt.Errorf("--max-volumes-per-node must not be negative, got %d", n.maxVolumes)
+	}
 	opts := driver.NodeOptions{
-		NodeID:        o.nodeID,
-		SysfsRoot:     n.sysfsRoot,
-		ByIDDir:       n.byIDDir,
-		KubeletRoot:   n.kubeletRoot,
-		SweepInterval: n.sweepInterval,
-		Events:        guestEvents(ctx),
+		NodeID:            o.nodeID,
+		SysfsRoot:         n.sysfsRoot,
+		ByIDDir:           n.byIDDir,
+		KubeletRoot:       n.kubeletRoot,
+		SweepInterval:     n.sweepInterval,
+		Events:            guestEvents(ctx),
+		MaxVolumesPerNode: n.maxVolumes,
 	}
 	if hostClient != nil {
 		opts.VMIs = nodeid.KubeVirtSource(hostClient.KubeVirt.KubevirtV1().VirtualMachineInstances(hostClient.Namespace))

@@ -28,7 +28,11 @@
 //     every claim they mount is bound.
 //   - provisioner (provisioner.go) and snapshotter (snapshot.go): the host
 //     "Longhorn" class, the PV/PVC protection controllers, resizes,
-//     VolumeSnapshots and restores (SnapshotHook).
+//     VolumeSnapshots and restores (SnapshotHook), clones of a PVC
+//     (clone.go, CloneHook) refused as external-provisioner and Longhorn
+//     refuse them.
+//   - The VM and VMI CRDs (install.go diskLimitSchema): KubeVirt's limit
+//     of 256 disks and volumes, enforced by the API server itself.
 //   - backupper (backup.go): Harvester's VolumeRemoteBackup and
 //     VolumeRemoteRestore controllers (a backup is a snapshot of the backup
 //     class plus Timings.Backup of upload; a restore is a pre-provisioned

@@ -69,8 +69,10 @@ func crds() []*apiextv1.CustomResourceDefinition {
 		},
 	}
 	return append([]*apiextv1.CustomResourceDefinition{
-		crdDef("kubevirt.io", "v1", "virtualmachines", "virtualmachine", "VirtualMachine", true, []string{"vm", "vms"}, nil),
-		crdDef("kubevirt.io", "v1", "virtualmachineinstances", "virtualmachineinstance", "VirtualMachineInstance", true, []string{"vmi", "vmis"}, nil),
+		crdDef("kubevirt.io", "v1", "virtualmachines", "virtualmachine", "VirtualMachine", true, []string{"vm", "vms"},
+			diskLimitSchema("spec", "template", "spec")),
+		crdDef("kubevirt.io", "v1", "virtualmachineinstances", "virtualmachineinstance", "VirtualMachineInstance", true, []string{"vmi", "vmis"},
+			diskLimitSchema("spec")),
 		crdDef("kubevirt.io", "v1", "kubevirts", "kubevirt", "KubeVirt", true, []string{"kv", "kvs"}, nil),
 		crdDef("harvesterhci.io", "v1beta1", "settings", "setting", "Setting", false, nil, settingSchema),
 		// Stand-ins for external-snapshotter's CRDs (names, kinds, short
@@ -80,6 +82,35 @@ func crds() []*apiextv1.CustomResourceDefinition {
 		approved(withoutStatus(crdDef(snapshotGroup, "v1", "volumesnapshotclasses", "volumesnapshotclass", "VolumeSnapshotClass", false, []string{"vsclass", "vsclasses"}, nil))),
 		networkFSCRD(),
 	}, remoteBackupCRDs()...)
+}
+
+// MaxDisks is KubeVirt's limit on a VM's (and VMI's) disks and volumes:
+// its CRDs' OpenAPI schemas give both lists maxItems 256 (kubevirt v1.7.0
+// staging/src/kubevirt.io/api/core/v1/schema.go:464 for disks, types.go:128
+// for volumes, generated into
+// pkg/virt-operator/resource/generate/components/validations_generated.go),
+// so the API server itself refuses a 257th, with its "Too many" message,
+// whoever writes it: the driver, virt-api or virt-controller.
+const MaxDisks = 256
+
+// diskLimitSchema is an open object schema whose VMI spec, at path, limits
+// domain.devices.disks and volumes to MaxDisks items, as KubeVirt's CRDs do;
+// everything else is kept unchecked.
+func diskLimitSchema(path ...string) *apiextv1.JSONSchemaProps {
+	open := func(props map[string]apiextv1.JSONSchemaProps) apiextv1.JSONSchemaProps {
+		return apiextv1.JSONSchemaProps{Type: "object", XPreserveUnknownFields: ptr.To(true), Properties: props}
+	}
+	list := apiextv1.JSONSchemaProps{Type: "array", MaxItems: ptr.To[int64](MaxDisks), Items: &apiextv1.JSONSchemaPropsOrArray{
+		Schema: &apiextv1.JSONSchemaProps{Type: "object", XPreserveUnknownFields: ptr.To(true)},
+	}}
+	node := open(map[string]apiextv1.JSONSchemaProps{
+		"domain":  open(map[string]apiextv1.JSONSchemaProps{"devices": open(map[string]apiextv1.JSONSchemaProps{"disks": list})}),
+		"volumes": list,
+	})
+	for i := len(path) - 1; i >= 0; i-- {
+		node = open(map[string]apiextv1.JSONSchemaProps{path[i]: node})
+	}
+	return &node
 }
 
 // approved adds the annotation the API server requires of CRDs in the

@@ -58,6 +58,15 @@ type SnapshotHook interface {
 	DeleteSnapshot(ctx context.Context, snapshot string) error
 }
 
+// CloneHook lets a DiskHook copy a volume's data into its clone; the
+// simulator uses it when Options.DiskHook also implements it. Clone runs
+// before a PVC whose data source is another PVC is bound, and may run again
+// until it is; sourceClaim and claimName are host PVC names, as Plug gets
+// them. As Longhorn's clone, it copies a source that may be in use.
+type CloneHook interface {
+	Clone(ctx context.Context, sourceClaim, claimName string) error
+}
+
 // Timings are the simulated latencies (the package doc says where the
 // defaults come from). A zero field takes the default shown; a
 // negative field means "no delay". Every value is multiplied by
@@ -177,7 +186,8 @@ type Options struct {
 	NFSMountOptions string
 
 	// DiskHook is called around guest plug and unplug; nil is a no-op. If it
-	// also implements SnapshotHook, it is called around volume snapshots.
+	// also implements SnapshotHook, it is called around volume snapshots,
+	// and if it implements CloneHook, before a clone is bound.
 	DiskHook DiskHook
 
 	// Timings are the simulated latencies; Scale multiplies all of them, and

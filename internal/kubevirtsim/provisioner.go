@@ -44,7 +44,12 @@ func newProvisioner(c *cluster) *provisioner {
 }
 
 func (p *provisioner) register() {
-	_, _ = p.c.pvcInf.AddEventHandler(onEvent(func(obj any) { p.queue.Add(objectKey(obj)) }))
+	_, _ = p.c.pvcInf.AddEventHandler(onEvent(func(obj any) {
+		p.queue.Add(objectKey(obj))
+		if pvc, ok := obj.(*corev1.PersistentVolumeClaim); ok {
+			p.enqueueClonesOf(pvc.Namespace, pvc.Name) // a source that binds frees its clones
+		}
+	}))
 	_, _ = p.c.pvcInf.AddEventHandler(onDelete(func(obj any) {
 		pvc, ok := obj.(*corev1.PersistentVolumeClaim)
 		if !ok {
@@ -156,6 +161,18 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 			p.restored[pvc.UID] = true
 			p.mu.Unlock()
 			log.V(2).Info("restored from snapshot", "snapshot", src.namespace+"/"+src.name)
+		}
+	}
+
+	if src, ok := cloneSource(pvc); ok && pvc.Spec.VolumeName == "" {
+		if err := p.clone(ctx, pvc, src); err != nil {
+			return 0, err
+		}
+		p.mu.Lock()
+		waiting := p.restoreWait[pvc.UID] != ""
+		p.mu.Unlock()
+		if waiting {
+			return 0, nil // source events bring us back
 		}
 	}
 

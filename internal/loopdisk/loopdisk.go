@@ -4,7 +4,8 @@
 // attachment, and the by-id link QEMU's SCSI disk would get, in a per-VM by-id
 // directory. It implements the simulator's DiskHook (Plug/Unplug) and
 // SnapshotHook (Snapshot/Restore/DeleteSnapshot): a snapshot is a sparse copy
-// of a claim's backing file, kept next to it.
+// of a claim's backing file, kept next to it; and its CloneHook (Clone): a
+// clone's backing file starts as a sparse copy of its source's.
 package loopdisk
 
 import (

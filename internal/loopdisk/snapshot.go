@@ -220,3 +220,39 @@ const (
 var zeroBlock = make([]byte, copyBlock)
 
 func isZero(b []byte) bool { return bytes.Equal(b, zeroBlock[:len(b)]) }
+
+// Clone replaces claimName's backing file with a copy of sourceClaim's, as
+// Longhorn clones a volume: the source may be plugged and in use (data the
+// guest has flushed is in the clone), the clone must not be (a loop device
+// would keep the old file). A source never plugged clones as an empty disk.
+func (l *LoopDisks) Clone(ctx context.Context, sourceClaim, claimName string) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	src, dst := l.BackingFile(sourceClaim), l.BackingFile(claimName)
+	if err := l.unplugged(ctx, dst); err != nil {
+		return fmt.Errorf("clone %s to %s: %w", sourceClaim, claimName, err)
+	}
+	if _, err := os.Stat(src); errors.Is(err, os.ErrNotExist) {
+		src = ""
+	}
+	if err := sparseCopy(ctx, src, dst); err != nil {
+		return fmt.Errorf("clone %s to %s: %w", sourceClaim, claimName, err)
+	}
+	klog.FromContext(ctx).Info("disk cloned", "claim", claimName, "source", sourceClaim)
+	return nil
+}
+
+// unplugged fails when a loop device holds file.
+func (l *LoopDisks) unplugged(ctx context.Context, file string) error {
+	if _, err := os.Stat(file); err != nil {
+		return nil //nolint:nilerr // no file, no loop device
+	}
+	out, err := run(ctx, "losetup", "--noheadings", "--output", "NAME", "--associated", file)
+	if err != nil {
+		return err
+	}
+	if devs := strings.Fields(out); len(devs) > 0 {
+		return fmt.Errorf("%s is plugged (%s)", filepath.Base(file), strings.Join(devs, " "))
+	}
+	return nil
+}

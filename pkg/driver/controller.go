@@ -156,6 +156,7 @@ func (s *controllerService) ControllerGetCapabilities(context.Context, *csi.Cont
 		csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
 		csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
 		csi.ControllerServiceCapability_RPC_GET_VOLUME,
+		csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
 		csi.ControllerServiceCapability_RPC_VOLUME_CONDITION,
 		// With it the sidecars send ReadWriteOncePod as
 		// SINGLE_NODE_SINGLE_WRITER and ReadWriteOnce as
@@ -199,6 +200,13 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 		if isBackupID(src.GetSnapshot().GetSnapshotId()) {
 			return s.createFromBackup(ctx, req, spec)
 		}
+		if src.GetVolume() != nil {
+			requested := spec.Bytes
+			if err := s.cloneSpec(ctx, req, &spec); err != nil {
+				return nil, err
+			}
+			return s.createVolume(ctx, req, spec, max(requested, spec.Bytes))
+		}
 		snap, err := s.restoreSource(ctx, src)
 		if err != nil {
 			return nil, err
@@ -218,6 +226,12 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 			}
 		}
 	}
+	return s.createVolume(ctx, req, spec, spec.Bytes)
+}
+
+// createVolume creates the host PVC of spec and answers with it once bound,
+// grown to want bytes when the host made it smaller (a clone).
+func (s *controllerService) createVolume(ctx context.Context, req *csi.CreateVolumeRequest, spec host.VolumeSpec, want int64) (*csi.CreateVolumeResponse, error) {
 	if spec.StorageClass != "" {
 		ok, err := s.volumes.StorageClassUsable(ctx, spec.StorageClass)
 		if err != nil {
@@ -251,11 +265,14 @@ func (s *controllerService) CreateVolume(ctx context.Context, req *csi.CreateVol
 		pvc = bound
 	}
 	cancel()
+	if pvc, err = s.growClone(ctx, pvc, want); err != nil {
+		return nil, err
+	}
 	capacity := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
 	return &csi.CreateVolumeResponse{Volume: &csi.Volume{
 		VolumeId:      pvc.Name,
 		CapacityBytes: capacity.Value(),
-		VolumeContext: params,
+		VolumeContext: req.GetParameters(),
 		ContentSource: req.GetVolumeContentSource(),
 	}}, nil
 }

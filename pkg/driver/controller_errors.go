@@ -50,6 +50,11 @@ func answers() []answerRow {
 		{isA[*hotplug.HeldError], event(codes.FailedPrecondition, corev1.EventTypeWarning, "VolumeHeldByAnotherVM")},
 		// A newer request replaced this one: nothing to explain.
 		{isA[*hotplug.SupersededError], answer{code: codes.Aborted}},
+		// The CSI spec's answer for a node that cannot take another volume;
+		// the external-attacher retries it, so the attach goes ahead once a
+		// disk leaves the VM. Before RejectedError: KubeVirt's own refusal
+		// of a VM over the limit comes wrapped in one.
+		{is(hotplug.ErrVMFull), event(codes.ResourceExhausted, corev1.EventTypeWarning, "DiskLimitReached")},
 		{isA[*hotplug.RejectedError], event(codes.FailedPrecondition, corev1.EventTypeWarning, "HotplugRejected")},
 		{is(hotplug.ErrStopped), event(codes.Unavailable, corev1.EventTypeWarning, "HotplugFailed")},
 		// Aborted, not Unavailable: the external-attacher retries both with

@@ -135,9 +135,6 @@ func csiSnapshot(sn *host.Snapshot) *csi.Snapshot {
 // restoreSource checks a CreateVolume snapshot source and returns the host
 // snapshot; the restored PVC takes the source's class and volume mode.
 func (s *controllerService) restoreSource(ctx context.Context, src *csi.VolumeContentSource) (*host.Snapshot, error) {
-	if src.GetVolume() != nil {
-		return nil, status.Error(codes.InvalidArgument, "cloning a volume is not supported")
-	}
 	id := src.GetSnapshot().GetSnapshotId()
 	if id == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume content source has no snapshot ID")

@@ -138,11 +138,6 @@ func TestSnapshotBadInput(t *testing.T) {
 			_, err := s.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "r", VolumeCapabilities: []*csi.VolumeCapability{rwo}, VolumeContentSource: fromSnap("gone")})
 			return err
 		}, codes.NotFound},
-		{"clone", func() error {
-			_, err := s.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "c", VolumeCapabilities: []*csi.VolumeCapability{rwo},
-				VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: "pvc-a"}}}})
-			return err
-		}, codes.InvalidArgument},
 		{"restore with a limit below the smallest volume", func() error {
 			_, err := s.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "r2", VolumeCapabilities: []*csi.VolumeCapability{rwo}, VolumeContentSource: fromSnap("snap"),
 				CapacityRange: &csi.CapacityRange{LimitBytes: 1 << 20}})

@@ -33,6 +33,8 @@ type fakeVolumes struct {
 	snaps  map[string]*host.Snapshot
 	// gets counts reads of a PVC.
 	gets int
+	// createPending leaves created PVCs unbound.
+	createPending bool
 }
 
 var pvcGR = schema.GroupResource{Resource: "persistentvolumeclaims"}
@@ -40,14 +42,22 @@ var pvcGR = schema.GroupResource{Resource: "persistentvolumeclaims"}
 func (f *fakeVolumes) CreateVolume(_ context.Context, spec host.VolumeSpec) (*corev1.PersistentVolumeClaim, error) {
 	f.created = append(f.created, spec)
 	if p, ok := f.pvcs[spec.Name]; ok {
-		if got := p.Spec.Resources.Requests[corev1.ResourceStorage]; got.Value() != spec.Bytes {
+		// As pkg/host: a clone may have grown past its source's size.
+		if got := p.Spec.Resources.Requests[corev1.ResourceStorage]; got.Value() != spec.Bytes && (spec.FromVolume == "" || got.Value() < spec.Bytes) {
 			return nil, &host.VolumeMismatchError{Name: spec.Name, Why: "size"}
 		}
 		return p, nil
 	}
 	p := &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: spec.Name, Annotations: spec.Annotations}}
 	p.Spec.Resources.Requests = corev1.ResourceList{corev1.ResourceStorage: *resource.NewQuantity(spec.Bytes, resource.BinarySI)}
+	p.Spec.VolumeMode = &spec.Mode
+	if spec.StorageClass != "" {
+		p.Spec.StorageClassName = &spec.StorageClass
+	}
 	p.Status.Phase = corev1.ClaimBound
+	if f.createPending {
+		p.Status.Phase = corev1.ClaimPending
+	}
 	f.pvcs[spec.Name] = p
 	return p, nil
 }

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/device"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/mounter"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/node/mountinfo"
@@ -62,7 +63,9 @@ type NodeOptions struct {
 	// Events receives an Event when a stale staging mount is removed; nil
 	// only logs.
 	Events sweeper.EventRecorder
-	// MaxVolumesPerNode is reported by NodeGetInfo (0: no limit).
+	// MaxVolumesPerNode (--max-volumes-per-node) caps what NodeGetInfo
+	// reports, which is otherwise the room KubeVirt's disk limit leaves on
+	// the VM (0: no cap).
 	MaxVolumesPerNode int64
 	// Exports, when set, tells where an RWX volume's NFS export is served
 	// when the publish context does not (a VolumeAttachment that upstream
@@ -180,7 +183,29 @@ func (s *NodeService) NodeGetInfo(ctx context.Context, _ *csi.NodeGetInfoRequest
 		s.nodeID = id
 		klog.FromContext(ctx).Info("node ID discovered", "vm", id)
 	}
-	return &csi.NodeGetInfoResponse{NodeId: s.nodeID, MaxVolumesPerNode: s.opts.MaxVolumesPerNode}, nil
+	return &csi.NodeGetInfoResponse{NodeId: s.nodeID, MaxVolumesPerNode: s.maxVolumes(ctx)}, nil
+}
+
+// maxVolumes is how many volumes this node's VM can hold: KubeVirt's limit
+// on a VM's disks less the disks the guest sees that are not hot-plugged
+// volumes (root, cloud-init, CD-ROMs), capped by --max-volumes-per-node.
+// The guest's view is the node plugin's only one (it does not read the
+// host), and it is the VM's: each disk of the VM is a disk in the guest.
+// Kubelet asks again every nodeAllocatableUpdatePeriodSeconds where the
+// guest Kubernetes has MutableCSINodeAllocatableCount, so the count follows
+// disks added to the VM by other means. A VM with no room left still reports
+// 1: 0 would mean "no limit".
+func (s *NodeService) maxVolumes(ctx context.Context) int64 {
+	others, err := s.finder.OtherDisks()
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "cannot count this VM's own disks: reporting only the configured limit", "vm", s.nodeID)
+		return s.opts.MaxVolumesPerNode
+	}
+	room := int64(max(hotplug.MaxVMDisks-others, 1))
+	if limit := s.opts.MaxVolumesPerNode; limit > 0 && limit < room {
+		room = limit
+	}
+	return room
 }
 
 // toStatus maps errors of the node packages to gRPC codes.

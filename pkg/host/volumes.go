@@ -36,6 +36,10 @@ type VolumeSpec struct {
 	Annotations  map[string]string
 	// FromSnapshot names a host VolumeSnapshot to restore the PVC from.
 	FromSnapshot string
+	// FromVolume names a host PVC of the namespace to clone the PVC from.
+	// Longhorn clones only at the source's size, so Bytes is then the
+	// source's size and an existing clone may have grown past it.
+	FromVolume string
 }
 
 // VolumeMismatchError reports an existing host PVC whose spec differs from the
@@ -73,6 +77,9 @@ func (c *Client) CreateVolume(ctx context.Context, spec VolumeSpec) (*corev1.Per
 			APIGroup: &snapshotResource.Group, Kind: "VolumeSnapshot", Name: spec.FromSnapshot,
 		}
 	}
+	if spec.FromVolume != "" {
+		pvc.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: spec.FromVolume}
+	}
 	pvcs := c.Kube.CoreV1().PersistentVolumeClaims(c.Namespace)
 	// The provisioner calls again for a volume whose first call timed out
 	// (waiting for the bind): read first, so a repeat is answered from what
@@ -99,7 +106,8 @@ func (c *Client) CreateVolume(ctx context.Context, spec VolumeSpec) (*corev1.Per
 }
 
 func mismatch(pvc *corev1.PersistentVolumeClaim, spec VolumeSpec) string {
-	if got := pvc.Spec.Resources.Requests[corev1.ResourceStorage]; got.Value() != spec.Bytes {
+	// A clone is created at its source's size and grown afterwards.
+	if got := pvc.Spec.Resources.Requests[corev1.ResourceStorage]; got.Value() != spec.Bytes && (spec.FromVolume == "" || got.Value() < spec.Bytes) {
 		return fmt.Sprintf("size %d, requested %d", got.Value(), spec.Bytes)
 	}
 	mode := corev1.PersistentVolumeFilesystem
@@ -112,10 +120,36 @@ func mismatch(pvc *corev1.PersistentVolumeClaim, spec VolumeSpec) string {
 	if spec.StorageClass != "" && (pvc.Spec.StorageClassName == nil || *pvc.Spec.StorageClassName != spec.StorageClass) {
 		return fmt.Sprintf("storage class %v, requested %s", deref(pvc.Spec.StorageClassName), spec.StorageClass)
 	}
-	if src := pvc.Spec.DataSource; (src == nil) != (spec.FromSnapshot == "") || (src != nil && (src.Kind != "VolumeSnapshot" || src.Name != spec.FromSnapshot)) {
-		return fmt.Sprintf("data source %v, requested snapshot %q", src, spec.FromSnapshot)
+	if want := dataSourceOf(spec); !sameDataSource(pvc.Spec.DataSource, want) {
+		return fmt.Sprintf("data source %s, requested %s", describeSource(pvc.Spec.DataSource), describeSource(want))
 	}
 	return ""
+}
+
+// dataSourceOf is the kind and name of the data source spec asks for (nil:
+// an empty volume).
+func dataSourceOf(spec VolumeSpec) *corev1.TypedLocalObjectReference {
+	switch {
+	case spec.FromSnapshot != "":
+		return &corev1.TypedLocalObjectReference{Kind: "VolumeSnapshot", Name: spec.FromSnapshot}
+	case spec.FromVolume != "":
+		return &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: spec.FromVolume}
+	}
+	return nil
+}
+
+func sameDataSource(have, want *corev1.TypedLocalObjectReference) bool {
+	if have == nil || want == nil {
+		return have == want
+	}
+	return have.Kind == want.Kind && have.Name == want.Name
+}
+
+func describeSource(src *corev1.TypedLocalObjectReference) string {
+	if src == nil {
+		return "none"
+	}
+	return src.Kind + " " + src.Name
 }
 
 func deref(s *string) string {

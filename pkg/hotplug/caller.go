@@ -30,7 +30,10 @@ var ErrNotReady = errors.New("hotplug queue not ready: its backend does not know
 //   - *SupersededError: a newer, opposite intent for the same volume and VM
 //     replaced this one.
 //   - *RejectedError: the host refused the change for good (a webhook, an
-//     invalid volume); Unwrap gives the host's answer.
+//     invalid volume); Unwrap gives the host's answer, wrapped in ErrVMFull
+//     when it is KubeVirt's limit on a VM's disks.
+//   - *VMFullError (Attach only; errors.Is ErrVMFull): the VM has
+//     Config.MaxDisks disks already; nothing was written.
 //   - *ClaimNotReadyError (Attach only): the host PVC is gone (Phase empty)
 //     or not Bound.
 //   - *VMNotFoundError (Attach only; errors.Is ErrVMNotFound): the API

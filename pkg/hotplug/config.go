@@ -44,7 +44,17 @@ type Config struct {
 	// clock difference between controller hosts; the default leaves 10s
 	// for that.
 	ReservationTTL time.Duration
+	// MaxDisks is how many disks and volumes KubeVirt lets a VM have, its
+	// own disks (root, cloud-init) included: an attach that would pass it
+	// is answered ErrVMFull without a write (MaxVMDisks by default).
+	MaxDisks int
 }
+
+// MaxVMDisks is KubeVirt's limit on a VM's disks and on its volumes: the
+// CRDs' OpenAPI schemas say maxItems 256 for both lists (kubevirt v1.7.0
+// staging/src/kubevirt.io/api/core/v1/schema.go:464 and types.go:128), so
+// the API server refuses a VM or VMI with a 257th (harvester/harvester#11259).
+const MaxVMDisks = 256
 
 // DefaultConfig holds the defaults the command line uses.
 func DefaultConfig() Config {
@@ -61,6 +71,7 @@ func DefaultConfig() Config {
 		SlowAfter:          time.Minute,
 		Identity:           defaultIdentity(),
 		ReservationFresh:   5 * time.Second,
+		MaxDisks:           MaxVMDisks,
 	}
 }
 
@@ -92,6 +103,7 @@ func (c Config) withDefaults() Config {
 	orDefault(&c.RequestTimeout, d.RequestTimeout)
 	orDefault(&c.SlowAfter, d.SlowAfter)
 	orDefault(&c.ReservationFresh, d.ReservationFresh)
+	orDefault(&c.MaxDisks, d.MaxDisks)
 	orDefault(&c.ReservationTTL, c.ReservationFresh+c.RequestTimeout+clockAllowance)
 	if c.Identity == "" {
 		c.Identity = d.Identity

@@ -43,6 +43,23 @@ func (o observed) diskInVMSpec(volume string) bool {
 	return false
 }
 
+// diskCount is how many disks the VM has or is getting: the larger of its
+// template's disk and volume lists, with the queued add requests not in them
+// yet.
+func (o observed) diskCount() int {
+	if o.vm == nil || o.vm.Spec.Template == nil {
+		return 0
+	}
+	spec := o.vm.Spec.Template.Spec
+	n := max(len(spec.Domain.Devices.Disks), len(spec.Volumes))
+	for _, r := range o.vm.Status.VolumeRequests {
+		if r.AddVolumeOptions != nil && !o.inVMSpec(r.AddVolumeOptions.Name) {
+			n++
+		}
+	}
+	return n
+}
+
 func (o observed) inVMISpec(volume string) bool {
 	if o.vmi == nil {
 		return false

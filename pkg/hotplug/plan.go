@@ -135,6 +135,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 			}
 		}
 	}
+	adds = p.refuseOverLimit(cfg, w, o, pending, removes, adds)
 	p.changes = append(removes, adds...)
 	if len(p.changes) == 0 {
 		return p
@@ -166,6 +167,37 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	}
 	p.hold = ""
 	return p
+}
+
+// refuseOverLimit answers the adds that would take the VM past cfg.MaxDisks
+// with a VMFullError and returns the others. KubeVirt's API server refuses
+// the whole write of a VM over the limit, so writing such an add would fail
+// the batch's other changes too. The count is the larger of the VM's disks
+// and volumes (both lists are limited), with the adds KubeVirt has queued
+// but not yet moved into the spec and this process's adds the informers do
+// not show yet; removals written in the same batch go first and make room.
+func (p *plan) refuseOverLimit(cfg Config, w *vmWork, o observed, pending map[string]bool, removes, adds []Change) []Change {
+	limit := cfg.MaxDisks
+	if limit <= 0 {
+		limit = MaxVMDisks
+	}
+	used := o.diskCount() - len(removes)
+	for vol := range pending {
+		if w.expect[vol].op == Attach {
+			used++
+		}
+	}
+	kept := adds[:0:0]
+	for _, c := range adds {
+		if used < limit {
+			used++
+			kept = append(kept, c)
+			continue
+		}
+		it := w.intents[c.Volume]
+		p.resolve = append(p.resolve, resolution{it: it, err: &VMFullError{Volume: c.Volume, VM: it.vm, Disks: used, Limit: limit}})
+	}
+	return kept
 }
 
 // queuedBehind says how many volumes' changes a batch waits for: those

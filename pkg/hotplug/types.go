@@ -183,6 +183,26 @@ func (e *VMNotFoundError) Error() string {
 // Is makes errors.Is(err, ErrVMNotFound) hold.
 func (e *VMNotFoundError) Is(target error) bool { return target == ErrVMNotFound }
 
+// ErrVMFull is what a VMFullError matches (errors.Is), and what the backends
+// wrap KubeVirt's refusal of a VM with too many disks in.
+var ErrVMFull = errors.New("the VM has as many disks as KubeVirt allows")
+
+// VMFullError refuses an attach that would give a VM more disks than
+// KubeVirt allows; nothing was written.
+type VMFullError struct {
+	Volume, VM string
+	// Disks is how many disks the VM has or is getting; Limit the most it
+	// may have.
+	Disks, Limit int
+}
+
+func (e *VMFullError) Error() string {
+	return fmt.Sprintf("volume %s cannot be attached to VM %s: the VM has %d disks and KubeVirt allows at most %d, its own disks included", e.Volume, e.VM, e.Disks, e.Limit)
+}
+
+// Is makes errors.Is(err, ErrVMFull) hold.
+func (e *VMFullError) Is(target error) bool { return target == ErrVMFull }
+
 // HeldError says an exclusive volume is attached, attaching or still
 // detaching on another VM.
 type HeldError struct {

@@ -1,6 +1,7 @@
 package kubevirt
 
 import (
+	"fmt"
 	"strings"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -44,6 +45,10 @@ func classify(err error, op hotplug.Op) hotplug.Outcome {
 		r = hotplug.Conflict
 	case apierrors.IsNotFound(err):
 		r = hotplug.VMGone
+	// The CRD schema's limit on a VM's disks and volumes, as the API server
+	// words it (apimachinery field.TooMany): this volume cannot be added.
+	case apierrors.IsInvalid(err) && has("Too many") && (has(".disks") || has(".volumes")):
+		return hotplug.Outcome{Result: hotplug.Rejected, Err: fmt.Errorf("%w: %w", hotplug.ErrVMFull, err)}
 	// Refusals of this one volume.
 	case has("is not hotpluggable"),
 		has("Unable to add volume source"),

@@ -6,6 +6,7 @@ import (
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/validation/field"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
@@ -55,6 +56,22 @@ func TestAtLeast(t *testing.T) {
 	for v, want := range map[string]bool{"v1.8.0": true, "v1.7.1": false, "v1.10.0": true, "v2.0.0": true, "v1.8.0-rc2": true, "": false, "master-head": false, "v1": false} {
 		if got := atLeast(v, 1, 8); got != want {
 			t.Errorf("atLeast(%q, 1.8) = %v, want %v", v, got, want)
+		}
+	}
+}
+
+// The API server's refusal of a VM over KubeVirt's disk limit (the CRD
+// schema's maxItems) is this volume's refusal, and says the VM is full.
+func TestClassifyTooManyDisks(t *testing.T) {
+	for _, path := range []*field.Path{
+		field.NewPath("spec", "template", "spec", "volumes"),
+		field.NewPath("spec", "template", "spec", "domain", "devices", "disks"),
+	} {
+		err := apierrors.NewInvalid(schema.GroupKind{Group: "kubevirt.io", Kind: "VirtualMachine"}, "vm1",
+			field.ErrorList{field.TooMany(path, 257, hotplug.MaxVMDisks)})
+		got := classify(err, hotplug.Attach)
+		if got.Result != hotplug.Rejected || !errors.Is(got.Err, hotplug.ErrVMFull) || !apierrors.IsInvalid(got.Err) {
+			t.Errorf("%v: classified %+v, want Rejected wrapping ErrVMFull and the API error", err, got)
 		}
 	}
 }

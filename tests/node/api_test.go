@@ -300,3 +300,41 @@ func TestNodeGetInfo(t *testing.T) {
 		t.Fatalf("got %v after %d lookups", resp, vmis.calls)
 	}
 }
+
+// NodeGetInfo reports the room KubeVirt's limit of 256 disks leaves on the
+// node's VM: the guest's own disks (root, cloud-init CD-ROM) take slots,
+// hot-plugged volumes do not (the scheduler counts those), loop devices are
+// no disks of the VM; --max-volumes-per-node caps it; the count is read again
+// at every call, as kubelet's periodic refresh needs.
+func TestNodeGetInfoReportsTheVMsRoom(t *testing.T) {
+	sys, byID := t.TempDir(), t.TempDir()
+	disk := func(name string, real bool) {
+		dir := filepath.Join(sys, "block", name)
+		must(t, os.MkdirAll(dir, 0o750), "mkdir")
+		if real {
+			must(t, os.WriteFile(filepath.Join(dir, "device"), nil, 0o640), "write device")
+		}
+	}
+	disk("vda", true)
+	disk("sr0", true)
+	disk("sda", true)
+	disk("loop0", false)
+	must(t, os.Symlink("../../sda", filepath.Join(byID, "scsi-0QEMU_QEMU_HARDDISK_drive-ua-pvc-1")), "link")
+	ctx := testContext(t)
+	for _, tc := range []struct {
+		limit, want int64
+		extra       string // a disk added to the VM before the call
+	}{{want: 254}, {limit: 30, want: 30}, {want: 253, extra: "vdb"}} {
+		if tc.extra != "" {
+			disk(tc.extra, true)
+		}
+		ns := plainNode(t, func(o *driver.NodeOptions) {
+			o.NodeID, o.SysfsRoot, o.ByIDDir, o.MaxVolumesPerNode = "vm-1", sys, byID, tc.limit
+		})
+		resp, err := ns.NodeGetInfo(ctx, &csi.NodeGetInfoRequest{})
+		must(t, err, "NodeGetInfo")
+		if resp.GetMaxVolumesPerNode() != tc.want {
+			t.Errorf("cap %d, extra disk %q: max volumes %d, want %d", tc.limit, tc.extra, resp.GetMaxVolumesPerNode(), tc.want)
+		}
+	}
+}

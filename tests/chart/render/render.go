@@ -73,6 +73,22 @@ func Template(ch *chart.Chart, vals map[string]interface{}) (string, error) {
 	return rel.Manifest, nil
 }
 
+// TemplateFor renders the chart as Template does, for a cluster of the
+// given Kubernetes version (e.g. "v1.35.0").
+func TemplateFor(ch *chart.Chart, vals map[string]interface{}, kubeVersion string) (string, error) {
+	kv, err := chartutil.ParseKubeVersion(kubeVersion)
+	if err != nil {
+		return "", err
+	}
+	inst := newDryRun()
+	inst.KubeVersion = kv
+	rel, err := inst.Run(ch, vals)
+	if err != nil {
+		return "", err
+	}
+	return rel.Manifest, nil
+}
+
 // Notes renders the chart's NOTES.txt as `helm install` prints it.
 func Notes(ch *chart.Chart, vals map[string]interface{}) (string, error) {
 	rel, err := dryRun(ch, vals)
@@ -83,6 +99,10 @@ func Notes(ch *chart.Chart, vals map[string]interface{}) (string, error) {
 }
 
 func dryRun(ch *chart.Chart, vals map[string]interface{}) (*release.Release, error) {
+	return newDryRun().Run(ch, vals)
+}
+
+func newDryRun() *action.Install {
 	inst := action.NewInstall(&action.Configuration{Log: func(string, ...interface{}) {}})
 	inst.DryRun = true
 	inst.ClientOnly = true
@@ -90,7 +110,7 @@ func dryRun(ch *chart.Chart, vals map[string]interface{}) (*release.Release, err
 	inst.ReleaseName = ReleaseName
 	inst.Namespace = Namespace
 	inst.DisableOpenAPIValidation = true
-	return inst.Run(ch, vals)
+	return inst
 }
 
 // Objects splits a manifest into objects.
