@@ -109,13 +109,21 @@ func NewOrphans(cfg OrphanConfig, client kubernetes.Interface, nodes *Nodes, vms
 // orphanKey is one hot-plug: a volume on a VM.
 type orphanKey struct{ vm, volume string }
 
+// orphanSeen is what a term knows of one orphan: since when it has seen it,
+// and whether it said that a guest Node still has it mounted (once: the
+// reconciler looks again every Interval).
+type orphanSeen struct {
+	since       time.Time
+	mountedSaid bool
+}
+
 // run looks at every VM each Interval until ctx (the term's) ends. confirm
 // reads the Lease and returns until when a write may leave this process.
 // What it has seen is the term's own: a new term counts the grace again.
 func (o *Orphans) run(ctx context.Context, confirm func(context.Context) (time.Time, error)) {
 	logger := klog.FromContext(ctx).WithName("orphans")
 	ctx = klog.NewContext(ctx, logger)
-	first := map[orphanKey]time.Time{}
+	first := map[orphanKey]*orphanSeen{}
 	defer o.seen.Set(0)
 	for {
 		if err := o.sweep(ctx, first, confirm); err != nil && ctx.Err() == nil {
@@ -131,7 +139,7 @@ func (o *Orphans) run(ctx context.Context, confirm func(context.Context) (time.T
 
 // sweep finds the orphans in the caches, and removes those seen through the
 // grace period once the API server agrees.
-func (o *Orphans) sweep(ctx context.Context, first map[orphanKey]time.Time, confirm func(context.Context) (time.Time, error)) error {
+func (o *Orphans) sweep(ctx context.Context, first map[orphanKey]*orphanSeen, confirm func(context.Context) (time.Time, error)) error {
 	if !o.nodes.HasSynced() || !o.vms.Ready() {
 		return nil
 	}
@@ -161,11 +169,11 @@ func (o *Orphans) sweep(ctx context.Context, first map[orphanKey]time.Time, conf
 			continue
 		}
 		if _, ok := first[k]; !ok {
-			first[k] = now
+			first[k] = &orphanSeen{since: now}
 			klog.FromContext(ctx).Info("orphaned hot-plug: no guest VolumeAttachment asks for the volume on this VM; removed after the grace period unless one does",
 				"volume", k.volume, "vm", k.vm, "grace", o.cfg.Grace)
 		}
-		if now.Sub(first[k]) >= o.cfg.Grace {
+		if now.Sub(first[k].since) >= o.cfg.Grace {
 			due = append(due, k)
 		}
 	}
@@ -173,7 +181,7 @@ func (o *Orphans) sweep(ctx context.Context, first map[orphanKey]time.Time, conf
 	slices.SortFunc(due, func(a, b orphanKey) int { return strings.Compare(a.vm+"/"+a.volume, b.vm+"/"+b.volume) })
 	var errs []error
 	for _, k := range due {
-		gone, err := o.remove(ctx, k, confirm)
+		gone, err := o.remove(ctx, k, first[k], confirm)
 		if err != nil {
 			errs = append(errs, err)
 		}
@@ -232,7 +240,7 @@ func (o *Orphans) asked(vas []*storagev1.VolumeAttachment, owned Owned) map[orph
 // remove removes one orphan after checking again against the API server.
 // gone says it is no orphan to count any more (removed, or asked for after
 // all); false with a nil error: it waits (the guest may have it mounted).
-func (o *Orphans) remove(ctx context.Context, k orphanKey, confirm func(context.Context) (time.Time, error)) (gone bool, err error) {
+func (o *Orphans) remove(ctx context.Context, k orphanKey, seen *orphanSeen, confirm func(context.Context) (time.Time, error)) (gone bool, err error) {
 	logger := klog.FromContext(ctx).WithValues("volume", k.volume, "vm", k.vm)
 	ctx = klog.NewContext(ctx, logger)
 	pvs, err := o.client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
@@ -265,7 +273,12 @@ func (o *Orphans) remove(ctx context.Context, k orphanKey, confirm func(context.
 		for i, n := range users {
 			names[i] = n.Name
 		}
-		logger.Info("orphaned hot-plug: a guest node may still have the volume mounted: not removing it", "guestNodes", names)
+		if !seen.mountedSaid {
+			seen.mountedSaid = true
+			logger.Info("orphaned hot-plug: a guest node may still have the volume mounted: not removing it until it lets go", "guestNodes", names)
+		} else {
+			logger.V(4).Info("orphaned hot-plug still mounted", "guestNodes", names)
+		}
 		return false, nil
 	}
 	until, err := confirm(ctx)

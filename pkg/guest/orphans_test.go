@@ -80,14 +80,14 @@ type orphanRig struct {
 	vms   *orphanVMs
 	ev    *fakeEvents
 	now   time.Time
-	first map[orphanKey]time.Time
+	first map[orphanKey]*orphanSeen
 }
 
 func newOrphanRig(t *testing.T, held map[string][]string, objs ...runtime.Object) (*orphanRig, *Nodes) {
 	t.Helper()
 	nodes, client := startNodes(t, objs...)
 	nodes.SetVMUIDs(func(vm string) (types.UID, bool) { return types.UID("uid-" + vm), true })
-	r := &orphanRig{vms: &orphanVMs{held: held, attaching: map[string]bool{}}, ev: &fakeEvents{}, now: time.Unix(1_000_000, 0), first: map[orphanKey]time.Time{}}
+	r := &orphanRig{vms: &orphanVMs{held: held, attaching: map[string]bool{}}, ev: &fakeEvents{}, now: time.Unix(1_000_000, 0), first: map[orphanKey]*orphanSeen{}}
 	o, err := NewOrphans(OrphanConfig{Grace: time.Minute}, client, nodes, r.vms, r.ev, nil)
 	if err != nil {
 		t.Fatal(err)

@@ -185,10 +185,10 @@ func TestOrphansWithTwoClustersInOneNamespace(t *testing.T) {
 	// A publish whose caller gives up before KubeVirt is done: no
 	// VolumeAttachment ever asks for it (the attacher's was deleted).
 	short, cancelShort := context.WithTimeout(ctx, 50*time.Millisecond)
-	_, err := a.ctrl.Client.ControllerPublishVolume(short, publishReq(vm2, gaveUp))
+	_, err := a.ctrl.Client.ControllerPublishVolume(short, publishReq(vm1, gaveUp))
 	cancelShort()
 	t.Logf("publish of %s answered %v before KubeVirt was done", gaveUp, err)
-	testwait.For(t, gaveUp+" to reach "+vm2+" after its caller gave up", time.Minute, func() bool { return len(s.attachedTo(gaveUp, vm2)) > 0 })
+	testwait.For(t, gaveUp+" to reach "+vm1+" after its caller gave up", time.Minute, func() bool { return len(s.attachedTo(gaveUp, vm1)) > 0 })
 	// The guest Node is deleted with its VolumeAttachment, then kubelet
 	// registers it again.
 	if err := a.attach(ctx, aa, vm2, nodeGone); err != nil {
