@@ -95,7 +95,8 @@ func (c *cluster) deleteVA(ctx context.Context, vm, vol string) error {
 // (with a providerID naming a VM elsewhere). While the churn runs, A's
 // orphans of each origin are made: a VolumeAttachment deleted by hand, a
 // publish answered after its caller gave up, a guest Node deleted and
-// registered again, and one the guest still has mounted. Every one of A's
+// registered again, one the guest still has mounted, and one written by a
+// controller that crashed before it answered. Every one of A's
 // orphans leaves its VM (the mounted one only once kubelet lets go), every
 // volume a VolumeAttachment asks for stays, and B's VMs and volumes are never
 // touched.
@@ -149,7 +150,7 @@ func TestOrphansWithTwoClustersInOneNamespace(t *testing.T) {
 	churnErrs := make(chan error, 16)
 	for _, c := range []*cluster{a, b} {
 		at := newAttacher(c.client)
-		for i, vol := range c.vols[4:] {
+		for i, vol := range c.vols[5:] {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
@@ -242,6 +243,29 @@ func TestOrphansWithTwoClustersInOneNamespace(t *testing.T) {
 	}
 	if ev := a.guest.WaitNodeEvents(t, a.node(vm1), "OrphanedVolumeRemoved"); len(ev) == 0 {
 		t.Error("no OrphanedVolumeRemoved Event on the guest Node")
+	}
+
+	// A crash between the write and the answer: the controller stops once
+	// the volume is in the VM spec, before KubeVirt is done and before it
+	// answered; its VolumeAttachment is gone by the time a new controller
+	// leads, which finds the volume and removes it.
+	crashed := a.vols[4]
+	published := make(chan error, 1)
+	go func() {
+		_, err := a.ctrl.Client.ControllerPublishVolume(ctx, publishReq(vm2, crashed))
+		published <- err
+	}()
+	testwait.For(t, crashed+" written into "+vm2, time.Minute, func() bool { return len(s.attachedTo(crashed, vm2)) > 0 })
+	a.ctrl.Stop()
+	t.Logf("publish cut off by the crash answered %v", <-published)
+	a.ctrl = h.StartController(t, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig(), Guest: a.guest.Env.Config,
+		DetachGuardTimeout: time.Hour, NodeMonitor: true, Orphans: true, Orphan: guest.OrphanConfig{Grace: grace, Interval: 200 * time.Millisecond},
+		Monitor: guest.MonitorConfig{Identity: "a-restarted", LeaseDuration: 4 * time.Second, RenewDeadline: 3 * time.Second, RetryPeriod: 200 * time.Millisecond}})
+	testwait.For(t, "orphan "+crashed+" to leave after the crash", time.Minute, func() bool { return len(s.attachedTo(crashed, vm2)) == 0 })
+	for vol, vm := range bOrphans {
+		if got := s.attachedTo(vol, vm); len(got) == 0 {
+			t.Errorf("cluster B's volume %s left its VM %s after cluster A's controller restarted", vol, vm)
+		}
 	}
 }
 
