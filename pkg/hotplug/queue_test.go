@@ -747,7 +747,7 @@ func TestDetachBeforeIsNotWrittenAfterItsDeadline(t *testing.T) {
 func TestDetachUnwantedNeverTakesAPublishInProgress(t *testing.T) {
 	f := newFakeKubeVirt(t, "vm1")
 	cfg := fastConfig()
-	cfg.BatchWindow = 300 * time.Millisecond
+	cfg.BatchWindow = time.Second // the unwanted detach comes within it, even on a loaded machine
 	q, _ := startQueue(t, f, cfg)
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
