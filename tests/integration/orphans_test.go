@@ -13,7 +13,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"kubevirt.io/client-go/kubevirt"
 
@@ -38,23 +37,6 @@ type cluster struct {
 func (c *cluster) node(vm string) string { return "node-" + vm }
 
 func (c *cluster) client() csi.ControllerClient { return c.ctrl.Client }
-
-// addPVs creates this cluster's guest PVs of its volumes, as the
-// provisioner does: the mark that makes a host PVC this cluster's.
-func (c *cluster) addPVs(t *testing.T, vols ...string) {
-	t.Helper()
-	for _, vol := range vols {
-		pv := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: vol}, Spec: corev1.PersistentVolumeSpec{
-			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
-			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
-			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
-			PersistentVolumeSource:        corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: driver.Name, VolumeHandle: vol}},
-		}}
-		if _, err := c.guest.Kube.CoreV1().PersistentVolumes().Create(context.Background(), pv, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-	}
-}
 
 // attach does what the attach/detach controller and the external-attacher
 // do, in their order: the VolumeAttachment first, then the publish.
@@ -111,7 +93,7 @@ func TestOrphansWithTwoClustersInOneNamespace(t *testing.T) {
 		for _, vm := range c.vms {
 			c.guest.AddNode(t, c.node(vm), vm)
 		}
-		c.addPVs(t, c.vols...)
+		c.guest.AddPVs(t, c.vols...)
 	}
 	// A Node of A named like B's VM, its VM elsewhere, its plugin not
 	// registered: B's VM is not A's for that.
