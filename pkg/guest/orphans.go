@@ -156,16 +156,17 @@ func (o *Orphans) sweep(ctx context.Context, first map[orphanKey]*orphanSeen, co
 		return fmt.Errorf("list guest PVs: %w", err)
 	}
 	owned := OwnedVolumes(o.nodes.driver, pvs.Items)
-	asked := o.asked(o.nodes.cachedAttachments(), owned)
+	vas := o.nodes.cachedAttachments()
+	asked := o.asked(vas, owned)
 	now := o.now()
 	var due []orphanKey
 	for k := range first {
-		if !held[k] || asked[k] || !owned.Has(k.volume) {
+		if !held[k] || o.wanted(k, asked, vas) || !owned.Has(k.volume) {
 			delete(first, k)
 		}
 	}
 	for k := range held {
-		if asked[k] || !owned.Has(k.volume) {
+		if o.wanted(k, asked, vas) || !owned.Has(k.volume) {
 			continue
 		}
 		if _, ok := first[k]; !ok {
@@ -237,6 +238,26 @@ func (o *Orphans) asked(vas []*storagev1.VolumeAttachment, owned Owned) map[orph
 	return out
 }
 
+// wanted reports whether a VolumeAttachment asks for the hot-plug: by the
+// VM it was recorded on or its Node's VM (asked), or by name on a Node of
+// the VM: the attach/detach controller names a VolumeAttachment after the
+// volume handle, the driver and the Node, and a Node may be the VM's by its
+// providerID alone while its VolumeAttachment lacks the attacher's record.
+func (o *Orphans) wanted(k orphanKey, asked map[orphanKey]bool, vas []*storagev1.VolumeAttachment) bool {
+	if asked[k] {
+		return true
+	}
+	for _, n := range o.nodes.NodesOfVM(k.vm) {
+		name := AttachmentName(k.volume, o.nodes.driver, n.Name)
+		if slices.ContainsFunc(vas, func(va *storagev1.VolumeAttachment) bool {
+			return va.Name == name && va.Spec.Attacher == o.nodes.driver
+		}) {
+			return true
+		}
+	}
+	return false
+}
+
 // remove removes one orphan after checking again against the API server.
 // gone says it is no orphan to count any more (removed, or asked for after
 // all); false with a nil error: it waits (the guest may have it mounted).
@@ -260,7 +281,7 @@ func (o *Orphans) remove(ctx context.Context, k orphanKey, seen *orphanSeen, con
 	for i := range list.Items {
 		vas[i] = &list.Items[i]
 	}
-	if o.asked(vas, owned)[k] {
+	if o.wanted(k, o.asked(vas, owned), vas) {
 		logger.V(2).Info("orphaned hot-plug: a VolumeAttachment asks for it after all")
 		return true, nil
 	}

@@ -132,6 +132,8 @@ func TestOrphanedHotplugs(t *testing.T) {
 			objs: []runtime.Object{notReady, csiNode("worker-1", "vm-1"), guestPV("pvc-a")}},
 		{name: "a VolumeAttachment asks for it on the VM's Node: kept",
 			objs: []runtime.Object{guestNode("worker-1"), csiNode("worker-1", "vm-1"), guestPV("pvc-a"), attachment("pvc-a", "worker-1", "vm-1")}},
+		{name: "a VolumeAttachment without the attacher's record on a Node that is the VM's by providerID only: kept",
+			objs: []runtime.Object{withProvider(guestNode("worker-1"), "vm-1"), guestPV("pvc-a"), unrecorded(attachment("pvc-a", "worker-1", "vm-1"))}},
 		{name: "its VolumeAttachment is being deleted (the attacher detaches it): kept",
 			objs: []runtime.Object{guestNode("worker-1"), csiNode("worker-1", "vm-1"), guestPV("pvc-a"), deleting(attachment("pvc-a", "worker-1", "vm-1"), time.Now())}},
 		{name: "a VolumeAttachment wants it on another VM: removed from this one",
@@ -169,6 +171,12 @@ func TestOrphanedHotplugs(t *testing.T) {
 			}
 		})
 	}
+}
+
+// unrecorded is a VolumeAttachment before the attacher recorded its node ID.
+func unrecorded(va *storagev1.VolumeAttachment) *storagev1.VolumeAttachment {
+	va.Annotations = nil
+	return va
 }
 
 func withProvider(n *corev1.Node, vm string) *corev1.Node {
