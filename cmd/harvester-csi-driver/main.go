@@ -54,6 +54,8 @@ type options struct {
 	guestKubeconfig                                string
 	detachGuardTimeout                             time.Duration
 	nodeMonitor                                    bool
+	orphans                                        bool
+	orphanGrace                                    time.Duration
 	node                                           nodeFlags
 	showVersion                                    bool
 	logFormat, verbosity                           string
@@ -90,6 +92,8 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.guestKubeconfig, "guest-kubeconfig", "", "guest cluster kubeconfig, for the detach guard and the guest node monitor (default: the pod's in-cluster configuration)")
 	fs.DurationVar(&o.detachGuardTimeout, "detach-guard-timeout", guest.DefaultDetachGuardTimeout, "how long an unpublish waits while the guest Node still lists the volume in use before unplugging it anyway (0: never wait)")
 	fs.BoolVar(&o.nodeMonitor, "node-monitor", true, "run the guest node monitor (elected; taints Nodes of stopped VMs out of service and releases their volumes)")
+	fs.BoolVar(&o.orphans, "orphan-reconciler", true, "remove volumes of this guest cluster hot-plugged into its VMs that no VolumeAttachment asks for (elected with the node monitor; never while the guest may have them mounted)")
+	fs.DurationVar(&o.orphanGrace, "orphan-grace", guest.DefaultOrphanGrace, "how long a hot-plug no VolumeAttachment asks for is left before the orphan reconciler removes it")
 	o.node.register(fs)
 	fs.BoolVar(&o.showVersion, "version", false, "print the version and exit")
 	klogFlags := flag.NewFlagSet("klog", flag.ContinueOnError)
@@ -131,6 +135,9 @@ func parseFlags(args []string) (*options, error) {
 	}
 	if o.detachGuardTimeout < 0 {
 		return nil, fmt.Errorf("invalid --detach-guard-timeout %s: want 0 (off) or more", o.detachGuardTimeout)
+	}
+	if o.orphanGrace <= 0 {
+		return nil, fmt.Errorf("invalid --orphan-grace %s: want more than 0 (turn the reconciler off with --orphan-reconciler=false)", o.orphanGrace)
 	}
 	if o.publishWait < 0 {
 		return nil, fmt.Errorf("invalid --publish-wait %s: want 0 (up to the caller's deadline) or more", o.publishWait)
@@ -329,6 +336,8 @@ func run(ctx context.Context, o *options) error {
 			Guest:              guestClient,
 			DetachGuardTimeout: o.detachGuardTimeout,
 			NodeMonitor:        o.nodeMonitor,
+			Orphans:            o.orphans,
+			Orphan:             guest.OrphanConfig{Grace: o.orphanGrace},
 		})
 		g.Go(func() error { return controller.Run(ctx) })
 	}

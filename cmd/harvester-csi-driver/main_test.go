@@ -88,11 +88,12 @@ func TestDefaultPublishWaitFreesTheAttachersDefaultWorkers(t *testing.T) {
 }
 
 func TestGuestFlags(t *testing.T) {
-	o, err := parseFlags([]string{"--guest-kubeconfig=/etc/guest.yaml", "--detach-guard-timeout=0", "--node-monitor=false"})
+	o, err := parseFlags([]string{"--guest-kubeconfig=/etc/guest.yaml", "--detach-guard-timeout=0", "--node-monitor=false",
+		"--orphan-reconciler=false", "--orphan-grace=5m"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o.guestKubeconfig != "/etc/guest.yaml" || o.detachGuardTimeout != 0 || o.nodeMonitor {
+	if o.guestKubeconfig != "/etc/guest.yaml" || o.detachGuardTimeout != 0 || o.nodeMonitor || o.orphans || o.orphanGrace != 5*time.Minute {
 		t.Errorf("guest flags not taken: %+v", o)
 	}
 }
@@ -108,6 +109,7 @@ func TestBadCommandLinesAreClearErrors(t *testing.T) {
 		"--logging-format=xml":       "invalid --logging-format",
 		"--publish-wait=-1s":         "invalid --publish-wait",
 		"--publish-wait-crowd=0":     "invalid --publish-wait-crowd",
+		"--orphan-grace=0s":          "invalid --orphan-grace",
 	} {
 		_, err := parseFlags([]string{args})
 		if err == nil || !strings.Contains(err.Error(), want) {

@@ -30,8 +30,9 @@ const (
 	// it.
 	GhostAttachment = "ghost-attachment"
 	// InVMWithoutAttachment: a VM that is a node of this guest cluster holds
-	// a volume of this driver that no guest VolumeAttachment asks for at all
-	// (an orphaned hot-plug), and the driver is not detaching it.
+	// a volume of this guest cluster (one of its PVs of this driver names
+	// it) that no guest VolumeAttachment asks for at all (an orphaned
+	// hot-plug), and the driver is not detaching it.
 	InVMWithoutAttachment = "in-vm-without-attachment"
 	// LostAttachment: a VolumeAttachment of a hot-plugged volume says
 	// attached, but the VM's VMI does not have the volume Ready (harvester
@@ -504,9 +505,10 @@ func (v *view) judgeWanted(r *report, vol, vm string, h *hold) {
 		}
 		r.add(Finding{Kind: GhostAttachment, Volume: vol, VM: vm, Detail: "held by the VM (" + describe(h, v.vmis[vm]) +
 			") but the guest's VolumeAttachments want it " + where})
-	case v.nodes.ours[vm]:
+	case v.nodes.ours[vm] && v.pvs[vol] != nil:
 		r.add(Finding{Kind: InVMWithoutAttachment, Volume: vol, VM: vm, Detail: "held by the VM (" + describe(h, v.vmis[vm]) +
-			"), a node of this guest cluster, but no guest VolumeAttachment asks for the volume"})
+			"), a node of this guest cluster, but no guest VolumeAttachment asks for the volume (guest PV " + v.pvs[vol].Name +
+			"): the orphan reconciler removes it after its grace period unless the guest Node may still have it mounted"})
 	}
 }
 
@@ -544,10 +546,13 @@ func mapNodes(in Input) nodeMap {
 			continue
 		}
 		vm := ""
-		if uid, ok := strings.CutPrefix(n.Spec.ProviderID, harvesterProviderPrefix); ok {
+		uid, byProvider := strings.CutPrefix(n.Spec.ProviderID, harvesterProviderPrefix)
+		if byProvider {
 			vm = byUID[types.UID(uid)]
 		}
-		if vm == "" && byName[n.Name] {
+		// A providerID naming no VM here says the Node runs elsewhere: a VM
+		// of its name may be another guest cluster's in the same namespace.
+		if vm == "" && !byProvider && byName[n.Name] {
 			vm = n.Name
 		}
 		if vm != "" {

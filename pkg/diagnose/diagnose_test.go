@@ -237,6 +237,27 @@ func TestOnlyThisGuestsVMsHaveOrphans(t *testing.T) {
 	}
 }
 
+// TestOrphansAreOnlyThisGuestsVolumesOnItsVMs: two guest clusters share the
+// host namespace. A volume no guest PV of this cluster names is never its
+// orphan, even on its own VM, and a Node that shares its name with the other
+// cluster's VM while its providerID names a VM elsewhere does not make that
+// VM this cluster's.
+func TestOrphansAreOnlyThisGuestsVolumesOnItsVMs(t *testing.T) {
+	in := Input{Driver: drv, Now: time.Now(), SlowAfter: time.Minute, GuestRead: true, NetworkFSRead: true,
+		VMs: []kubevirtv1.VirtualMachine{vm("vm-a", []string{"pvc-1", "pvc-theirs"}), vm("other-1", []string{"pvc-x"})},
+		VMIs: []kubevirtv1.VirtualMachineInstance{vmi("vm-a", map[string]kubevirtv1.VolumePhase{"pvc-1": kubevirtv1.VolumeReady, "pvc-theirs": kubevirtv1.VolumeReady}),
+			vmi("other-1", map[string]kubevirtv1.VolumePhase{"pvc-x": kubevirtv1.VolumeReady})},
+		PersistentVolumes: []corev1.PersistentVolume{pv("pv-1", "pvc-1"), pv("pv-x", "pvc-x")},
+		CSINodes:          []storagev1.CSINode{csiNode("node-a", "vm-a")},
+		Nodes:             []corev1.Node{node("node-a", ""), node("other-1", "harvester://uid-of-a-vm-elsewhere")},
+		HostClaims:        []corev1.PersistentVolumeClaim{hostClaim("pvc-1", "lh-1"), hostClaim("pvc-x", "lh-x")},
+	}
+	got := kinds(Check(in))
+	if want := []string{InVMWithoutAttachment + "/pvc-1/vm-a"}; !slices.Equal(got, want) {
+		t.Errorf("got %v, want %v", got, want)
+	}
+}
+
 // TestAnInformationalFindingExitsClean: diagnose fails only on
 // disagreements.
 func TestAnInformationalFindingExitsClean(t *testing.T) {
@@ -259,6 +280,9 @@ func TestADetachInProgressIsNoGhost(t *testing.T) {
 		VMIs:     []kubevirtv1.VirtualMachineInstance{vmi("vm-a", map[string]kubevirtv1.VolumePhase{"pvc-1": kubevirtv1.VolumeReady})},
 		CSINodes: []storagev1.CSINode{csiNode("node-a", "vm-a")},
 		Queue:    []hotplug.VMState{{VM: "vm-a", Intents: []hotplug.IntentState{{Volume: "pvc-1", Op: hotplug.Detach, Since: time.Now()}}}},
+		// The guest PV makes pvc-1 this guest cluster's.
+		PersistentVolumes: []corev1.PersistentVolume{pv("pv-1", "pvc-1")},
+		HostClaims:        []corev1.PersistentVolumeClaim{hostClaim("pvc-1", "lh-1")},
 	}
 	if got := Check(in); len(got) != 0 {
 		t.Fatalf("a volume the driver is detaching is reported: %v", got)

@@ -45,6 +45,11 @@ type ControllerConfig struct {
 	NodeMonitor bool
 	// Monitor tunes the guest node monitor.
 	Monitor guest.MonitorConfig
+	// Orphans runs the orphan reconciler (elected with the node monitor,
+	// on its Lease) when Guest is set.
+	Orphans bool
+	// Orphan tunes the orphan reconciler.
+	Orphan guest.OrphanConfig
 }
 
 // Controller is the controller side of the driver: the hotplug backend, the
@@ -149,11 +154,21 @@ func (c *Controller) buildGuest() error {
 	if c.cfg.DetachGuardTimeout > 0 {
 		c.guard = guest.NewGuard(nodes, c.events, c.cfg.DetachGuardTimeout)
 	}
-	if !c.cfg.NodeMonitor {
+	if !c.cfg.NodeMonitor && !c.cfg.Orphans {
 		return nil
 	}
-	if c.monitor, err = guest.NewMonitor(c.cfg.Monitor, c.cfg.Guest, nodes, monitorVMs{c.queue, c.cfg.Host}, c.events); err != nil {
+	mcfg := c.cfg.Monitor
+	mcfg.FencingOff = !c.cfg.NodeMonitor
+	vms := monitorVMs{c.queue, c.cfg.Host}
+	if c.monitor, err = guest.NewMonitor(mcfg, c.cfg.Guest, nodes, vms, c.events); err != nil {
 		return err
+	}
+	if c.cfg.Orphans {
+		orphans, err := guest.NewOrphans(c.cfg.Orphan, c.cfg.Guest, nodes, vms, c.events, c.cfg.Metrics)
+		if err != nil {
+			return err
+		}
+		c.monitor.SetOrphans(orphans)
 	}
 	h := cache.ResourceEventHandlerFuncs{
 		AddFunc:    c.vmChanged,
@@ -220,6 +235,9 @@ func (c *Controller) Run(ctx context.Context) error {
 		logger.Error(nil, "NO GUEST CLUSTER CLIENT: the detach guard and the guest node monitor are OFF; a volume may be unplugged while its guest still has it mounted, and Nodes of stopped VMs are not fenced")
 	case c.guard == nil:
 		logger.Info("detach guard off (--detach-guard-timeout=0): volumes are unplugged without asking the guest")
+	}
+	if c.guestNodes != nil && !c.cfg.Orphans {
+		logger.Info("orphan reconciler off (--orphan-reconciler=false): volumes hot-plugged without a VolumeAttachment stay on their VMs")
 	}
 	if c.events != nil {
 		defer c.events.Stop()

@@ -173,30 +173,36 @@ func (g *Guard) detachRequested(vm, volume string, nodes []*corev1.Node) time.Ti
 // single-node volume that vm holds is reported attached only on vm's Node
 // (see docs/architecture.md, "Detach guard").
 func (g *Guard) users(ctx context.Context, vm, volume string, own []*corev1.Node) []*corev1.Node {
+	return g.nodes.users(ctx, vm, volume, own)
+}
+
+// users is the guard's rule (Guard.users), shared with the orphan
+// reconciler, which must never unplug what the guard would hold.
+func (n *Nodes) users(ctx context.Context, vm, volume string, own []*corev1.Node) []*corev1.Node {
 	var users []*corev1.Node
-	for _, node := range g.nodes.NodesUsing(volume) {
+	for _, node := range n.NodesUsing(volume) {
 		if slices.ContainsFunc(own, func(o *corev1.Node) bool { return o.Name == node.Name }) ||
-			OutOfService(node) || !reportedAttached(node, g.nodes.driver, volume) {
+			OutOfService(node) || !reportedAttached(node, n.driver, volume) {
 			continue
 		}
 		klog.FromContext(ctx).V(2).Info("a guest node not known to run the VM lists the volume in use and attached: counting it as the VM's", "volume", volume, "vm", vm, "guestNode", node.Name)
 		users = append(users, node)
 	}
 	for _, node := range own {
-		if OutOfService(node) || !inUse(node, g.nodes.driver, volume) {
+		if OutOfService(node) || !inUse(node, n.driver, volume) {
 			continue
 		}
-		if mayBeMounted(node, g.nodes.driver, volume) {
+		if mayBeMounted(node, n.driver, volume) {
 			users = append(users, node)
 			continue
 		}
-		live, err := g.nodes.client.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
+		live, err := n.client.CoreV1().Nodes().Get(ctx, node.Name, metav1.GetOptions{})
 		switch {
 		case apierrors.IsNotFound(err):
 		case err != nil:
 			klog.FromContext(ctx).Error(err, "cannot read the guest node again: counting it as still using the volume", "volume", volume, "vm", vm, "guestNode", node.Name)
 			users = append(users, node)
-		case !OutOfService(live) && mayBeMounted(live, g.nodes.driver, volume):
+		case !OutOfService(live) && mayBeMounted(live, n.driver, volume):
 			users = append(users, live)
 		default:
 			klog.FromContext(ctx).V(2).Info("the guest lists the volume in use but no longer attached: its kubelet waits for the volume to come back, not using it", "volume", volume, "vm", vm, "guestNode", node.Name)

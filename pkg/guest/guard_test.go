@@ -46,6 +46,13 @@ func awaiting(n *corev1.Node, volumes ...string) *corev1.Node {
 	return n
 }
 
+// guestPV is this driver's guest PV of a volume, named after it as the
+// provisioner names it.
+func guestPV(volume string) *corev1.PersistentVolume {
+	return &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: volume},
+		Spec: corev1.PersistentVolumeSpec{PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: testDriver, VolumeHandle: volume}}}}
+}
+
 func csiNode(name, vm string) *storagev1.CSINode {
 	return &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: name},
 		Spec: storagev1.CSINodeSpec{Drivers: []storagev1.CSINodeDriver{{Name: "other.csi", NodeID: "x"}, {Name: testDriver, NodeID: vm}}}}

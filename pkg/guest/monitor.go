@@ -66,6 +66,9 @@ type MonitorConfig struct {
 	DetachTimeout time.Duration
 	// Workers is how many Nodes are handled at once (2).
 	Workers int
+	// FencingOff leaves guest Nodes alone (--node-monitor=false): the
+	// election then runs for the orphan reconciler only.
+	FencingOff bool
 }
 
 func (c MonitorConfig) withDefaults() MonitorConfig {
@@ -109,6 +112,8 @@ type Monitor struct {
 	nodes  *Nodes
 	vms    VMs
 	events EventSink
+	// orphans, when set, runs in every term beside the Node workers.
+	orphans *Orphans
 
 	// current is the term this replica leads in, nil between terms. All
 	// per-term state lives in the term, and a term clears current only if
@@ -155,6 +160,10 @@ func NewMonitor(cfg MonitorConfig, client kubernetes.Interface, nodes *Nodes, vm
 	})
 	return m, err
 }
+
+// SetOrphans has the orphan reconciler run in this monitor's terms, under
+// its Lease and with its check before each write. Call before Run.
+func (m *Monitor) SetOrphans(o *Orphans) { m.orphans = o }
 
 // Leading reports whether this replica works a term now.
 func (m *Monitor) Leading() bool { return m.working() != nil }
@@ -237,11 +246,22 @@ func (m *Monitor) lead(ctx context.Context, stopElection context.CancelCauseFunc
 	}
 	m.current.Store(t)
 	defer m.current.CompareAndSwap(t, nil)
+	var wg sync.WaitGroup
+	if m.orphans != nil {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			m.orphans.run(t.ctx, func(ctx context.Context) (time.Time, error) { return m.confirm(ctx, t) })
+		}()
+	}
+	workers := m.cfg.Workers
+	if m.cfg.FencingOff {
+		workers = 0
+	}
 	for _, name := range m.nodes.nodes.GetStore().ListKeys() {
 		t.queue.Add(name)
 	}
-	var wg sync.WaitGroup
-	for range m.cfg.Workers {
+	for range workers {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -299,6 +319,12 @@ func (m *Monitor) sync(t *term, name string) error {
 		logger.V(3).Info("no VM of that name on the host: not monitored")
 		return nil
 	}
+	if !slices.ContainsFunc(m.nodes.NodesOfVM(vm), func(n *corev1.Node) bool { return n.Name == name }) {
+		// Only its name ties the Node to the VM, and its providerID says
+		// otherwise: the VM may be another guest cluster's.
+		logger.V(2).Info("the Node is not known to run this VM: not monitored")
+		return nil
+	}
 	tainted := OutOfService(node)
 	switch {
 	case ready && view.Guest == hotplug.GuestRunning && tainted:
@@ -320,7 +346,11 @@ func (m *Monitor) sync(t *term, name string) error {
 		return nil
 	}
 	if tainted {
-		return m.release(ctx, t, node, vm, view.Volumes, why)
+		volumes, err := m.owned(ctx, view.Volumes)
+		if err != nil {
+			return err
+		}
+		return m.release(ctx, t, node, vm, volumes, why)
 	}
 	return m.taint(ctx, t, node, vm, why)
 }
@@ -419,6 +449,29 @@ func (m *Monitor) untaint(ctx context.Context, t *term, node *corev1.Node, vm st
 	m.event(ctx, node, corev1.EventTypeNormal, "NodeBackInService",
 		fmt.Sprintf("node is Ready and its VM %s runs: out-of-service taint removed", vm))
 	return nil
+}
+
+// owned keeps the volumes that are this guest cluster's (a guest PV of this
+// driver names them): a VM of this cluster should hold no other, and if it
+// does, that volume is another cluster's to release.
+func (m *Monitor) owned(ctx context.Context, volumes []string) ([]string, error) {
+	if len(volumes) == 0 {
+		return nil, nil
+	}
+	pvs, err := m.client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("list guest PVs: %w", err)
+	}
+	owned := OwnedVolumes(m.nodes.driver, pvs.Items)
+	var out []string
+	for _, v := range volumes {
+		if owned.Has(v) {
+			out = append(out, v)
+		} else {
+			klog.FromContext(ctx).Info("a volume of the VM is no guest PV's of this cluster: not released", "volume", v)
+		}
+	}
+	return out, nil
 }
 
 // release removes a fenced node's volumes from its VM through the queue, all

@@ -16,6 +16,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/klog/v2/ktesting"
 	"k8s.io/utils/ptr"
@@ -125,7 +126,8 @@ func TestMonitorDecisions(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, ctx := ktesting.NewTestContext(t)
-			nodes, client := startNodes(t, readyNode("worker-1", tc.ready, tc.tainted), csiNode("worker-1", "vm-1"), heldLease("replica-a", time.Now()))
+			nodes, client := startNodes(t, readyNode("worker-1", tc.ready, tc.tainted), csiNode("worker-1", "vm-1"), heldLease("replica-a", time.Now()),
+				guestPV("pvc-a"), guestPV("pvc-b"))
 			vms := &fakeVMs{views: map[string]hotplug.VMView{"vm-1": tc.vm}, launchers: map[string]string{"vm-1": tc.launcher}, readErr: tc.readErr}
 			ev := &fakeEvents{}
 			m, err := NewMonitor(MonitorConfig{Identity: "replica-a"}, client, nodes, vms, ev)
@@ -283,5 +285,40 @@ func TestMonitorTermEndKeepsTheNextTerm(t *testing.T) {
 	}
 	if second.queue.ShuttingDown() {
 		t.Error("the first term's end shut the second term's queue down")
+	}
+}
+
+// Another guest cluster may share the host namespace: a Node tied to a VM
+// by its name only, while its providerID names another VM, is not that
+// VM's; and a fenced Node's VM releases only the volumes a guest PV of this
+// cluster names.
+func TestMonitorLeavesOtherClustersAlone(t *testing.T) {
+	_, ctx := ktesting.NewTestContext(t)
+	stopped := hotplug.VMView{Exists: true, Guest: hotplug.GuestAbsent, Volumes: []string{"pvc-theirs", "pvc-ours"}}
+	namesake := readyNode("vm-2", corev1.ConditionFalse, false)
+	namesake.Spec.ProviderID = ProviderIDPrefix + "uid-elsewhere"
+	nodes, client := startNodes(t, readyNode("worker-1", corev1.ConditionFalse, true), csiNode("worker-1", "vm-1"),
+		namesake, heldLease("replica-a", time.Now()), guestPV("pvc-ours"))
+	nodes.SetVMUIDs(func(vm string) (types.UID, bool) { return types.UID("uid-" + vm), true })
+	vms := &fakeVMs{views: map[string]hotplug.VMView{"vm-1": stopped, "vm-2": stopped}}
+	m, err := NewMonitor(MonitorConfig{Identity: "replica-a"}, client, nodes, vms, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	term := newTerm(ctx, func(error) {})
+	for _, name := range []string{"worker-1", "vm-2"} {
+		if err := m.sync(term, name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !slices.Equal(vms.detached, []string{"vm-1/pvc-ours"}) {
+		t.Errorf("detached %v, want only vm-1/pvc-ours", vms.detached)
+	}
+	n, err := client.CoreV1().Nodes().Get(ctx, "vm-2", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if OutOfService(n) {
+		t.Error("a Node tied to another cluster's VM by its name only was tainted")
 	}
 }

@@ -292,7 +292,7 @@ func (n *Nodes) NodesOfVM(vm string) []*corev1.Node {
 		}
 	}
 	if len(names) == 0 {
-		if id := n.knownVM(vm); id == "" || id == vm {
+		if id := n.knownVM(vm); (id == "" || id == vm) && !n.runsOtherVM(vm, vm) {
 			names[vm] = true
 		}
 	}
@@ -303,6 +303,28 @@ func (n *Nodes) NodesOfVM(vm string) []*corev1.Node {
 		}
 	}
 	return out
+}
+
+// runsOtherVM reports whether the guest Node of that name says, through
+// Harvester's providerID, that it runs a VM other than vm: another UID, or
+// any UID while vm's is unknown. Another guest cluster may share the host
+// namespace (harvester/harvester#10906), and a Node of this cluster that
+// only shares its name with a VM there must not be taken for that VM's.
+func (n *Nodes) runsOtherVM(node, vm string) bool {
+	obj, ok, _ := n.nodes.GetStore().GetByKey(node)
+	if !ok {
+		return false
+	}
+	nd, ok := obj.(*corev1.Node)
+	if !ok || !strings.HasPrefix(nd.Spec.ProviderID, ProviderIDPrefix) {
+		return false
+	}
+	f := n.vmUIDs.Load()
+	if f == nil {
+		return true
+	}
+	uid, ok := (*f)(vm)
+	return !ok || ProviderIDPrefix+string(uid) != nd.Spec.ProviderID
 }
 
 func (n *Nodes) lastNodesOf(vm string) []string {

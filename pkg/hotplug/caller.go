@@ -38,8 +38,11 @@ var ErrNotReady = errors.New("hotplug queue not ready: its backend does not know
 //     or not Bound.
 //   - *VMNotFoundError (Attach only; errors.Is ErrVMNotFound): the API
 //     server says the VM does not exist.
-//   - *ExpiredError (DetachBefore only): its deadline passed before the
-//     detach was written.
+//   - *ExpiredError (DetachBefore and DetachUnwantedBefore only): its
+//     deadline passed before the detach was written.
+//   - ErrWanted (wrapped; DetachUnwantedBefore only): this process has an
+//     attach of the volume to the VM pending or not yet observed; nothing
+//     was queued.
 //   - *StalledError: ctx ended, or the host refused the driver's identity,
 //     while the VM's last attempt at the host had failed; the intent stays
 //     queued. Unwrap gives the host's error.
@@ -91,7 +94,7 @@ func (q *Queue) Attach(ctx context.Context, vm, volume string, exclusive bool) e
 // intent is superseded or rejected, or ctx ends (the intent stays queued;
 // the errors are listed at ErrNotReady).
 func (q *Queue) Detach(ctx context.Context, vm, volume string) error {
-	return q.detach(ctx, vm, volume, time.Time{})
+	return q.detach(ctx, vm, volume, time.Time{}, false)
 }
 
 // DetachBefore is Detach for a caller whose right to detach ends at deadline
@@ -105,10 +108,29 @@ func (q *Queue) DetachBefore(ctx context.Context, vm, volume string, deadline ti
 	if deadline.IsZero() {
 		return errors.New("hotplug: DetachBefore needs a deadline")
 	}
-	return q.detach(ctx, vm, volume, deadline)
+	return q.detach(ctx, vm, volume, deadline, false)
 }
 
-func (q *Queue) detach(ctx context.Context, vm, volume string, until time.Time) error {
+// ErrWanted refuses to detach a volume nobody asked to detach while this
+// process is attaching it to the same VM.
+var ErrWanted = errors.New("an attach of the volume to this VM is pending or not yet observed")
+
+// DetachUnwantedBefore is DetachBefore for a detach no CSI caller asked for
+// (an orphaned hot-plug): it is refused with ErrWanted, under the same lock
+// that queues intents, while this process has an attach of the volume to
+// the VM pending or written but not yet observed. A publish in progress has
+// no VolumeAttachment in the guest only when someone calls the driver
+// without one, and it must win: the other way round, the detach would
+// supersede it. An attach that comes after supersedes this detach, as any
+// newer intent does.
+func (q *Queue) DetachUnwantedBefore(ctx context.Context, vm, volume string, deadline time.Time) error {
+	if deadline.IsZero() {
+		return errors.New("hotplug: DetachUnwantedBefore needs a deadline")
+	}
+	return q.detach(ctx, vm, volume, deadline, true)
+}
+
+func (q *Queue) detach(ctx context.Context, vm, volume string, until time.Time, unlessWanted bool) error {
 	if !q.Ready() {
 		return ErrNotReady
 	}
@@ -116,7 +138,12 @@ func (q *Queue) detach(ctx context.Context, vm, volume string, until time.Time) 
 	obs := q.observe(key)
 	q.mu.Lock()
 	w := q.vmWork(key)
-	_, expecting := w.expect[volume]
+	e, expecting := w.expect[volume]
+	if it := w.intents[volume]; unlessWanted && (it != nil && it.op == Attach || expecting && e.op == Attach) {
+		q.dropIfIdleLocked(key)
+		q.mu.Unlock()
+		return fmt.Errorf("volume %s on VM %s: %w", volume, vm, ErrWanted)
+	}
 	if !expecting && obs.detached(volume) {
 		// Nothing of ours is in flight and nothing is there: cancel a
 		// not-yet-written attach and answer at once. A reservation this

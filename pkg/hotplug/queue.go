@@ -304,6 +304,18 @@ func (q *Queue) Holders(volume string) []string {
 	return out
 }
 
+// VMs lists the names of the host namespace's VMs in the informer, sorted.
+func (q *Queue) VMs() []string {
+	out := make([]string, 0)
+	for _, obj := range q.vms.List() {
+		if m, ok := obj.(interface{ GetName() string }); ok {
+			out = append(out, m.GetName())
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
 // Published maps every volume attached to a VM (by the same test a finished
 // attach passes) to the VMs holding it, from the informers. The attacher
 // compares it with its VolumeAttachments and repairs the ones that drifted,

@@ -750,3 +750,34 @@ func TestDetachBeforeIsNotWrittenAfterItsDeadline(t *testing.T) {
 		t.Error("pvc-b is still on the VM")
 	}
 }
+
+// A detach no caller asked for never undoes a publish in progress: while an
+// attach of the volume to the VM is pending, DetachUnwantedBefore queues
+// nothing and the attach goes on; once the attach is done and nothing of it
+// is pending, the same call detaches.
+func TestDetachUnwantedNeverTakesAPublishInProgress(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	cfg := fastConfig()
+	cfg.BatchWindow = time.Second // the unwanted detach comes within it, even on a loaded machine
+	q, _ := startQueue(t, f, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	attachErr := make(chan error, 1)
+	go func() { attachErr <- q.Attach(ctx, "vm1", "pvc-a", true) }()
+	waitPending(t, q, "vm1", 1) // its batch window is still open
+	if err := q.DetachUnwantedBefore(ctx, "vm1", "pvc-a", time.Now().Add(time.Minute)); !errors.Is(err, ErrWanted) {
+		t.Fatalf("unwanted detach during the attach answered %v, want ErrWanted", err)
+	}
+	if err := <-attachErr; err != nil {
+		t.Fatalf("attach: %v", err)
+	}
+	if !q.observe(q.key("vm1")).attached("pvc-a") {
+		t.Fatal("pvc-a is not on the VM after its attach")
+	}
+	if err := q.DetachUnwantedBefore(ctx, "vm1", "pvc-a", time.Now().Add(time.Minute)); err != nil {
+		t.Fatalf("unwanted detach after the attach: %v", err)
+	}
+	if q.observe(q.key("vm1")).attached("pvc-a") {
+		t.Error("pvc-a is still on the VM")
+	}
+}

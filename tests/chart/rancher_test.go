@@ -165,12 +165,14 @@ func TestRancherInstall(t *testing.T) {
 // defaults (6m, on) when nothing is set.
 func TestDetachGuardAndNodeMonitorFlags(t *testing.T) {
 	for _, c := range []struct {
-		name           string
-		vals           map[string]interface{}
-		guard, monitor string
+		name                           string
+		vals                           map[string]interface{}
+		guard, monitor, orphans, grace string
 	}{
-		{name: "defaults", vals: map[string]interface{}{}, guard: "6m", monitor: "true"},
-		{name: "guard off, monitor off", vals: map[string]interface{}{"controller": map[string]interface{}{"detachGuardTimeout": "0s", "nodeMonitor": false}}, guard: "0s", monitor: "false"},
+		{name: "defaults", vals: map[string]interface{}{}, guard: "6m", monitor: "true", orphans: "true", grace: "2m"},
+		{name: "guard off, monitor off, orphan reconciler off", vals: map[string]interface{}{"controller": map[string]interface{}{
+			"detachGuardTimeout": "0s", "nodeMonitor": false, "orphanReconciler": false, "orphanGrace": "10m"}},
+			guard: "0s", monitor: "false", orphans: "false", grace: "10m"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			r := renderVals(t, c.vals)
@@ -180,6 +182,12 @@ func TestDetachGuardAndNodeMonitorFlags(t *testing.T) {
 			}
 			if v, _ := argValue(drv.Args, "node-monitor"); v != c.monitor {
 				t.Errorf("--node-monitor=%q, want %q", v, c.monitor)
+			}
+			if v, _ := argValue(drv.Args, "orphan-reconciler"); v != c.orphans {
+				t.Errorf("--orphan-reconciler=%q, want %q", v, c.orphans)
+			}
+			if v, _ := argValue(drv.Args, "orphan-grace"); v != c.grace {
+				t.Errorf("--orphan-grace=%q, want %q", v, c.grace)
 			}
 		})
 	}

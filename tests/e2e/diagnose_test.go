@@ -89,7 +89,13 @@ func TestDiagnoseNamesFabricatedDisagreements(t *testing.T) {
 
 	publish(vols[0])
 	attachVA(vols[0], true, "")
-	publish(vols[1]) // orphaned: nobody in the guest asks for it
+	// Orphaned: nobody in the guest asks for it; its guest PV makes it
+	// this guest's.
+	publish(vols[1])
+	mustCreate(t, func() error {
+		_, err := guest.CoreV1().PersistentVolumes().Create(ctx, guestPV(vols[1]), metav1.CreateOptions{})
+		return err
+	})
 	publish(vols[2])
 	attachVA(vols[2], true, "")
 	if err := viaAPI.KubevirtV1().VirtualMachines(h.Namespace).RemoveVolume(ctx, "dg-a", &kubevirtv1.RemoveVolumeOptions{Name: vols[2]}); err != nil {
@@ -279,6 +285,10 @@ func TestDiagnoseOrphansExportsAndReregisteringNodes(t *testing.T) {
 
 	node("node-a", "", "dr-a")
 	publish(vols[0], "dr-a", rwoCap)
+	mustCreate(t, func() error { // the guest PV that makes it this guest's
+		_, err := g.Kube.CoreV1().PersistentVolumes().Create(ctx, guestPV(vols[0]), metav1.CreateOptions{})
+		return err
+	})
 	look("a volume in this guest's VM and no VolumeAttachment at all",
 		[]string{diagnose.InVMWithoutAttachment + "/" + vols[0] + "/dr-a/"}, diagnose.ExitFindings)
 

@@ -119,6 +119,9 @@ type ControllerOptions struct {
 	DetachGuardTimeout time.Duration
 	NodeMonitor        bool
 	Monitor            guest.MonitorConfig
+	// Orphans runs the orphan reconciler (elected with the node monitor).
+	Orphans bool
+	Orphan  guest.OrphanConfig
 }
 
 // Controller is a running controller service.
@@ -153,7 +156,8 @@ func (h *Host) StartController(tb testing.TB, opts ControllerOptions) *Controlle
 	}
 	reg := prometheus.NewRegistry()
 	cc := driver.ControllerConfig{Host: hc, Backend: opts.Backend, Queue: opts.Queue, Options: opts.Driver, Metrics: reg,
-		DetachGuardTimeout: opts.DetachGuardTimeout, NodeMonitor: opts.NodeMonitor, Monitor: opts.Monitor}
+		DetachGuardTimeout: opts.DetachGuardTimeout, NodeMonitor: opts.NodeMonitor, Monitor: opts.Monitor,
+		Orphans: opts.Orphans, Orphan: opts.Orphan}
 	if opts.Guest != nil {
 		if cc.Guest, err = kubernetes.NewForConfig(opts.Guest); err != nil {
 			tb.Fatal(err)

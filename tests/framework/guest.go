@@ -7,6 +7,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/client-go/kubernetes"
@@ -54,6 +55,24 @@ func (g *Guest) AddNode(tb testing.TB, name, vm string) {
 		tb.Fatal(err)
 	}
 	g.SetReady(tb, name, corev1.ConditionTrue)
+}
+
+// AddPVs creates the guest PVs of host volumes, as the external-provisioner
+// does: a guest PV of this driver naming a host PVC is what makes the
+// volume this guest cluster's.
+func (g *Guest) AddPVs(tb testing.TB, vols ...string) {
+	tb.Helper()
+	for _, vol := range vols {
+		pv := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: vol}, Spec: corev1.PersistentVolumeSpec{
+			Capacity:                      corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")},
+			AccessModes:                   []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			PersistentVolumeReclaimPolicy: corev1.PersistentVolumeReclaimRetain,
+			PersistentVolumeSource:        corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: driver.Name, VolumeHandle: vol}},
+		}}
+		if _, err := g.Kube.CoreV1().PersistentVolumes().Create(context.Background(), pv, metav1.CreateOptions{}); err != nil {
+			tb.Fatal(err)
+		}
+	}
 }
 
 // UpdateNodeStatus changes a guest Node's status as kubelet or the node

@@ -35,6 +35,7 @@ func TestNodeMonitor(t *testing.T) {
 	vm1, vm2 := "nm-vm-1", "nm-vm-2"
 	node1, node2 := "rke2-nm-1", "rke2-nm-2"
 	vols := s.scene(t, "nm", 3, vm1, vm2)
+	g.AddPVs(t, vols...)
 	g.AddNode(t, node1, vm1)
 	g.AddNode(t, node2, vm2)
 
@@ -201,6 +202,7 @@ func TestNodeMonitorSparesALiveLauncher(t *testing.T) {
 	g := framework.StartGuest(t)
 	vm, node := "nl-vm-1", "rke2-nl-1"
 	vols := s.scene(t, "nl", 1, vm)
+	g.AddPVs(t, vols...)
 	g.AddNode(t, node, vm)
 	ctrl := h.StartController(t, framework.ControllerOptions{Backend: f.backendFlag(), Queue: queueConfig(),
 		Guest: g.Env.Config, DetachGuardTimeout: time.Hour, NodeMonitor: true,
