@@ -28,6 +28,15 @@ func TestRestartKillStop(t *testing.T) {
 	if exited, err := once.Exited(); !exited || err == nil || !strings.Contains(g.Dead().Error(), "once") {
 		t.Fatalf("once: exited %v err %v, group says %v", exited, err, g.Dead())
 	}
+	// The shell must have printed before it is killed, or the log cannot
+	// show two starts.
+	started := func(n int) func() bool {
+		return func() bool {
+			log, err := os.ReadFile(g.LogPath("sleeper"))
+			return err == nil && strings.Count(string(log), "\nstarted\n") >= n
+		}
+	}
+	testwait.For(t, "the first start in the log", 30*time.Second, started(1))
 	first := sleeper.Pid()
 	if first == 0 {
 		t.Fatal("a running process has no pid")
@@ -42,6 +51,7 @@ func TestRestartKillStop(t *testing.T) {
 	if pid := sleeper.Pid(); pid == first || pid == 0 {
 		t.Fatalf("the restarted process has pid %d, the killed one had %d", pid, first)
 	}
+	testwait.For(t, "the second start in the log", 30*time.Second, started(2))
 	sleeper.Stop(time.Second)
 	if exited, _ := sleeper.Exited(); !exited {
 		t.Fatal("Stop did not end the process")
