@@ -70,6 +70,7 @@ type flags struct {
 	compare              string
 	pauseFor, pauseEvery time.Duration
 	verbosity            int
+	real                 bool
 	set                  map[string]bool
 }
 
@@ -87,6 +88,8 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	fs.IntVar(&c.Namespaces, "namespaces", 40, "workload namespaces (a database StatefulSet and a backup CronJob each)")
 	fs.IntVar(&c.Nodes, "nodes", 3, "guest nodes (VMs)")
 	fs.StringVar(&c.KubeVirt, "kubevirt", lab.KubeVirtLegacyV15, "KubeVirt: a simulated version (v1.5.3, v1.6.3, v1.7.0, v1.8.2, main), optionally prefixed legacy- or declarative- (default: the hotplug Harvester ships it with), or "+lab.KubeVirtLegacyV15+" (Harvester 1.6), "+lab.KubeVirtLegacyV17+" (1.7), "+lab.KubeVirtDeclarative+" (1.8); "+lab.RealPrefix+"[legacy-|declarative-]TAG runs KubeVirt's own virt-controller and virt-api of a tag hack/tools.sh builds (v1.6.0, v1.7.0, v1.8.2, v1.8.4) instead")
+	fs.StringVar(&c.Harvester, "harvester", "", "Harvester release `X.Y[.Z]` (1.6, 1.7.0, 1.7.2, 1.8.0, 1.8.2, 1.9; docs/lab.md): run the KubeVirt and hotplug mode it ships, simulated; with --kubevirt, both must agree")
+	fs.BoolVar(&f.real, "real", false, "with --harvester: run the real KubeVirt control plane nearest to that release's (an error when none builds here)")
 	fs.Float64Var(&c.TimeScale, "time-scale", 1, "multiplies the simulated real-world timings (0.1 = ten times faster)")
 	fs.Uint64Var(&c.Seed, "seed", 1, "seed of every random choice")
 	fs.StringVar(&c.Out, "out", "", "run directory `DIR` (default lab-runs/<time> in the working tree)")
@@ -114,6 +117,9 @@ func parse(args []string, out io.Writer) (*flags, error) {
 		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
 	}
 	fs.Visit(func(fl *flag.Flag) { f.set[fl.Name] = true })
+	if err := f.harvester(); err != nil {
+		return nil, err
+	}
 	if f.quick {
 		preset := map[string]func(){
 			"nodes":                 func() { c.Nodes = 2 },
@@ -170,6 +176,28 @@ func parse(args []string, out io.Writer) (*flags, error) {
 		}
 	}
 	return f, nil
+}
+
+// harvester turns --harvester (and --real) into the --kubevirt it stands
+// for.
+func (f *flags) harvester() error {
+	c := &f.cfg
+	if c.Harvester == "" {
+		if f.real {
+			return fmt.Errorf("--real goes with --harvester (or give --kubevirt %sTAG)", lab.RealPrefix)
+		}
+		return nil
+	}
+	given := ""
+	if f.set["kubevirt"] {
+		given = c.KubeVirt
+	}
+	kv, err := lab.HarvesterKubeVirt(c.Harvester, f.real, given)
+	if err != nil {
+		return err
+	}
+	c.KubeVirt = kv
+	return nil
 }
 
 // checkoutDefaults fills in the paths that default to the checkout's: the

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/profile"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 )
 
@@ -26,10 +27,13 @@ const (
 
 // Config is one lab run.
 type Config struct {
-	Nodes      int           `json:"nodes"`
-	Namespaces int           `json:"namespaces"`
-	Minutes    float64       `json:"minutes"`
-	KubeVirt   string        `json:"kubevirt"`
+	Nodes      int     `json:"nodes"`
+	Namespaces int     `json:"namespaces"`
+	Minutes    float64 `json:"minutes"`
+	KubeVirt   string  `json:"kubevirt"`
+	// Harvester is the release --harvester named, KubeVirt then being
+	// the one its profile (internal/profile) runs.
+	Harvester  string        `json:"harvester,omitempty"`
 	TimeScale  float64       `json:"time_scale"`
 	Seed       uint64        `json:"seed"`
 	StuckBound time.Duration `json:"stuck_bound"`
@@ -142,6 +146,44 @@ func ParseRealKubeVirt(name string) (tag string, mode kubevirtsim.Mode, ok bool,
 		}
 	}
 	return rest, mode, true, nil
+}
+
+// HarvesterKubeVirt is the --kubevirt value --harvester release stands
+// for: its profile's simulated KubeVirt, or with real its real control
+// plane. kubevirt is --kubevirt when given too ("" if not): it must then
+// name the same KubeVirt, so that a run never says one release and plays
+// another.
+func HarvesterKubeVirt(release string, real bool, kubevirt string) (string, error) {
+	p, err := profile.Lookup(release)
+	if err != nil {
+		return "", fmt.Errorf("--harvester: %w", err)
+	}
+	want := p.SimKubeVirt()
+	if _, _, isReal, _ := ParseRealKubeVirt(kubevirt); real || isReal {
+		if want, err = p.RealKubeVirt(); err != nil {
+			return "", fmt.Errorf("--harvester %s: %w", release, err)
+		}
+	}
+	if kubevirt == "" {
+		return want, nil
+	}
+	if !sameKubeVirt(kubevirt, want) {
+		return "", fmt.Errorf("--kubevirt %s and --harvester %s disagree: Harvester %s runs KubeVirt %s, --kubevirt %s here", kubevirt, release, p.Releases, p.KubeVirt, want)
+	}
+	return kubevirt, nil
+}
+
+// sameKubeVirt says whether two --kubevirt values run the same KubeVirt
+// in the same hotplug mode (a name and its long spelling do).
+func sameKubeVirt(a, b string) bool {
+	ta, ma, ra, errA := ParseRealKubeVirt(a)
+	tb, mb, rb, errB := ParseRealKubeVirt(b)
+	if ra || rb {
+		return ra && rb && errA == nil && errB == nil && ta == tb && ma == mb
+	}
+	mA, vA, errA := ParseKubeVirt(a)
+	mB, vB, errB := ParseKubeVirt(b)
+	return errA == nil && errB == nil && mA == mB && vA == vB
 }
 
 // realFaults refuses the faults only the simulator can play: KubeVirt's

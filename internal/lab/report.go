@@ -358,6 +358,9 @@ func (rep *Report) Summary() string {
 	fmt.Fprintf(&b, "hcsi-lab %s (%s) in %s\n", verdict, rep.Outcome, time.Duration(rep.Elapsed*float64(time.Second)).Round(time.Second))
 	fmt.Fprintf(&b, "  scenario: %d nodes, %d namespaces, %.1f min, KubeVirt %s, time scale %g, seed %d\n",
 		c.Nodes, c.Namespaces, c.Minutes, c.KubeVirt, c.TimeScale, c.Seed)
+	if c.Harvester != "" {
+		fmt.Fprintf(&b, "  Harvester %s (--harvester)\n", c.Harvester)
+	}
 	if c.ExpandEvery > 0 {
 		fs := cmp.Or(c.DBFSType, "the chart's class")
 		fmt.Fprintf(&b, "  a database claim expanded every %s (databases' filesystem: %s)\n", c.ExpandEvery, fs)
