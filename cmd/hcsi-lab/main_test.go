@@ -293,3 +293,42 @@ func TestDefaultsComeFromTheCheckoutWhateverTheManifests(t *testing.T) {
 		t.Errorf("--manifests %s and --driver-binary %s became %s and %s", manifests, driver, f.cfg.Manifests, f.cfg.DriverBinary)
 	}
 }
+
+func TestHarvesterFlag(t *testing.T) {
+	dir := t.TempDir()
+	driver := filepath.Join(dir, "harvester-csi-driver")
+	if err := os.WriteFile(driver, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out")}
+	for _, tc := range []struct {
+		args              []string
+		kubevirt, harvest string
+		wantErr           string
+	}{
+		{args: nil, kubevirt: lab.KubeVirtLegacyV15},
+		{args: []string{"--kubevirt", "declarative"}, kubevirt: "declarative"},
+		{args: []string{"--harvester", "1.8.0"}, kubevirt: "declarative-v1.7.0", harvest: "1.8.0"},
+		{args: []string{"--harvester", "1.7.2", "--real"}, kubevirt: "real-legacy-v1.6.0", harvest: "1.7.2"},
+		{args: []string{"--harvester", "1.8.1", "--kubevirt", "declarative"}, kubevirt: "declarative", harvest: "1.8.1"},
+		{args: []string{"--harvester", "1.8.0", "--kubevirt", "legacy-v1.5"}, wantErr: "disagree"},
+		{args: []string{"--harvester", "1.6.0", "--real"}, wantErr: "no real control plane"},
+		{args: []string{"--harvester", "2.0"}, wantErr: "no profile"},
+		{args: []string{"--real"}, wantErr: "--real goes with --harvester"},
+	} {
+		f, err := parse(append(append([]string{}, base...), tc.args...), io.Discard)
+		if tc.wantErr != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("%q: %v, want an error with %q", tc.args, err, tc.wantErr)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("%q: %v", tc.args, err)
+			continue
+		}
+		if f.cfg.KubeVirt != tc.kubevirt || f.cfg.Harvester != tc.harvest {
+			t.Errorf("%q: --kubevirt %q, harvester %q; want %q, %q", tc.args, f.cfg.KubeVirt, f.cfg.Harvester, tc.kubevirt, tc.harvest)
+		}
+	}
+}

@@ -92,3 +92,61 @@ func TestSummaryOnTheRealControlPlaneCountsNoWrites(t *testing.T) {
 		}
 	}
 }
+
+func TestHarvesterKubeVirt(t *testing.T) {
+	for _, tc := range []struct {
+		release  string
+		real     bool
+		kubevirt string
+		want     string
+	}{
+		{"1.6.0", false, "", "legacy-v1.5.3"},
+		{"1.7.1", false, "", "legacy-v1.6.3"},
+		{"1.8.0", false, "", "declarative-v1.7.0"},
+		{"1.8.0", true, "", "real-declarative-v1.7.0"},
+		{"1.9", true, "", "real-declarative-v1.8.4"},
+		// Names that agree with the profile are kept as given.
+		{"1.6.1", false, KubeVirtLegacyV15, KubeVirtLegacyV15},
+		{"1.7.0", false, KubeVirtLegacyV17, KubeVirtLegacyV17},
+		{"1.8.1", false, KubeVirtDeclarative, KubeVirtDeclarative},
+		{"1.8.0", false, "v1.7.0", "v1.7.0"},
+		{"1.8.0", false, "real-v1.7.0", "real-v1.7.0"},
+		{"1.8.0", true, "real-declarative-v1.7.0", "real-declarative-v1.7.0"},
+	} {
+		got, err := HarvesterKubeVirt(tc.release, tc.real, tc.kubevirt)
+		if err != nil || got != tc.want {
+			t.Errorf("HarvesterKubeVirt(%s, real %v, --kubevirt %q) = %q, %v; want %q", tc.release, tc.real, tc.kubevirt, got, err, tc.want)
+		}
+	}
+}
+
+func TestHarvesterKubeVirtErrors(t *testing.T) {
+	for _, tc := range []struct {
+		release  string
+		real     bool
+		kubevirt string
+		want     string
+	}{
+		{"1.5.0", false, "", "no profile"},
+		{"one.eight", false, "", "want X.Y or X.Y.Z"},
+		{"1.6.0", true, "", "no real control plane"},
+		{"1.8.0", false, KubeVirtLegacyV15, "disagree"},
+		{"1.8.0", false, "legacy-v1.7.0", "disagree"},
+		{"1.8.0", true, "declarative", "disagree"},
+		{"1.8.0", false, "real-v1.8.2", "disagree"},
+		{"1.7.0", false, "real-declarative-v1.6.0", "disagree"},
+		{"1.8.0", false, "v9", "disagree"},
+	} {
+		got, err := HarvesterKubeVirt(tc.release, tc.real, tc.kubevirt)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("HarvesterKubeVirt(%s, real %v, --kubevirt %q) = %q, %v; want an error with %q", tc.release, tc.real, tc.kubevirt, got, err, tc.want)
+		}
+	}
+}
+
+func TestSummaryNamesTheHarvesterRelease(t *testing.T) {
+	got := (&Report{Config: Config{KubeVirt: "declarative-v1.7.0", Harvester: "1.8.0"}}).Summary()
+	if !strings.Contains(got, "Harvester 1.8.0") {
+		t.Errorf("summary does not name --harvester 1.8.0:\n%s", got)
+	}
+}

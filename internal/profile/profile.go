@@ -60,7 +60,7 @@ var profiles = []Profile{
 // All returns every profile, oldest first.
 func All() []Profile { return append([]Profile(nil), profiles...) }
 
-var releaseRE = regexp.MustCompile(`^v?1\.(\d+)(?:\.(\d+))?$`)
+var releaseRE = regexp.MustCompile(`^v?(\d+)\.(\d+)(?:\.(\d+))?$`)
 
 // Lookup finds the profile of a Harvester release "X.Y" or "X.Y.Z" (a
 // leading v is accepted). "X.Y" alone means the newest patch release of
@@ -70,15 +70,16 @@ func Lookup(release string) (Profile, error) {
 	if m == nil {
 		return Profile{}, fmt.Errorf("harvester release %q: want X.Y or X.Y.Z, one of %s", release, known())
 	}
-	minor, _ := strconv.Atoi(m[1])
+	major, _ := strconv.Atoi(m[1])
+	minor, _ := strconv.Atoi(m[2])
 	patch := -1
-	if m[2] != "" {
-		patch, _ = strconv.Atoi(m[2])
+	if m[3] != "" {
+		patch, _ = strconv.Atoi(m[3])
 	}
 	var found *Profile
 	for i := range profiles {
 		p := &profiles[i]
-		if p.minor != minor {
+		if major != 1 || p.minor != minor {
 			continue
 		}
 		if patch < 0 || (patch >= p.from && (p.to < 0 || patch <= p.to)) {
