@@ -2,14 +2,17 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -23,6 +26,7 @@ import (
 // real-world timings), once per KubeVirt mode.
 var (
 	labBenchKubeVirt   = flag.String("lab.kubevirt", "legacy-v1.5,declarative", "comma-separated --kubevirt values, one run each")
+	labBenchHarvester  = flag.String("lab.harvester", "", "comma-separated Harvester releases (hcsi-lab --harvester), one run each, instead of -lab.kubevirt")
 	labBenchMinutes    = flag.Float64("lab.minutes", 8, "schedule minutes per run")
 	labBenchNamespaces = flag.Int("lab.namespaces", 40, "workload namespaces")
 	labBenchNodes      = flag.Int("lab.nodes", 3, "guest nodes")
@@ -47,6 +51,7 @@ type LabBenchResult struct {
 	Machine   Machine   `json:"machine"`
 	Scenario  struct {
 		KubeVirt   string  `json:"kubevirt"`
+		Harvester  string  `json:"harvester,omitempty"`
 		Nodes      int     `json:"nodes"`
 		Namespaces int     `json:"namespaces"`
 		Minutes    float64 `json:"minutes"`
@@ -104,10 +109,17 @@ func BenchmarkLab(b *testing.B) {
 	commit := gitCommit()
 	work := b.TempDir()
 	tools, driver, labBin := buildLab(b, work)
-	for _, kv := range strings.Split(*labBenchKubeVirt, ",") {
-		b.Run(kv, func(b *testing.B) {
+	kubevirtSet := false
+	flag.Visit(func(fl *flag.Flag) { kubevirtSet = kubevirtSet || fl.Name == "lab.kubevirt" })
+	plan, err := labBenchPlan(*labBenchKubeVirt, *labBenchHarvester, kubevirtSet)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, run := range plan {
+		kv := run.kubevirt
+		b.Run(cmp.Or(run.harvester, kv), func(b *testing.B) {
 			for range b.N {
-				res := runLabBench(b, tools, driver, labBin, kv, commit)
+				res := runLabBench(b, tools, driver, labBin, run, commit)
 				b.ReportMetric(float64(res.Stuck), "stuck")
 				b.ReportMetric(res.AttachLatency.P99, "attach-p99-s")
 				b.ReportMetric(res.KubeVirtWrites.PerVolumeOp, "kubevirt-writes/op")
@@ -117,8 +129,36 @@ func BenchmarkLab(b *testing.B) {
 	}
 }
 
-func runLabBench(b *testing.B, tools, driver, labBin, kv, commit string) *LabBenchResult {
+// labRun is one run of BenchmarkLab: its --kubevirt and the --harvester
+// release it stands for ("" when none was asked for).
+type labRun struct{ kubevirt, harvester string }
+
+// labBenchPlan is BenchmarkLab's runs: one per -lab.kubevirt value, or with
+// -lab.harvester one per release, at the KubeVirt its profile runs.
+func labBenchPlan(kubevirts, harvesters string, kubevirtSet bool) ([]labRun, error) {
+	var plan []labRun
+	if harvesters == "" {
+		for _, kv := range strings.Split(kubevirts, ",") {
+			plan = append(plan, labRun{kubevirt: kv})
+		}
+		return plan, nil
+	}
+	if kubevirtSet {
+		return nil, errors.New("-lab.kubevirt and -lab.harvester: give one")
+	}
+	for _, r := range strings.Split(harvesters, ",") {
+		kv, err := lab.HarvesterKubeVirt(r, false, "")
+		if err != nil {
+			return nil, fmt.Errorf("-lab.harvester: %w", err)
+		}
+		plan = append(plan, labRun{kubevirt: kv, harvester: r})
+	}
+	return plan, nil
+}
+
+func runLabBench(b *testing.B, tools, driver, labBin string, run labRun, commit string) *LabBenchResult {
 	b.Helper()
+	kv := run.kubevirt
 	runs, err := filepath.Abs(*labBenchRuns)
 	if err != nil {
 		b.Fatal(err)
@@ -130,6 +170,9 @@ func runLabBench(b *testing.B, tools, driver, labBin, kv, commit string) *LabBen
 	cmd := exec.CommandContext(ctx, labBin, "--driver-binary="+driver, "--out="+out, "--kubevirt="+kv,
 		fmt.Sprintf("--minutes=%g", *labBenchMinutes), fmt.Sprintf("--namespaces=%d", *labBenchNamespaces),
 		fmt.Sprintf("--nodes=%d", *labBenchNodes), fmt.Sprintf("--seed=%d", *labBenchSeed))
+	if run.harvester != "" {
+		cmd.Args = append(cmd.Args, "--harvester="+run.harvester)
+	}
 	cmd.Env = append(os.Environ(), "HCSI_TOOLS_BIN="+tools)
 	var stdout bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stdout
@@ -144,6 +187,7 @@ func runLabBench(b *testing.B, tools, driver, labBin, kv, commit string) *LabBen
 	b.Logf("%s", rep.Summary())
 	c := rep.Config
 	res.Scenario.KubeVirt, res.Scenario.Nodes, res.Scenario.Namespaces = c.KubeVirt, c.Nodes, c.Namespaces
+	res.Scenario.Harvester = c.Harvester
 	res.Scenario.Minutes, res.Scenario.TimeScale, res.Scenario.Seed = c.Minutes, c.TimeScale, c.Seed
 	res.Passed, res.Stuck, res.InvariantViolations = rep.Passed, rep.Stuck, len(rep.InvariantViolations)
 	res.Operations = rep.Operations
@@ -230,4 +274,21 @@ func gitCommit() string {
 		return "unknown"
 	}
 	return strings.TrimSpace(string(out))
+}
+
+func TestLabBenchPlan(t *testing.T) {
+	plan, err := labBenchPlan("legacy-v1.5,declarative", "", false)
+	if want := []labRun{{kubevirt: "legacy-v1.5"}, {kubevirt: "declarative"}}; err != nil || !slices.Equal(plan, want) {
+		t.Errorf("-lab.kubevirt only: %v, %v; want %v", plan, err, want)
+	}
+	plan, err = labBenchPlan("legacy-v1.5,declarative", "1.6.1,1.8.0", false)
+	if want := []labRun{{"legacy-v1.5.3", "1.6.1"}, {"declarative-v1.7.0", "1.8.0"}}; err != nil || !slices.Equal(plan, want) {
+		t.Errorf("-lab.harvester 1.6.1,1.8.0: %v, %v; want %v", plan, err, want)
+	}
+	if _, err := labBenchPlan("declarative", "1.8.0", true); err == nil || !strings.Contains(err.Error(), "give one") {
+		t.Errorf("-lab.kubevirt and -lab.harvester together: %v, want an error", err)
+	}
+	if _, err := labBenchPlan("declarative", "1.8.0,1.4", false); err == nil || !strings.Contains(err.Error(), "no profile") {
+		t.Errorf("-lab.harvester 1.4: %v, want an error", err)
+	}
 }
