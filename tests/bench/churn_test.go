@@ -108,8 +108,12 @@ func (s simHost) Counts() (int, int, map[string]int) {
 //
 //	make bench BENCH=churn
 func BenchmarkChurn(b *testing.B) {
+	match, err := flavorFlag(*harvesterFlag, "churn.flavor", *only, flagGiven("churn.flavor"))
+	if err != nil {
+		b.Fatal(err)
+	}
 	for _, f := range flavors {
-		if *only != "" && !strings.Contains(f.name, *only) {
+		if match != "" && !strings.Contains(f.name, match) {
 			continue
 		}
 		for _, w := range strings.Split(*workers, ",") {

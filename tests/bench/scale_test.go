@@ -49,14 +49,18 @@ var (
 //
 //	make bench BENCH=scale
 func BenchmarkScale(b *testing.B) {
+	name, err := flavorFlag(*harvesterFlag, "scale.flavor", *scaleFlavor, flagGiven("scale.flavor"))
+	if err != nil {
+		b.Fatal(err)
+	}
 	var f *flavor
 	for i := range flavors {
-		if flavors[i].name == *scaleFlavor {
+		if flavors[i].name == name {
 			f = &flavors[i]
 		}
 	}
 	if f == nil {
-		b.Fatalf("unknown -scale.flavor %q", *scaleFlavor)
+		b.Fatalf("unknown -scale.flavor %q", name)
 	}
 	cfg := DefaultScale()
 	cfg.VMs, cfg.Volumes, cfg.ChurnPerMinute, cfg.SameVM = *scaleVMs, *scaleVols, *scaleChurn, *scaleSameVM
