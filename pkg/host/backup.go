@@ -2,7 +2,6 @@ package host
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -189,21 +188,21 @@ const nameRaceWait = 10 * time.Second
 func (c *Client) settleNameRace(ctx context.Context, name string, created *unstructured.Unstructured) error {
 	taken, err := c.foreignSnapshot(ctx, name)
 	if err == nil && taken {
+		// A read that fails inside the wait is asked again: near the
+		// wait's bound the client's rate limiter refuses to wait past it
+		// with an error that is no context error, and a refused read says
+		// nothing about the snapshot. The verdict is the read after the
+		// wait, under the caller's context.
 		waitCtx, cancel := context.WithTimeout(ctx, nameRaceWait)
-		err = wait.PollUntilContextCancel(waitCtx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+		_ = wait.PollUntilContextCancel(waitCtx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
 			taken, err := c.foreignSnapshot(ctx, name)
-			return !taken, err
+			return err == nil && !taken, nil
 		})
 		cancel()
-		if err == nil {
-			return nil // the snapshot withdrew
-		}
-		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
-			err = nil // it stays: this backup withdraws
-		}
+		taken, err = c.foreignSnapshot(ctx, name)
 	}
 	if err == nil && !taken {
-		return nil
+		return nil // there was none, or it withdrew
 	}
 	if derr := c.deleteOwn(ctx, BackupResource, created); derr != nil {
 		return fmt.Errorf("backup %s/%s lost its name to a host snapshot and could not be deleted: %w", c.Namespace, name, derr)

@@ -128,3 +128,34 @@ func TestBackupWinsWhenTheHostSnapshotWithdraws(t *testing.T) {
 		t.Errorf("the backup that won is gone: %v", err)
 	}
 }
+
+// A read that fails while the backup waits for its rival host snapshot to
+// withdraw does not decide the race. client-go's rate limiter, for one,
+// refuses a wait that would pass the wait's bound ("client rate limiter Wait
+// returned an error: rate: Wait(n=1) would exceed context deadline"), which
+// is not a context error; the backup then deleted itself and answered
+// Internal although the snapshot withdrew.
+func TestBackupWaitOutlastsAFailedRead(t *testing.T) {
+	c, dyn := nameRaceHost()
+	dyn.PrependReactor("create", BackupResource.Resource, func(k8stesting.Action) (bool, runtime.Object, error) {
+		err := dyn.Tracker().Create(snapshotResource, raceObject(snapshotResource, "VolumeSnapshot", "snap-3"), "guests")
+		return false, nil, err
+	})
+	gets := 0
+	dyn.PrependReactor("get", snapshotResource.Resource, func(k8stesting.Action) (bool, runtime.Object, error) {
+		switch gets++; gets {
+		case 3, 4:
+			return true, nil, errors.New("client rate limiter Wait returned an error: rate: Wait(n=1) would exceed context deadline")
+		case 5: // the snapshot side withdraws
+			return false, nil, dyn.Tracker().Delete(snapshotResource, "guests", "snap-3")
+		}
+		return false, nil, nil
+	})
+	b, err := c.CreateBackup(context.Background(), "snap-3", "pvc-a")
+	if err != nil || b.Name != "snap-3" {
+		t.Fatalf("CreateBackup whose rival withdrew after two failed reads: %v, %v; want the backup", b, err)
+	}
+	if _, err := dyn.Resource(BackupResource).Namespace("guests").Get(context.Background(), "snap-3", metav1.GetOptions{}); err != nil {
+		t.Errorf("the backup that won is gone: %v", err)
+	}
+}
