@@ -26,19 +26,7 @@ func TestCloneKeepsData(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	capability := ext4Capability()
-	src, err := ctrl.Client.CreateVolume(ctx, &csi.CreateVolumeRequest{
-		Name: "pvc-clone-source", VolumeCapabilities: []*csi.VolumeCapability{capability},
-		CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srcID := src.GetVolume().GetVolumeId()
-	var before string
-	mountOn(ctx, t, ctrl, disks, h.Namespace, work, guests[0], srcID, capability, func(dir string) {
-		nodetest.WriteRandom(t, filepath.Join(dir, "data.bin"), 8<<20, 11)
-		before = nodetest.Checksum(t, filepath.Join(dir, "data.bin"))
-	})
+	srcID, before := sourceWithData(ctx, t, ctrl, disks, h.Namespace, work, guests[0], "pvc-clone-source", 11)
 
 	// The provisioner calls CreateVolume until the clone is bound and grown.
 	var clone *csi.Volume

@@ -123,3 +123,24 @@ func mountOn(ctx context.Context, t *testing.T, ctrl *framework.Controller, disk
 		t.Fatalf("unpublish answered OK while %s still has the disk as %s", g.vm, dev)
 	}
 }
+
+// sourceWithData creates a 64 MiB volume, writes 8 MiB of random data (from
+// seed) to it through g, and returns its ID and the data's checksum: the
+// source of a snapshot or clone whose copy is read back later.
+func sourceWithData(ctx context.Context, t *testing.T, ctrl *framework.Controller, disks *loopdisk.LoopDisks, ns, work string, g guest, name string, seed byte) (id, checksum string) {
+	t.Helper()
+	capability := ext4Capability()
+	src, err := ctrl.Client.CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name: name, VolumeCapabilities: []*csi.VolumeCapability{capability},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id = src.GetVolume().GetVolumeId()
+	mountOn(ctx, t, ctrl, disks, ns, work, g, id, capability, func(dir string) {
+		nodetest.WriteRandom(t, filepath.Join(dir, "data.bin"), 8<<20, seed)
+		checksum = nodetest.Checksum(t, filepath.Join(dir, "data.bin"))
+	})
+	return id, checksum
+}

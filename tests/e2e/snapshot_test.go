@@ -38,19 +38,7 @@ func TestRestoreKeepsData(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 			defer cancel()
 			capability := ext4Capability()
-			src, err := ctrl.Client.CreateVolume(ctx, &csi.CreateVolumeRequest{
-				Name: "pvc-" + tc.name + "-source", VolumeCapabilities: []*csi.VolumeCapability{capability},
-				CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			srcID := src.GetVolume().GetVolumeId()
-			var before string
-			mountOn(ctx, t, ctrl, disks, h.Namespace, work, guests[0], srcID, capability, func(dir string) {
-				nodetest.WriteRandom(t, filepath.Join(dir, "data.bin"), 8<<20, 7)
-				before = nodetest.Checksum(t, filepath.Join(dir, "data.bin"))
-			})
+			srcID, before := sourceWithData(ctx, t, ctrl, disks, h.Namespace, work, guests[0], "pvc-"+tc.name+"-source", 7)
 
 			// The snapshotter calls CreateSnapshot until the answer says ready.
 			var snap *csi.Snapshot
