@@ -17,6 +17,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
 // Harvester's settings API.
@@ -143,41 +145,7 @@ func InstallSnapshotCRDs(ctx context.Context, cfg *rest.Config) error {
 			snap = append(snap, c)
 		}
 	}
-	return installCRDs(ctx, ext, snap)
-}
-
-// installCRDs creates the CRDs that are missing (keeping existing ones) and
-// waits until all are Established.
-func installCRDs(ctx context.Context, ext apiextclient.Interface, list []*apiextv1.CustomResourceDefinition) error {
-	for _, c := range list {
-		_, err := ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, c.Name, metav1.GetOptions{})
-		switch {
-		case apierrors.IsNotFound(err):
-			if _, err := ext.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, c, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-				return fmt.Errorf("create CRD %s: %w", c.Name, err)
-			}
-		case err != nil:
-			return fmt.Errorf("get CRD %s: %w", c.Name, err)
-		}
-	}
-	for _, c := range list {
-		err := wait.PollUntilContextTimeout(ctx, 50*time.Millisecond, 60*time.Second, true, func(ctx context.Context) (bool, error) {
-			cur, err := ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, c.Name, metav1.GetOptions{})
-			if err != nil {
-				return false, nil //nolint:nilerr // keep polling
-			}
-			for _, cond := range cur.Status.Conditions {
-				if cond.Type == apiextv1.Established && cond.Status == apiextv1.ConditionTrue {
-					return true, nil
-				}
-			}
-			return false, nil
-		})
-		if err != nil {
-			return fmt.Errorf("CRD %s not established: %w", c.Name, err)
-		}
-	}
-	return nil
+	return testenv.InstallCRDs(ctx, ext, snap)
 }
 
 // install creates the CRDs (keeping existing ones) and waits until they are
@@ -188,7 +156,7 @@ func installCRDs(ctx context.Context, ext apiextclient.Interface, list []*apiext
 // they are missing. It is idempotent and safe to run against a cluster
 // another simulator already installed.
 func (c *cluster) install(ctx context.Context) error {
-	if err := installCRDs(ctx, c.ext, crds()); err != nil {
+	if err := testenv.InstallCRDs(ctx, c.ext, crds()); err != nil {
 		return err
 	}
 	if err := c.ensureNamespace(ctx, c.opts.KubeVirtNamespace); err != nil {

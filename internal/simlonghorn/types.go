@@ -2,17 +2,15 @@ package simlonghorn
 
 import (
 	"context"
-	"fmt"
-	"time"
 
 	apiextv1 "k8s.io/apiextensions-apiserver/pkg/apis/apiextensions/v1"
 	apiextclient "k8s.io/apiextensions-apiserver/pkg/client/clientset/clientset"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/rest"
 	"k8s.io/utils/ptr"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
 // Group and version of longhorn-manager's CRDs (longhorn-manager v1.10.1
@@ -207,27 +205,5 @@ func InstallCRDs(ctx context.Context, cfg *rest.Config) error {
 		crd("volumes", "volume", "Volume", []string{"lhv"}),
 		crd("volumeattachments", "volumeattachment", "VolumeAttachment", []string{"lhva"}),
 	}
-	for _, c := range list {
-		if _, err := ext.ApiextensionsV1().CustomResourceDefinitions().Create(ctx, c, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-			return fmt.Errorf("create CRD %s: %w", c.Name, err)
-		}
-	}
-	for _, c := range list {
-		err := wait.PollUntilContextCancel(ctx, 50*time.Millisecond, true, func(ctx context.Context) (bool, error) {
-			got, err := ext.ApiextensionsV1().CustomResourceDefinitions().Get(ctx, c.Name, metav1.GetOptions{})
-			if err != nil {
-				return false, nil //nolint:nilerr // not yet visible: poll again
-			}
-			for _, cond := range got.Status.Conditions {
-				if cond.Type == apiextv1.Established && cond.Status == apiextv1.ConditionTrue {
-					return true, nil
-				}
-			}
-			return false, nil
-		})
-		if err != nil {
-			return fmt.Errorf("CRD %s not established: %w", c.Name, err)
-		}
-	}
-	return nil
+	return testenv.InstallCRDs(ctx, ext, list)
 }
