@@ -46,6 +46,9 @@ var ErrNotReady = errors.New("hotplug queue not ready: its backend does not know
 //   - *StalledError: ctx ended, or the host refused the driver's identity,
 //     while the VM's last attempt at the host had failed; the intent stays
 //     queued. Unwrap gives the host's error.
+//   - *WedgedError (Unwrap gives ctx.Err()): ctx ended while the intent
+//     was wedged in KubeVirt (Config.WedgedAfter); it stays queued, and a
+//     retry joins it.
 //   - ctx.Err() (wrapped, saying what the intent waits for): ctx ended
 //     while the intent was still in progress; it stays queued, and a retry
 //     joins it.
@@ -270,6 +273,9 @@ func (q *Queue) await(ctx context.Context, key cache.ObjectName, it *intent, fai
 	q.mu.Unlock()
 	if cause != nil {
 		return &StalledError{Volume: it.volume, VM: it.vm, Op: it.op, Cause: cause, Since: since}
+	}
+	if wait.wedged {
+		return &WedgedError{Volume: it.volume, VM: it.vm, Op: it.op, Wedge: wait.wedge, For: now.Sub(wait.still), Err: ctx.Err()}
 	}
 	if wait.why != "" {
 		return fmt.Errorf("%s of volume %s on VM %s still in progress, %s for %s: %w",

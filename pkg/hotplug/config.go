@@ -30,6 +30,11 @@ type Config struct {
 	// SlowAfter is how long an intent may wait for the same thing before the
 	// queue says so in its log at the default level.
 	SlowAfter time.Duration
+	// WedgedAfter is how long an intent may wait on a step only KubeVirt
+	// can take, with KubeVirt showing no progress on the volume or the VM's
+	// hotplug set, before the queue reports the VM wedged (an Event, a
+	// metric, the caller's answer). See DefaultWedgedAfter.
+	WedgedAfter time.Duration
 	// Identity names this controller process in the reservations it
 	// writes on host PVCs. Two processes that run at once must not share
 	// it; a restarted process that keeps it (the pod's name) goes on under
@@ -50,6 +55,17 @@ type Config struct {
 	MaxDisks int
 }
 
+// DefaultWedgedAfter outlasts the slowest step of a hotplug on Harvester
+// that still ends by itself, without a sign of progress in the VMI: the
+// attachment pod's volume attach, where Longhorn's ControllerPublish waits
+// up to 90 s for its attachment ticket (longhorn-manager v1.10.1
+// csi/controller_server.go), followed by kubelet's retries of a refused
+// NodePublish, whose backoff grows to 2m2s (kubernetes v1.35
+// pkg/util/goroutinemap/exponentialbackoff, maxDurationBeforeRetry). Five minutes is that
+// with room to spare; a wait this long with nothing moving is a KubeVirt
+// state that needs an operator (docs/troubleshooting.md).
+const DefaultWedgedAfter = 5 * time.Minute
+
 // MaxVMDisks is KubeVirt's limit on a VM's disks and on its volumes: the
 // CRDs' OpenAPI schemas say maxItems 256 for both lists (kubevirt v1.7.0
 // staging/src/kubevirt.io/api/core/v1/schema.go:464 and types.go:128), so
@@ -69,6 +85,7 @@ func DefaultConfig() Config {
 		Burst:              20,
 		RequestTimeout:     15 * time.Second,
 		SlowAfter:          time.Minute,
+		WedgedAfter:        DefaultWedgedAfter,
 		Identity:           defaultIdentity(),
 		ReservationFresh:   5 * time.Second,
 		MaxDisks:           MaxVMDisks,
@@ -102,6 +119,7 @@ func (c Config) withDefaults() Config {
 	orDefault(&c.Burst, d.Burst)
 	orDefault(&c.RequestTimeout, d.RequestTimeout)
 	orDefault(&c.SlowAfter, d.SlowAfter)
+	orDefault(&c.WedgedAfter, d.WedgedAfter)
 	orDefault(&c.ReservationFresh, d.ReservationFresh)
 	orDefault(&c.MaxDisks, d.MaxDisks)
 	orDefault(&c.ReservationTTL, c.ReservationFresh+c.RequestTimeout+clockAllowance)

@@ -15,6 +15,9 @@ type metrics struct {
 	q      *Queue
 	depth  *prometheus.Desc
 	oldest *prometheus.Desc
+	// wedged counts the intents wedged in KubeVirt by reason, from the
+	// same wait bookkeeping as the queue's answers.
+	wedged *prometheus.Desc
 	vecs   metricVecs
 	// backend is the bound name (under q.mu: Collect reads it).
 	backend string
@@ -53,6 +56,8 @@ func newMetrics(q *Queue) *metrics {
 			"Pending hotplug intents per VM.", with("vm"), nil),
 		oldest: prometheus.NewDesc("harvester_csi_hotplug_oldest_intent_age_seconds",
 			"Age of the oldest pending hotplug intent per VM.", with("vm"), nil),
+		wedged: prometheus.NewDesc("harvester_csi_hotplug_wedged_intents",
+			"Hotplug intents wedged in KubeVirt (waiting on a KubeVirt step with no progress for the wedged-after bound), by reason.", with("reason"), nil),
 		vecs: metricVecs{
 			batchSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 				Name: "harvester_csi_hotplug_batch_size", Help: "Volume changes handed to the backend in one attempt.",
@@ -128,6 +133,7 @@ func (m *metrics) register(reg Registerer) error {
 func (m *metrics) Describe(ch chan<- *prometheus.Desc) {
 	ch <- m.depth
 	ch <- m.oldest
+	ch <- m.wedged
 }
 
 func (m *metrics) Collect(ch chan<- prometheus.Metric) {
@@ -135,6 +141,14 @@ func (m *metrics) Collect(ch chan<- prometheus.Metric) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	now := q.now()
+	if m.backend != "" {
+		// Every reason at zero too: an alert on the gauge sees a wedge
+		// begin, and a dashboard sees it end.
+		wedged := q.wedgedLocked()
+		for _, r := range WedgeReasons() {
+			ch <- prometheus.MustNewConstMetric(m.wedged, prometheus.GaugeValue, float64(wedged[r]), m.backend, r)
+		}
+	}
 	for vm, w := range q.work {
 		if len(w.intents) == 0 {
 			continue

@@ -30,7 +30,7 @@ type plan struct {
 	progress      string
 	// waits says, per volume with an intent that is neither answered nor
 	// written now, what it waits for.
-	waits map[string]string
+	waits map[string]waitFor
 }
 
 type resolution struct {
@@ -60,7 +60,7 @@ const vmLookAgain = time.Second
 // decide compares a VM's intents with the facts and picks what to answer and
 // what to write. It is a pure function of its arguments and changes nothing.
 func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
-	p := plan{settlingSince: w.settlingSince, progress: w.progress, waits: map[string]string{}}
+	p := plan{settlingSince: w.settlingSince, progress: w.progress, waits: map[string]waitFor{}}
 	o := f.o
 	pending := map[string]bool{} // unexpired expectations
 	for _, vol := range sortedKeys(w.expect) {
@@ -77,7 +77,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	for _, vol := range sortedKeys(w.intents) {
 		it := w.intents[vol]
 		if pending[vol] {
-			p.waits[vol] = "waiting for the host to show the change this driver wrote"
+			p.waits[vol] = waitFor{why: "waiting for the host to show the change this driver wrote"}
 			continue // our own write is not visible yet: judge nothing
 		}
 		addReq, removeReq := o.requested(vol)
@@ -90,7 +90,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 				p.resolve = append(p.resolve, resolution{it: it, err: &VMNotFoundError{VM: it.vm, Volume: it.volume, Namespace: cfg.Namespace}})
 			case o.vm == nil:
 				p.hold = "VM not in the informer yet"
-				p.waits[vol] = "waiting for the VM to appear in the driver's cache"
+				p.waits[vol] = waitFor{why: "waiting for the VM to appear in the driver's cache"}
 				p.wake(now.Add(vmLookAgain))
 			case !o.inVMSpec(vol) && !addReq:
 				if err := f.held[vol]; err != nil && it.exclusive {
@@ -103,7 +103,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 					// entry stuck for good in KubeVirt before 1.8.2 (a
 					// terminating attachment pod taken for the current one),
 					// so this waits for the entry to go, however long.
-					p.waits[vol] = "waiting for the VMI to drop the previous attachment of the volume (" + o.phase(vol) + ")"
+					p.waits[vol] = o.onKubeVirt(vol, WedgePreviousAttachment, "waiting for the VMI to drop the previous attachment of the volume ("+o.phase(vol)+")")
 					continue
 				}
 				adds = append(adds, Change{Volume: vol, Op: Attach})
@@ -116,9 +116,9 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 					removes = append(removes, Change{Volume: vol, Op: Detach})
 					continue
 				}
-				p.waits[vol] = "waiting for KubeVirt's VM controller to take the queued add request"
+				p.waits[vol] = o.onKubeVirt(vol, WedgeQueuedRequest, "waiting for KubeVirt's VM controller to take the queued add request")
 			default:
-				p.waits[vol] = "waiting for KubeVirt to plug the volume into the VM (" + o.phase(vol) + ")"
+				p.waits[vol] = o.onKubeVirt(vol, WedgePlug, "waiting for KubeVirt to plug the volume into the VM ("+o.phase(vol)+")")
 			}
 		case Detach:
 			switch {
@@ -131,7 +131,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 				// patched the VMI and then failed to update the VM.
 				removes = append(removes, Change{Volume: vol, Op: Detach})
 			default:
-				p.waits[vol] = "waiting for KubeVirt to unplug the volume (" + o.phase(vol) + ")"
+				p.waits[vol] = o.onKubeVirt(vol, WedgeUnplug, "waiting for KubeVirt to unplug the volume ("+o.phase(vol)+")")
 			}
 		}
 	}
@@ -216,10 +216,11 @@ func queuedBehind(o observed, pending map[string]bool) string {
 	return fmt.Sprintf("queued behind %d changes KubeVirt is still carrying out on the VM", len(vols))
 }
 
-// waitAll marks every change of the plan as waiting for why.
+// waitAll marks every change of the plan as waiting for why: the queue's
+// own batching or pacing, which never wedges.
 func (p *plan) waitAll(why string) {
 	for _, c := range p.changes {
-		p.waits[c.Volume] = why
+		p.waits[c.Volume] = waitFor{why: why}
 	}
 }
 

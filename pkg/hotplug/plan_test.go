@@ -239,8 +239,8 @@ func TestDecide(t *testing.T) {
 				}
 			}
 			for v, want := range tc.wantWait {
-				if !strings.Contains(p.waits[v], want) {
-					t.Errorf("volume %s waits for %q, want it to mention %q", v, p.waits[v], want)
+				if !strings.Contains(p.waits[v].why, want) {
+					t.Errorf("volume %s waits for %q, want it to mention %q", v, p.waits[v].why, want)
 				}
 			}
 			var left []string

@@ -38,6 +38,8 @@ type Queue struct {
 	work map[cache.ObjectName]*vmWork // only VMs with intents or expectations
 	// waiting says why the queue is not running yet.
 	waiting string
+	// wedges hears of wedged intents (nil: nobody).
+	wedges WedgeReporter
 }
 
 // ErrStopped answers callers still waiting when the queue stops; the intent
@@ -80,6 +82,15 @@ type waitState struct {
 	why    string
 	since  time.Time
 	logged bool // said in the log at the default level
+	// reason is the KubeVirt step waited for (empty: the wait is the
+	// queue's own and cannot wedge), mark what KubeVirt showed of it when
+	// still began (the last progress), wedged whether the wait has been
+	// reported wedged, with wedge its details and op the intent's.
+	reason, mark string
+	still        time.Time
+	wedged       bool
+	wedge        Wedge
+	op           Op
 }
 
 type expectation struct {

@@ -31,6 +31,8 @@ type IntentState struct {
 	// written), and WaitingSince since when.
 	WaitingFor   string    `json:"waitingFor,omitempty"`
 	WaitingSince time.Time `json:"waitingSince,omitzero"`
+	// Wedged is set while the intent is wedged in KubeVirt.
+	Wedged *Wedge `json:"wedged,omitempty"`
 }
 
 // State lists what the queue is doing, VM by VM.
@@ -47,7 +49,12 @@ func (q *Queue) State() []VMState {
 		for _, vol := range sortedKeys(w.intents) {
 			it := w.intents[vol]
 			wait := w.waiting[vol]
-			st.Intents = append(st.Intents, IntentState{Volume: vol, Op: it.op, Since: it.created, WaitingFor: wait.why, WaitingSince: wait.since})
+			is := IntentState{Volume: vol, Op: it.op, Since: it.created, WaitingFor: wait.why, WaitingSince: wait.since}
+			if wait.wedged {
+				wedge := wait.wedge
+				is.Wedged = &wedge
+			}
+			st.Intents = append(st.Intents, is)
 		}
 		slices.SortFunc(st.Intents, func(a, b IntentState) int { return cmp.Compare(a.Volume, b.Volume) })
 		out = append(out, st)

@@ -52,7 +52,7 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 	now := q.now()
 	p := decide(now, q.cfg, w, f)
 	releasing := releasesFirst(&p)
-	q.applyPlanLocked(ctx, key, w, p, now)
+	notices := q.applyPlanLocked(ctx, key, w, p, now)
 	idle := len(p.changes) == 0 || p.hold != ""
 	if idle && p.hold != "" {
 		klog.FromContext(ctx).V(3).Info("holding changes", "reason", p.hold, "pending", len(p.changes))
@@ -61,6 +61,7 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 		q.dropIfIdleLocked(key)
 	}
 	q.mu.Unlock()
+	q.reportWedges(ctx, notices)
 	q.releaseThenFinish(ctx, key, volumesOf(releasing), releasing, nil)
 	if idle {
 		return nil
@@ -68,8 +69,9 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 	return q.write(ctx, key, p.changes)
 }
 
-// applyPlanLocked books what decide returned.
-func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vmWork, p plan, now time.Time) {
+// applyPlanLocked books what decide returned, and returns the wedges that
+// began or ended, to be reported outside the lock.
+func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vmWork, p plan, now time.Time) []WedgeNotice {
 	logger := klog.FromContext(ctx)
 	for _, vol := range p.expired {
 		delete(w.expect, vol)
@@ -85,10 +87,11 @@ func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vm
 		logger.Info("undoing a refused attach", "volume", vol)
 		w.intents[vol] = newIntent(key.Name, vol, Detach, now)
 	}
-	q.noteWaitsLocked(ctx, key, w, p.waits, now)
+	notices := q.noteWaitsLocked(ctx, key, w, p.waits, now)
 	if !p.wakeAt.IsZero() {
 		q.wq.AddAfter(key, p.wakeAt.Sub(now))
 	}
+	return notices
 }
 
 // resolveLocked answers a resolved intent's callers, unless they were
@@ -106,36 +109,54 @@ func (q *Queue) resolveLocked(ctx context.Context, w *vmWork, r resolution, now 
 
 // noteWaitsLocked keeps, per volume, what its intent waits for and since
 // when, and says in the log when a wait has lasted SlowAfter: a KubeVirt
-// entry stuck in one phase must not go unnoticed.
-func (q *Queue) noteWaitsLocked(ctx context.Context, key cache.ObjectName, w *vmWork, waits map[string]string, now time.Time) {
-	for vol := range w.waiting {
+// entry stuck in one phase must not go unnoticed. A wait on KubeVirt that
+// shows no progress for WedgedAfter is a wedge (trackWedgeLocked); it
+// returns the wedges that began or ended, for the caller to report once it
+// has let go of the lock.
+func (q *Queue) noteWaitsLocked(ctx context.Context, key cache.ObjectName, w *vmWork, waits map[string]waitFor, now time.Time) []WedgeNotice {
+	var notices []WedgeNotice
+	for vol, st := range w.waiting {
 		if _, ok := waits[vol]; !ok {
+			if n := endWedgeLocked(key, vol, st); n != nil {
+				notices = append(notices, *n)
+			}
 			delete(w.waiting, vol)
 		}
 	}
 	var next time.Time
-	for vol, why := range waits {
+	later := func(at time.Time) {
+		if !at.IsZero() && (next.IsZero() || at.Before(next)) {
+			next = at
+		}
+	}
+	for vol, wf := range waits {
 		st, ok := w.waiting[vol]
-		if !ok || st.why != why {
-			st = waitState{why: why, since: now}
+		if !ok || st.why != wf.why {
+			st.why, st.since, st.logged = wf.why, now, false
+		}
+		op := Attach
+		if it := w.intents[vol]; it != nil {
+			op = it.op
 		}
 		if !st.logged {
 			if now.Sub(st.since) >= q.cfg.SlowAfter {
-				op := ""
-				if it := w.intents[vol]; it != nil {
-					op = it.op.String()
-				}
-				klog.FromContext(ctx).Info("hotplug request waiting long", "volume", vol, "op", op, "waitingFor", why, "since", st.since, "for", now.Sub(st.since).Round(time.Second))
+				klog.FromContext(ctx).Info("hotplug request waiting long", "volume", vol, "op", op, "waitingFor", wf.why, "since", st.since, "for", now.Sub(st.since).Round(time.Second))
 				st.logged = true
-			} else if at := st.since.Add(q.cfg.SlowAfter); next.IsZero() || at.Before(next) {
-				next = at
+			} else {
+				later(st.since.Add(q.cfg.SlowAfter))
 			}
 		}
+		n, at := q.trackWedgeLocked(ctx, key, vol, op, &st, wf, now)
+		if n != nil {
+			notices = append(notices, *n)
+		}
+		later(at)
 		w.waiting[vol] = st
 	}
 	if !next.IsZero() {
 		q.wq.AddAfter(key, next.Sub(now))
 	}
+	return notices
 }
 
 // heldLocked says, for each exclusive attach intent of the VM, whether
