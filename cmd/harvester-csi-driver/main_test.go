@@ -19,6 +19,7 @@ import (
 	"k8s.io/klog/v2/ktesting"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
 func TestUpstreamFlagsAndEnvironment(t *testing.T) {
@@ -87,6 +88,20 @@ func TestDefaultPublishWaitFreesTheAttachersDefaultWorkers(t *testing.T) {
 	}
 }
 
+// --wedged-after reaches the queue, and its default is the queue's.
+func TestWedgedAfterFlag(t *testing.T) {
+	o, err := parseFlags(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.queue.WedgedAfter != hotplug.DefaultWedgedAfter {
+		t.Errorf("default --wedged-after %s, want %s", o.queue.WedgedAfter, hotplug.DefaultWedgedAfter)
+	}
+	if o, err = parseFlags([]string{"--wedged-after=90s"}); err != nil || o.queue.WedgedAfter != 90*time.Second {
+		t.Errorf("--wedged-after=90s: %v, %+v", err, o)
+	}
+}
+
 func TestGuestFlags(t *testing.T) {
 	o, err := parseFlags([]string{"--guest-kubeconfig=/etc/guest.yaml", "--detach-guard-timeout=0", "--node-monitor=false",
 		"--orphan-reconciler=false", "--orphan-grace=5m"})
@@ -110,6 +125,7 @@ func TestBadCommandLinesAreClearErrors(t *testing.T) {
 		"--publish-wait=-1s":         "invalid --publish-wait",
 		"--publish-wait-crowd=0":     "invalid --publish-wait-crowd",
 		"--orphan-grace=0s":          "invalid --orphan-grace",
+		"--wedged-after=0s":          "invalid --wedged-after",
 	} {
 		_, err := parseFlags([]string{args})
 		if err == nil || !strings.Contains(err.Error(), want) {
