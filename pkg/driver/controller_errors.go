@@ -63,6 +63,10 @@ func answers() []answerRow {
 		// the driver itself is down.
 		{isA[*guest.InUseError], event(codes.Aborted, corev1.EventTypeNormal, "VolumeStillInUse")},
 		{isA[*guestUseUnknownError], event(codes.Unavailable, corev1.EventTypeWarning, "HotplugFailed")},
+		// Wedged in KubeVirt: as unfinished as any wait (the attacher
+		// retries), only the message says more. No Event here: the queue
+		// reports each wedge once (wedgeEvents), not on every retry.
+		{wedgedInProgress, answer{code: codes.DeadlineExceeded}},
 		{is(context.DeadlineExceeded), event(codes.DeadlineExceeded, corev1.EventTypeNormal, "HotplugWaiting")},
 		// The caller went away: nobody reads the answer.
 		{is(context.Canceled), answer{code: codes.Canceled}},
@@ -94,6 +98,10 @@ func isA[T error](err error) bool {
 func claimGone(err error) bool {
 	var claim *hotplug.ClaimNotReadyError
 	return errors.As(err, &claim) && claim.Phase == ""
+}
+
+func wedgedInProgress(err error) bool {
+	return isA[*hotplug.WedgedError](err) && errors.Is(err, context.DeadlineExceeded)
 }
 
 func stalledCanceled(err error) bool {

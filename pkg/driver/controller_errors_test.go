@@ -53,6 +53,9 @@ func TestEveryQueueErrorHasOneAnswer(t *testing.T) {
 		{name: "stalled, cut off", err: &hotplug.StalledError{Volume: "v", VM: "vm1", Cause: context.Canceled}, code: codes.Unavailable},
 		{name: "in progress", err: fmt.Errorf("attach of volume v on VM vm1 still in progress: %w", context.DeadlineExceeded), code: codes.DeadlineExceeded, eventType: normal, reason: "HotplugWaiting"},
 		{name: "caller gone", err: fmt.Errorf("still in progress: %w", context.Canceled), code: codes.Canceled},
+		{name: "wedged in KubeVirt", err: &hotplug.WedgedError{Volume: "v", VM: "vm1", Op: hotplug.Attach, Wedge: hotplug.Wedge{Reason: hotplug.WedgePlug, State: "waiting", AttachmentPod: "hp-volume-x"}, Err: context.DeadlineExceeded},
+			code: codes.DeadlineExceeded},
+		{name: "wedged in KubeVirt, caller gone", err: &hotplug.WedgedError{Volume: "v", VM: "vm1", Wedge: hotplug.Wedge{Reason: hotplug.WedgeUnplug}, Err: context.Canceled}, code: codes.Canceled},
 		{name: "guest still uses it", guard: &guest.InUseError{Volume: "v", VM: "vm1", Nodes: []string{"n1"}}, code: codes.Aborted, eventType: normal, reason: "VolumeStillInUse"},
 		{name: "guest use unknown", guard: guest.ErrNotSynced, code: codes.Unavailable, eventType: warn, reason: "HotplugFailed"},
 	} {

@@ -104,6 +104,7 @@ func NewController(cfg ControllerConfig) *Controller {
 	}
 	if c.attachmentEvents != nil {
 		opts.Events = c.attachmentEvents
+		c.queue.SetWedgeReporter(NewWedgeEvents(c.attachmentEvents))
 	}
 	if cfg.Host != nil {
 		opts.NetworkFS = cfg.Host
