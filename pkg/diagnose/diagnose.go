@@ -165,6 +165,7 @@ func Check(in Input) []Finding {
 	v.judgeRequests(&r)
 	v.judgeAttachments(&r)
 	v.judgeQueue(&r)
+	v.judgeWedges(&r)
 	v.judgeHolds(&r)
 	v.judgeHostClaims(&r)
 	v.judgeAttachmentPods(&r)
@@ -446,7 +447,7 @@ func (v *view) judgeQueue(r *report) {
 				st.FailingSince.UTC().Format(time.RFC3339), st.LastError)})
 		}
 		for _, it := range st.Intents {
-			if it.WaitingFor != "" && v.in.Now.Sub(it.WaitingSince) >= v.in.SlowAfter {
+			if it.WaitingFor != "" && it.Wedged == nil && v.in.Now.Sub(it.WaitingSince) >= v.in.SlowAfter {
 				r.add(Finding{Kind: SlowIntent, Volume: it.Volume, VM: st.VM, Detail: fmt.Sprintf("%s %s for %s",
 					it.Op, it.WaitingFor, v.in.Now.Sub(it.WaitingSince).Round(time.Second))})
 			}
