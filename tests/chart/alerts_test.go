@@ -98,6 +98,17 @@ harvester_csi_hotplug_oldest_intent_age_seconds{backend="declarative",vm="churn"
 			firing:    map[string]bool{"stuck": true, "churn": false},
 			notBefore: 6 * time.Minute,
 		}},
+		"HarvesterCSIHotplugVMWedged": {{
+			name: "a wedge that lasts fires; none, and one that clears at once, do not",
+			series: `
+harvester_csi_hotplug_wedged_intents{backend="declarative",reason="plug",` + scraped("wedged") + `} 0+0x10 1+0x30
+harvester_csi_hotplug_wedged_intents{backend="declarative",reason="plug",` + scraped("healthy") + `} 0+0x40
+harvester_csi_hotplug_wedged_intents{backend="declarative",reason="plug",` + scraped("blip") + `} 0+0x10 1 0+0x29
+`,
+			firing:    map[string]bool{"wedged": true, "healthy": false, "blip": false},
+			notBefore: 11 * time.Minute,
+			id:        "namespace",
+		}},
 		"HarvesterCSIHotplugVolumesRejected": {{
 			name: "the first rejection after a start fires (the counter is exported at zero)",
 			series: `

@@ -730,6 +730,7 @@ var alertSpecs = map[string]alertSpec{
 	"HarvesterCSIHotplugQueueNotDraining":  {key: "queueNotDraining", anchor: "queue-not-draining", perVM: true},
 	"HarvesterCSIHotplugIntentWaitingLong": {key: "intentWaitingLong", thresholds: map[string]float64{"seconds": 1}, anchor: "intent-waiting-long", perVM: true},
 	"HarvesterCSIHotplugVolumesRejected":   {key: "rejectedVolumes", thresholds: map[string]float64{"count": 1}, anchor: "rejected-volumes"},
+	"HarvesterCSIHotplugVMWedged":          {key: "vmWedged", anchor: "a-vm-wedged-in-kubevirt"},
 	"HarvesterCSIHotplugHostErrors":        {key: "hostErrors", thresholds: map[string]float64{"failures": 1}, anchor: "host-refuses"},
 	"HarvesterCSIHostCredentialsRefused":   {key: "hostCredentialsRefused", anchor: "host-credentials-refused"},
 	"HarvesterCSIHostTokenExpiring":        {key: "hostTokenExpiry", thresholds: map[string]float64{"days": 86400}, anchor: "host-token-expiring"},
