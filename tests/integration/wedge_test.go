@@ -72,10 +72,13 @@ func TestWedgedVMIsNoticed(t *testing.T) {
 			t.Fatalf("retry answered %v, want DeadlineExceeded naming the volume", err)
 		}
 	}
+	// events lists the messages of the Events of reason, one per time the
+	// driver recorded it (the recorder folds repeats into one Event with a
+	// count).
 	events := func(reason string) []string {
 		var out []string
 		for _, e := range g.ObjectEvents(t, "VolumeAttachment", vaName) {
-			if e.Reason == reason {
+			for i := int32(0); e.Reason == reason && i < max(e.Count, 1); i++ {
 				out = append(out, e.Message)
 			}
 		}
