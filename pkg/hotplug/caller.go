@@ -215,6 +215,11 @@ func newIntent(vm, volume string, op Op, now time.Time) *intent {
 func (q *Queue) finishLocked(w *vmWork, it *intent, err error) {
 	if w.intents[it.volume] == it {
 		delete(w.intents, it.volume)
+		if w.waiting[it.volume].wedged {
+			// Only the worker's pass reports a wedge's end (outside the
+			// lock); a caller answered here must not leave it unsaid.
+			q.wq.Add(q.key(it.vm))
+		}
 	}
 	select {
 	case <-it.done:

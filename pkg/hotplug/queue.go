@@ -407,8 +407,11 @@ func (q *Queue) vmWork(key cache.ObjectName) *vmWork {
 	return w
 }
 
+// dropIfIdleLocked forgets a VM with nothing left to do, unless a wedge
+// of it still waits for its end to be reported (finishLocked queued the VM
+// for that).
 func (q *Queue) dropIfIdleLocked(key cache.ObjectName) {
-	if w := q.work[key]; w != nil && len(w.intents) == 0 && len(w.expect) == 0 && len(w.release) == 0 {
+	if w := q.work[key]; w != nil && len(w.intents) == 0 && len(w.expect) == 0 && len(w.release) == 0 && !hasWedge(w) {
 		delete(q.work, key)
 	}
 }

@@ -245,6 +245,16 @@ func (q *Queue) reportWedges(ctx context.Context, notices []WedgeNotice) {
 	}
 }
 
+// hasWedge says whether a wait of the VM is wedged.
+func hasWedge(w *vmWork) bool {
+	for _, st := range w.waiting {
+		if st.wedged {
+			return true
+		}
+	}
+	return false
+}
+
 // wedgedLocked counts the wedged intents by reason.
 func (q *Queue) wedgedLocked() map[string]int {
 	out := map[string]int{}

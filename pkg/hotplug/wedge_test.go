@@ -296,3 +296,40 @@ func wedgedGauge(t *testing.T, reg *prometheus.Registry, reason string) float64 
 	}
 	return -1
 }
+
+// A wedged intent answered outside the worker's pass (a caller that finds
+// the volume attached first) still gets its end reported: the VM's work is
+// kept, and looked at, until the worker has said so.
+func TestWedgeEndsWhenItsIntentIsAnsweredElsewhere(t *testing.T) {
+	bound := time.Minute
+	p := newPasses(t, Config{WedgedAfter: bound, SlowAfter: time.Hour, MaxHold: 30 * time.Second})
+	t0 := time.Unix(10_000, 0)
+	p.w.intents["a"] = newIntent("vm1", "a", Attach, t0)
+	stuck := observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeBound})}
+	p.at(t0, stuck)
+	if got := p.at(t0.Add(bound), stuck); len(got) != 1 || got[0].Cleared {
+		t.Fatalf("notices %+v, want the wedge", got)
+	}
+	p.q.mu.Lock()
+	p.q.finishLocked(p.w, p.w.intents["a"], nil)
+	p.q.dropIfIdleLocked(p.key)
+	_, kept := p.q.work[p.key]
+	p.q.mu.Unlock()
+	if !kept {
+		t.Fatal("the VM's work was dropped with a wedge nobody reported the end of")
+	}
+	if n := p.q.wq.Len(); n != 1 {
+		t.Fatalf("%d VMs queued, want the VM looked at again", n)
+	}
+	done := observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady})}
+	if got := p.at(t0.Add(bound+time.Second), done); len(got) != 1 || !got[0].Cleared {
+		t.Fatalf("notices %+v, want the wedge's end", got)
+	}
+	p.q.mu.Lock()
+	p.q.dropIfIdleLocked(p.key)
+	_, kept = p.q.work[p.key]
+	p.q.mu.Unlock()
+	if kept {
+		t.Error("the VM's work outlived the wedge's end")
+	}
+}
