@@ -205,4 +205,3 @@ func conditionDetail(c LonghornCondition) string {
 func fromUnstructured(u *unstructured.Unstructured, out any) error {
 	return runtime.DefaultUnstructuredConverter.FromUnstructured(u.Object, out)
 }
-

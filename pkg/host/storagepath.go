@@ -415,4 +415,3 @@ func eventTime(e *corev1.Event) time.Time {
 	}
 	return e.CreationTimestamp.Time
 }
-
