@@ -98,6 +98,13 @@ func (r *StorageReader) Issues(ctx context.Context, q StorageQuery) ([]StorageIs
 	return append(lh, pods...), errors.Join(lhErr, podErr)
 }
 
+// Refused lists the reads the host refused so far, sorted.
+func (r *StorageReader) Refused() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return slices.Sorted(maps.Keys(r.refused))
+}
+
 // skip reports whether a failed read is to be left out: the object or its
 // kind is absent on this host, or the identity may not make the read (logged
 // once per read).
@@ -317,7 +324,8 @@ func (r *StorageReader) events(ctx context.Context, kind, name string) ([]corev1
 
 // AttachmentPodsOf picks, from a namespace's attachment and virt-launcher
 // pods, the attachment pods of a VM that are not being deleted: controlled
-// by a virt-launcher pod that the VM's VMI controls.
+// by a virt-launcher pod that the VM's VMI controls (or by the VMI itself,
+// as the test kit's simulator makes them).
 func AttachmentPodsOf(vm string, pods []corev1.Pod) []*corev1.Pod {
 	launchers := map[string]bool{}
 	for i := range pods {
@@ -330,7 +338,10 @@ func AttachmentPodsOf(vm string, pods []corev1.Pod) []*corev1.Pod {
 	for i := range pods {
 		p := &pods[i]
 		ref := metav1.GetControllerOf(p)
-		if p.Labels["kubevirt.io"] == "hotplug-disk" && p.DeletionTimestamp == nil && ref != nil && ref.Kind == "Pod" && launchers[ref.Name] {
+		if p.Labels["kubevirt.io"] != "hotplug-disk" || p.DeletionTimestamp != nil || ref == nil {
+			continue
+		}
+		if (ref.Kind == "Pod" && launchers[ref.Name]) || (ref.Kind == "VirtualMachineInstance" && ref.Name == vm) {
 			out = append(out, p)
 		}
 	}
