@@ -102,8 +102,9 @@ hsns=harvester-system
 lhns=longhorn-system
 
 # What the driver calls on the host, one rule a line: scope (ns: the VM namespace, hs: harvester-system, where
-# networkfs-manager's NetworkFilesystems live, cluster: cluster-wide; with --storage-read also lh: longhorn-system
-# and storage: cluster-wide, each a role of its own),
+# networkfs-manager's NetworkFilesystems live, cluster: cluster-wide; with --storage-read also nsstorage: the VM
+# namespace, lh: longhorn-system and storage: cluster-wide, each a role of its own, so that identities with and
+# without the option can share the namespace's Role),
 # API group ("" is core), resource[/subresource], verbs, resource names ("-": any). docs/host-rbac.md lists the
 # call behind each line and tests/rbac runs the driver with exactly these grants.
 permissions() {
@@ -128,7 +129,7 @@ EOF
 	fi
 	if $storage_read; then
 		cat <<'EOF'
-ns      ""                        events                               list                   -
+nsstorage ""                      events                               list                   -
 lh      longhorn.io               volumes                              get                    -
 lh      longhorn.io               volumeattachments                    get                    -
 storage ""                        persistentvolumes                    get                    -
@@ -245,6 +246,15 @@ EOF
 apiVersion: rbac.authorization.k8s.io/v1
 kind: Role
 metadata:
+  name: harvester-csi-driver:storage-reader
+  namespace: ${namespace}
+$(labels)
+rules:
+$(rules nsstorage)
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
   name: harvester-csi-driver:longhorn-reader
   namespace: ${lhns}
 $(labels)
@@ -254,13 +264,14 @@ $(rules lh)
 apiVersion: rbac.authorization.k8s.io/v1
 kind: ClusterRole
 metadata:
-  name: harvester-csi-driver:storage-reader
+  name: harvester-csi-driver:pv-reader
 $(labels)
 rules:
 $(rules storage)
 EOF
+		binding RoleBinding "${sa}-storage-reader" "$namespace" Role harvester-csi-driver:storage-reader
 		binding RoleBinding "${namespace}-${sa}-longhorn-reader" "$lhns" Role harvester-csi-driver:longhorn-reader
-		binding ClusterRoleBinding "${namespace}-${sa}-storage-reader" "" ClusterRole harvester-csi-driver:storage-reader
+		binding ClusterRoleBinding "${namespace}-${sa}-pv-reader" "" ClusterRole harvester-csi-driver:pv-reader
 	fi
 }
 
@@ -356,8 +367,9 @@ if $revoke; then
 	delete_if_unused role harvester-csi-driver:networkfilesystems "$hsns"
 	delete_if_unused clusterrole harvester-csi-driver:host-reads
 	delete_if_unused clusterrole harvester-csi-driver:kubevirt-reader
+	delete_if_unused role harvester-csi-driver:storage-reader "$namespace"
 	delete_if_unused role harvester-csi-driver:longhorn-reader "$lhns"
-	delete_if_unused clusterrole harvester-csi-driver:storage-reader
+	delete_if_unused clusterrole harvester-csi-driver:pv-reader
 	log "revoked $namespace/$sa; the guest's kubeconfig Secret, if any, holds a token that no longer authenticates"
 	exit 0
 fi
@@ -404,7 +416,7 @@ if [ -n "$existing" ]; then
 	while read -r scope group resource verbs names; do
 		[ "$group" = '""' ] && group=""
 		case $scope in
-		ns) ns=$namespace ;;
+		ns | nsstorage) ns=$namespace ;;
 		hs) ns=$hsns ;;
 		lh) ns=$lhns ;;
 		*) ns="" ;;
@@ -426,7 +438,7 @@ if [ -n "$existing" ]; then
 			fi
 		done
 	done < <(permissions)
-	nsrules=$(rules ns "$missing")
+	nsrules=$(rules ns "$missing"; rules nsstorage "$missing")
 	hsrules=$(rules hs "$missing")
 	lhrules=$(rules lh "$missing")
 	clrules=$(rules cluster "$missing"; rules storage "$missing")
