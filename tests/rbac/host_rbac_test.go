@@ -52,12 +52,13 @@ type grant struct {
 	Cluster bool // cluster-wide; else in the VM namespace
 	// Harvester: in harvester-system (networkfs-manager's NetworkFilesystems).
 	Harvester bool
-	// Longhorn: in longhorn-system (Longhorn's volumes, --storage-read).
-	Longhorn bool
 	Group     string // "" is the core group
 	Resource  string // resource[/subresource]
 	Verb      string
 	Names     string // resource names, comma-separated; "" for any
+
+	// Longhorn: in longhorn-system (Longhorn's volumes, --storage-read).
+	Longhorn bool
 }
 
 func (g grant) String() string {
