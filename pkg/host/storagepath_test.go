@@ -153,11 +153,12 @@ func TestStorageIssuesSkipped(t *testing.T) {
 		pv            *corev1.PersistentVolume
 		lh            []runtime.Object
 		kube, dynamic func(*k8stesting.Fake)
+		refused       []string
 	}{
-		{"PV read refused", csiPV("pv-1", LonghornProvisioner, "lh-1"), []runtime.Object{faulted}, forbid("get", "persistentvolumes"), nil},
-		{"Longhorn read refused", csiPV("pv-1", LonghornProvisioner, "lh-1"), []runtime.Object{faulted}, nil, forbid("get", "volumes")},
-		{"no Longhorn on the host", csiPV("pv-1", LonghornProvisioner, "lh-1"), nil, nil, nil},
-		{"another driver's PV", csiPV("pv-1", "lvm.driver.harvesterhci.io", "lh-1"), []runtime.Object{faulted}, nil, nil},
+		{"PV read refused", csiPV("pv-1", LonghornProvisioner, "lh-1"), []runtime.Object{faulted}, forbid("get", "persistentvolumes"), nil, []string{readPV}},
+		{"Longhorn read refused", csiPV("pv-1", LonghornProvisioner, "lh-1"), []runtime.Object{faulted}, nil, forbid("get", "volumes"), []string{readLonghorn}},
+		{"no Longhorn on the host", csiPV("pv-1", LonghornProvisioner, "lh-1"), nil, nil, nil, nil},
+		{"another driver's PV", csiPV("pv-1", "lvm.driver.harvesterhci.io", "lh-1"), []runtime.Object{faulted}, nil, nil, nil},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			hc, kube, dyn := storageHost([]runtime.Object{c.pv}, c.lh...)
@@ -174,6 +175,9 @@ func TestStorageIssuesSkipped(t *testing.T) {
 					t.Fatalf("Issues: %v, %v; want none and no error", issues, err)
 				}
 			}
+			if got := r.Refused(); !slices.Equal(got, c.refused) {
+				t.Errorf("reads refused %v, want %v", got, c.refused)
+			}
 		})
 	}
 }
@@ -187,6 +191,14 @@ func hpPod(name string, claims ...string) *corev1.Pod {
 		p.Spec.Volumes = append(p.Spec.Volumes, corev1.Volume{Name: c, VolumeSource: corev1.VolumeSource{
 			PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: c}}})
 	}
+	return p
+}
+
+// byVMI is an attachment pod controlled by the VMI itself, as the test
+// kit's simulator makes them.
+func byVMI(p *corev1.Pod, vm string) *corev1.Pod {
+	p = p.DeepCopy()
+	p.OwnerReferences = []metav1.OwnerReference{{Kind: "VirtualMachineInstance", Name: vm, Controller: ptrTo(true)}}
 	return p
 }
 
@@ -232,6 +244,7 @@ func TestStorageIssuesAttachmentPods(t *testing.T) {
 		{"quota refusal", []runtime.Object{launcher, otherVolume, quotaOld, quota}, true, []string{AttachmentPodRefused}, "exceeded quota"},
 		{"quota refusal, Events refused", []runtime.Object{launcher, otherVolume, quota}, false, nil, ""},
 		{"another VM's pod", []runtime.Object{launcherPod("virt-launcher-vm-b", "vm-b", corev1.PodRunning), unschedulable}, true, nil, ""},
+		{"controlled by the VMI", []runtime.Object{byVMI(unschedulable, "vm-a")}, true, []string{AttachmentPodUnschedulable}, "1 node(s) were unschedulable"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			hc, kube, _ := storageHost(c.objs)
