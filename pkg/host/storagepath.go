@@ -93,6 +93,9 @@ const (
 // volume from its VMs. The error is a read that failed for another reason
 // than a refusal or an absent object; what could be read is still judged.
 func (r *StorageReader) Issues(ctx context.Context, q StorageQuery) ([]StorageIssue, error) {
+	if q.Claim != nil {
+		ctx = klog.NewContext(ctx, klog.FromContext(ctx).WithValues("volume", q.Claim.Name, "vms", q.Holders))
+	}
 	lh, lhErr := r.longhornIssues(ctx, q)
 	pods, podErr := r.podIssues(ctx, q)
 	return append(lh, pods...), errors.Join(lhErr, podErr)
