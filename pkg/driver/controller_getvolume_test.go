@@ -227,6 +227,9 @@ func TestControllerGetVolumeHostStorage(t *testing.T) {
 			t.Errorf("condition %+v, want abnormal saying %q", cond, w)
 		}
 	}
+	if len(hs.queries) == 0 {
+		t.Fatal("ControllerGetVolume did not ask the host storage path")
+	}
 	q := hs.queries[len(hs.queries)-1]
 	if q.Claim == nil || q.Claim.Name != "pvc-a" || !slices.Equal(q.Holders, []string{"vm1", "vm2"}) || !slices.Equal(q.Waiting, []string{"vm2"}) {
 		t.Errorf("asked the host storage path %+v, want claim pvc-a, holders vm1 vm2, waiting vm2", q)
