@@ -12,6 +12,10 @@
 #   --existing-service-account NAME
 #               an identity someone else made, such as the one Rancher created for the guest cluster's cloud
 #               provider: grant only what it lacks (e.g. virtualmachines/status); no token, no kubeconfig.
+#   --storage-read
+#               also grant the optional reads of the host storage path (PVs, Longhorn volumes and their
+#               attachment tickets, Events in the VM namespace) behind ControllerGetVolume's volume condition and
+#               diagnose's host storage findings.
 #   --print     print the RBAC objects of the default mode and exit, without contacting any cluster.
 #   --revoke    delete the identity: its ServiceAccount (its tokens die with it) and every binding and per-identity
 #               role this script made for it, then the shared roles no binding uses any more; prints each deletion.
@@ -39,6 +43,8 @@ usage: hack/host-rbac.sh --namespace NS [options]
                            deploy/harvester-csi-driver-controllers and ds/harvester-csi-driver); without it the
                            driver takes the new token once the kubelet has updated the mounted Secret
   --kubevirt-read          also grant listing KubeVirt CRs (cluster-wide), for exact hotplug backend detection
+  --storage-read           also grant reading the host storage path: PVs (cluster-wide), Longhorn volumes and
+                           attachments (longhorn-system), Events (VM namespace), for the volume condition and diagnose
   --rotate                 only issue a new token and rewrite the kubeconfig / guest Secret
   --existing-service-account NAME
                            grant an existing identity (e.g. Rancher's) only what it lacks; no token
@@ -51,7 +57,7 @@ EOF
 namespace="" host_kubeconfig="${KUBECONFIG:-$HOME/.kube/config}" host_context="" sa="harvester-csi-driver"
 duration="2160h" server="" output="" guest_kubeconfig="" guest_context="" secret_name="harvester-cloud-config"
 secret_namespace="kube-system" restart=false kubevirt_read=false rotate=false existing="" print=false
-revoke=false
+revoke=false storage_read=false
 while [ $# -gt 0 ]; do
 	case "$1" in
 	--namespace) namespace=$2; shift 2 ;;
@@ -67,6 +73,7 @@ while [ $# -gt 0 ]; do
 	--secret-namespace) secret_namespace=$2; shift 2 ;;
 	--restart) restart=true; shift ;;
 	--kubevirt-read) kubevirt_read=true; shift ;;
+	--storage-read) storage_read=true; shift ;;
 	--rotate) rotate=true; shift ;;
 	--existing-service-account) existing=$2; shift 2 ;;
 	--print) print=true; shift ;;
@@ -91,9 +98,13 @@ log() { echo "host-rbac: $*" >&2; }
 managed=harvester-csi-driver-host-rbac
 # Harvester's own namespace: networkfs-manager reads NetworkFilesystems only there.
 hsns=harvester-system
+# Longhorn's namespace on Harvester, where its Volumes and VolumeAttachments live.
+lhns=longhorn-system
 
 # What the driver calls on the host, one rule a line: scope (ns: the VM namespace, hs: harvester-system, where
-# networkfs-manager's NetworkFilesystems live, cluster: cluster-wide),
+# networkfs-manager's NetworkFilesystems live, cluster: cluster-wide; with --storage-read also nsstorage: the VM
+# namespace, lh: longhorn-system and storage: cluster-wide, each a role of its own, so that identities with and
+# without the option can share the namespace's Role),
 # API group ("" is core), resource[/subresource], verbs, resource names ("-": any). docs/host-rbac.md lists the
 # call behind each line and tests/rbac runs the driver with exactly these grants.
 permissions() {
@@ -115,6 +126,14 @@ cluster harvesterhci.io           settings                             get      
 EOF
 	if $kubevirt_read; then
 		echo 'cluster kubevirt.io               kubevirts                            list                   -'
+	fi
+	if $storage_read; then
+		cat <<'EOF'
+nsstorage ""                      events                               list                   -
+lh      longhorn.io               volumes                              get                    -
+lh      longhorn.io               volumeattachments                    get                    -
+storage ""                        persistentvolumes                    get                    -
+EOF
 	fi
 }
 
@@ -221,6 +240,39 @@ rules:
 EOF
 		binding ClusterRoleBinding "${namespace}-${sa}-kubevirt-reader" "" ClusterRole harvester-csi-driver:kubevirt-reader
 	fi
+	if $storage_read; then
+		cat <<EOF
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: harvester-csi-driver:storage-reader
+  namespace: ${namespace}
+$(labels)
+rules:
+$(rules nsstorage)
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: harvester-csi-driver:longhorn-reader
+  namespace: ${lhns}
+$(labels)
+rules:
+$(rules lh)
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata:
+  name: harvester-csi-driver:pv-reader
+$(labels)
+rules:
+$(rules storage)
+EOF
+		binding RoleBinding "${sa}-storage-reader" "$namespace" Role harvester-csi-driver:storage-reader
+		binding RoleBinding "${namespace}-${sa}-longhorn-reader" "$lhns" Role harvester-csi-driver:longhorn-reader
+		binding ClusterRoleBinding "${namespace}-${sa}-pv-reader" "" ClusterRole harvester-csi-driver:pv-reader
+	fi
 }
 
 if $print; then
@@ -302,17 +354,22 @@ if $revoke; then
 	log "revoking $namespace/$sa"
 	delete_labelled rolebindings "$namespace"
 	delete_labelled rolebindings "$hsns"
+	delete_labelled rolebindings "$lhns"
 	delete_labelled clusterrolebindings ""
 	remove_legacy
 	delete_labelled serviceaccounts "$namespace"
 	# Roles made for this identity alone (--existing-service-account), then the shared ones.
 	delete_labelled roles "$namespace"
 	delete_labelled roles "$hsns"
+	delete_labelled roles "$lhns"
 	delete_labelled clusterroles ""
 	delete_if_unused role harvester-csi-driver "$namespace"
 	delete_if_unused role harvester-csi-driver:networkfilesystems "$hsns"
 	delete_if_unused clusterrole harvester-csi-driver:host-reads
 	delete_if_unused clusterrole harvester-csi-driver:kubevirt-reader
+	delete_if_unused role harvester-csi-driver:storage-reader "$namespace"
+	delete_if_unused role harvester-csi-driver:longhorn-reader "$lhns"
+	delete_if_unused clusterrole harvester-csi-driver:pv-reader
 	log "revoked $namespace/$sa; the guest's kubeconfig Secret, if any, holds a token that no longer authenticates"
 	exit 0
 fi
@@ -352,13 +409,16 @@ if [ -n "$existing" ]; then
 		echo
 		"${host[@]}" -n "$hsns" get role "${namespace}-${role}" -o "jsonpath={.metadata.annotations.${annotation}}" 2>/dev/null || true
 		echo
+		"${host[@]}" -n "$lhns" get role "${namespace}-${role}" -o "jsonpath={.metadata.annotations.${annotation}}" 2>/dev/null || true
+		echo
 		"${host[@]}" get clusterrole "$clusterrole" -o "jsonpath={.metadata.annotations.${annotation}}" 2>/dev/null || true; } | tr ' ' '\n')
 	missing=""
 	while read -r scope group resource verbs names; do
 		[ "$group" = '""' ] && group=""
 		case $scope in
-		ns) ns=$namespace ;;
+		ns | nsstorage) ns=$namespace ;;
 		hs) ns=$hsns ;;
+		lh) ns=$lhns ;;
 		*) ns="" ;;
 		esac
 		for verb in ${verbs//,/ }; do
@@ -378,11 +438,12 @@ if [ -n "$existing" ]; then
 			fi
 		done
 	done < <(permissions)
-	nsrules=$(rules ns "$missing")
+	nsrules=$(rules ns "$missing"; rules nsstorage "$missing")
 	hsrules=$(rules hs "$missing")
-	clrules=$(rules cluster "$missing")
+	lhrules=$(rules lh "$missing")
+	clrules=$(rules cluster "$missing"; rules storage "$missing")
 	grants=$(grep -v '^$' <<<"$missing" | tr '\n' ' ' | sed 's/ $//' || true)
-	if [ -z "$nsrules" ] && [ -z "$hsrules" ] && [ -z "$clrules" ]; then
+	if [ -z "$nsrules" ] && [ -z "$hsrules" ] && [ -z "$lhrules" ] && [ -z "$clrules" ]; then
 		log "$namespace/$sa already has every grant the driver needs"
 		exit 0
 	fi
@@ -417,6 +478,22 @@ rules:
 ${hsrules}
 EOF
 			binding RoleBinding "${namespace}-${role}" "$hsns" Role "${namespace}-${role}"
+		fi
+		if [ -n "$lhrules" ]; then
+			cat <<EOF
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: ${namespace}-${role}
+  namespace: ${lhns}
+$(labels "${namespace}.${sa}")
+  annotations:
+    ${annotation}: "${grants}"
+rules:
+${lhrules}
+EOF
+			binding RoleBinding "${namespace}-${role}" "$lhns" Role "${namespace}-${role}"
 		fi
 		if [ -n "$clrules" ]; then
 			cat <<EOF

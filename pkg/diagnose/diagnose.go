@@ -144,6 +144,8 @@ type Input struct {
 	// HostPodsRead says they could be read.
 	HostPods     []corev1.Pod
 	HostPodsRead bool
+	// HostStorage is what the host storage path says about each held volume (hoststorage.go).
+	HostStorage map[string][]host.StorageIssue
 	// Queue is the controller's hotplug state, if it could be read, and
 	// QueueSource which replica (or replicas) it was read from.
 	Queue       []hotplug.VMState
@@ -171,6 +173,7 @@ func Check(in Input) []Finding {
 	v.judgeAttachmentPods(&r)
 	v.judgeCSINodes(&r)
 	v.judgeVolumesInUse(&r)
+	v.judgeHostStorage(&r)
 	return r.sorted()
 }
 

@@ -75,6 +75,7 @@ func gatherHost(ctx context.Context, hc *host.Client, in *Input) error {
 	}
 	in.HostClaims = claims.Items
 	gatherHostPods(ctx, hc, in)
+	gatherHostStorage(ctx, host.NewStorageReader(hc), in)
 	return gatherNetworkFS(ctx, hc, in)
 }
 

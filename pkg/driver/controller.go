@@ -107,6 +107,9 @@ type ControllerOptions struct {
 	// Claims, when set, lets a first publish skip reading a host claim that
 	// a cache already shows Bound (pkg/host.ClaimCache).
 	Claims ClaimCache
+	// HostStorage, when set, reads the host storage path under a volume
+	// for ControllerGetVolume's condition (pkg/host.StorageReader).
+	HostStorage HostStorage
 }
 
 // VMs says whether the host has a VM (the queue's cache, else a read).

@@ -12,9 +12,18 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	dynfake "k8s.io/client-go/dynamic/fake"
+	kubefake "k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+	kvfake "kubevirt.io/client-go/kubevirt/fake"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
 )
 
 func TestGetVolumeCapabilitiesAdvertised(t *testing.T) {
@@ -171,5 +180,113 @@ func TestUnpublishAsksTheDetachGuard(t *testing.T) {
 	}
 	if !slices.Equal(g.doneFor, []string{"vm1/pvc-a"}) {
 		t.Errorf("publish did not end the guard's count: %v", g.doneFor)
+	}
+}
+
+type fakeHostStorage struct {
+	issues  []host.StorageIssue
+	err     error
+	queries []host.StorageQuery
+}
+
+func (f *fakeHostStorage) Issues(_ context.Context, q host.StorageQuery) ([]host.StorageIssue, error) {
+	f.queries = append(f.queries, q)
+	return f.issues, f.err
+}
+
+// The host storage path joins the condition: each issue's message makes it
+// abnormal, next to the driver's own cases; the attachment pods are asked
+// about only for holders whose hotplug is not done; a failed read never
+// fails the call.
+func TestControllerGetVolumeHostStorage(t *testing.T) {
+	ctx := context.Background()
+	hs := &fakeHostStorage{}
+	s, _, hp := newTestController(ControllerOptions{HostStorage: hs})
+	if _, err := s.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-a", VolumeCapabilities: []*csi.VolumeCapability{rwo}}); err != nil {
+		t.Fatal(err)
+	}
+	hp.holders = map[string][]string{"pvc-a": {"vm1", "vm2"}}
+	hp.published = map[string][]string{"pvc-a": {"vm1"}}
+	hp.lost = map[string][]string{"pvc-a": {"vm1"}}
+	get := func() *csi.VolumeCondition {
+		t.Helper()
+		resp, err := s.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: "pvc-a"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.GetStatus().GetVolumeCondition()
+	}
+
+	hs.issues = []host.StorageIssue{
+		{Kind: host.LonghornNotReady, Message: "Longhorn volume pv-a is not ready for workloads: faulted"},
+		{Kind: host.AttachmentPodUnschedulable, VM: "vm2", Message: "attachment pod hp-volume-x of VM vm2 is Pending, not scheduled"},
+	}
+	cond := get()
+	for _, w := range []string{"lost the hotplug", "not ready for workloads: faulted", "hp-volume-x of VM vm2 is Pending"} {
+		if !cond.GetAbnormal() || !strings.Contains(cond.GetMessage(), w) {
+			t.Errorf("condition %+v, want abnormal saying %q", cond, w)
+		}
+	}
+	if len(hs.queries) == 0 {
+		t.Fatal("ControllerGetVolume did not ask the host storage path")
+	}
+	q := hs.queries[len(hs.queries)-1]
+	if q.Claim == nil || q.Claim.Name != "pvc-a" || !slices.Equal(q.Holders, []string{"vm1", "vm2"}) || !slices.Equal(q.Waiting, []string{"vm2"}) {
+		t.Errorf("asked the host storage path %+v, want claim pvc-a, holders vm1 vm2, waiting vm2", q)
+	}
+
+	hp.lost = nil
+	hs.issues, hs.err = nil, errors.New("read Longhorn volume pv-a: the server was unable to return a response in the time allotted")
+	if cond := get(); cond.GetAbnormal() {
+		t.Errorf("a host storage read that failed: condition %+v, want normal", cond)
+	}
+}
+
+// Against the host's objects (fake API): a faulted Longhorn volume makes the
+// condition abnormal; the same volume with the Longhorn read refused, and a
+// host without Longhorn, leave it normal.
+func TestControllerGetVolumeLonghornThroughTheHost(t *testing.T) {
+	ctx := context.Background()
+	faulted := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "longhorn.io/v1beta2", "kind": "Volume",
+		"metadata": map[string]any{"name": "pv-a", "namespace": host.LonghornNamespace},
+		"status":   map[string]any{"state": "detached", "robustness": "faulted"},
+	}}
+	pv := &corev1.PersistentVolume{ObjectMeta: metav1.ObjectMeta{Name: "pv-a"}, Spec: corev1.PersistentVolumeSpec{
+		PersistentVolumeSource: corev1.PersistentVolumeSource{CSI: &corev1.CSIPersistentVolumeSource{Driver: host.LonghornProvisioner, VolumeHandle: "pv-a"}}}}
+	for _, c := range []struct {
+		name     string
+		lh       []runtime.Object
+		refuse   bool
+		abnormal bool
+	}{
+		{"faulted", []runtime.Object{faulted}, false, true},
+		{"Longhorn read refused", []runtime.Object{faulted}, true, false},
+		{"no Longhorn", nil, false, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dyn := dynfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), map[schema.GroupVersionResource]string{
+				host.LonghornVolumeResource: "VolumeList", host.LonghornAttachmentResource: "VolumeAttachmentList"}, c.lh...)
+			if c.refuse {
+				dyn.PrependReactor("get", "volumes", func(k8stesting.Action) (bool, runtime.Object, error) {
+					return true, nil, apierrors.NewForbidden(schema.GroupResource{Group: "longhorn.io", Resource: "volumes"}, "pv-a", nil)
+				})
+			}
+			hc := &host.Client{Namespace: "guests", Kube: kubefake.NewClientset(pv), KubeVirt: kvfake.NewSimpleClientset(), Dynamic: dyn}
+			s, vols, hp := newTestController(ControllerOptions{HostStorage: host.NewStorageReader(hc)})
+			if _, err := s.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-a", VolumeCapabilities: []*csi.VolumeCapability{rwo}}); err != nil {
+				t.Fatal(err)
+			}
+			vols.pvcs["pvc-a"].Spec.VolumeName = "pv-a"
+			hp.holders = map[string][]string{"pvc-a": {"vm1"}}
+			resp, err := s.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: "pvc-a"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			cond := resp.GetStatus().GetVolumeCondition()
+			if cond.GetAbnormal() != c.abnormal || (c.abnormal && !strings.Contains(cond.GetMessage(), "Longhorn volume pv-a is not ready for workloads")) {
+				t.Errorf("condition %+v, want abnormal=%v", cond, c.abnormal)
+			}
+		})
 	}
 }

@@ -68,7 +68,7 @@ func (s *controllerService) ListVolumes(ctx context.Context, req *csi.ListVolume
 		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
 			Volume: vol,
 			// VOLUME_CONDITION is offered, so every entry carries one.
-			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: nodes, VolumeCondition: s.condition(id, byID[id])},
+			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: nodes, VolumeCondition: s.condition(id, byID[id], nil)},
 		})
 	}
 	return resp, nil

@@ -56,6 +56,9 @@ type grant struct {
 	Resource  string // resource[/subresource]
 	Verb      string
 	Names     string // resource names, comma-separated; "" for any
+
+	// Longhorn: in longhorn-system (Longhorn's volumes, --storage-read).
+	Longhorn bool
 }
 
 func (g grant) String() string {
@@ -65,6 +68,9 @@ func (g grant) String() string {
 	}
 	if g.Harvester {
 		where = "harvester-system"
+	}
+	if g.Longhorn {
+		where = "longhorn-system"
 	}
 	s := fmt.Sprintf("%s %s %s/%s", where, g.Verb, orCore(g.Group), g.Resource)
 	if g.Names != "" {
@@ -124,6 +130,7 @@ func scriptGrants(t *testing.T, args ...string) (grants []grant, objects []map[s
 			continue
 		}
 		harvester := obj["metadata"].(map[string]interface{})["namespace"] == "harvester-system"
+		longhorn := obj["metadata"].(map[string]interface{})["namespace"] == "longhorn-system"
 		b, _ := json.Marshal(obj)
 		var role rbacv1.ClusterRole
 		if err := json.Unmarshal(b, &role); err != nil {
@@ -133,7 +140,7 @@ func scriptGrants(t *testing.T, args ...string) (grants []grant, objects []map[s
 			for _, g := range r.APIGroups {
 				for _, res := range r.Resources {
 					for _, v := range r.Verbs {
-						grants = append(grants, grant{Cluster: kind == "ClusterRole", Harvester: harvester, Group: g, Resource: res, Verb: v, Names: strings.Join(r.ResourceNames, ",")})
+						grants = append(grants, grant{Cluster: kind == "ClusterRole", Harvester: harvester, Longhorn: longhorn, Group: g, Resource: res, Verb: v, Names: strings.Join(r.ResourceNames, ",")})
 					}
 				}
 			}
@@ -164,7 +171,8 @@ func documentedGrants(t *testing.T) []grant {
 		if len(cells) != 5 || strings.HasPrefix(strings.TrimSpace(cells[0]), "---") || strings.TrimSpace(cells[0]) == "where" {
 			continue
 		}
-		g := grant{Cluster: strings.HasPrefix(strings.TrimSpace(cells[0]), "cluster"), Harvester: strings.Contains(cells[0], "harvester-system")}
+		g := grant{Cluster: strings.HasPrefix(strings.TrimSpace(cells[0]), "cluster"), Harvester: strings.Contains(cells[0], "harvester-system"),
+			Longhorn: strings.Contains(cells[0], "longhorn-system")}
 		grp, res, verb := code.FindStringSubmatch(cells[1]), code.FindAllStringSubmatch(cells[2], -1), code.FindStringSubmatch(cells[3])
 		if grp == nil || res == nil || verb == nil || strings.TrimSpace(cells[4]) == "" {
 			t.Fatalf("docs/host-rbac.md: row %q needs `group`, `resource` (and `name`s), `verb` and the calls", line)
@@ -197,7 +205,7 @@ func sortedStrings[T fmt.Stringer](in []T) []string {
 // round. Namespaced rules are a Role in the VM namespace; nothing is a
 // wildcard; nothing binds Harvester's own (broader) roles.
 func TestHostRBACScriptGrantsWhatTheDocsExplain(t *testing.T) {
-	grants, objects := scriptGrants(t, "--kubevirt-read")
+	grants, objects := scriptGrants(t, "--kubevirt-read", "--storage-read")
 	if got, want := sortedStrings(grants), sortedStrings(documentedGrants(t)); !slices.Equal(got, want) {
 		t.Errorf("hack/host-rbac.sh grants:\n  %s\ndocs/host-rbac.md explains:\n  %s", strings.Join(got, "\n  "), strings.Join(want, "\n  "))
 	}
@@ -209,12 +217,16 @@ func TestHostRBACScriptGrantsWhatTheDocsExplain(t *testing.T) {
 	for _, o := range objects {
 		meta := o["metadata"].(map[string]interface{})
 		if o["kind"] == "Role" || o["kind"] == "RoleBinding" || o["kind"] == "ServiceAccount" {
-			// Only NetworkFilesystems are granted in Harvester's namespace.
+			// Only NetworkFilesystems are granted in Harvester's namespace, only Longhorn's volumes in Longhorn's.
 			nfs := strings.Contains(fmt.Sprint(meta["name"]), "networkfilesystems") && o["kind"] != "ServiceAccount"
+			lh := strings.Contains(fmt.Sprint(meta["name"]), "longhorn-reader") && o["kind"] != "ServiceAccount"
 			if nfs && meta["namespace"] != "harvester-system" {
 				t.Errorf("%s %s is not in harvester-system", o["kind"], meta["name"])
 			}
-			if !nfs && meta["namespace"] != "guests" {
+			if lh && meta["namespace"] != "longhorn-system" {
+				t.Errorf("%s %s is not in longhorn-system", o["kind"], meta["name"])
+			}
+			if !nfs && !lh && meta["namespace"] != "guests" {
 				t.Errorf("%s %s is not in the VM namespace", o["kind"], meta["name"])
 			}
 		}
@@ -607,7 +619,7 @@ func TestHostIdentityRunsTheDriver(t *testing.T) {
 		return
 	}
 	for _, g := range granted {
-		g.Cluster, g.Harvester, g.Names = false, false, ""
+		g.Cluster, g.Harvester, g.Longhorn, g.Names = false, false, false, ""
 		if !used[g] {
 			t.Errorf("granted but never needed by the driver's flows: %s", g)
 		}
