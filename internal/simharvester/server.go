@@ -16,6 +16,7 @@ import (
 	"math/big"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -52,6 +53,11 @@ type Options struct {
 	// TerminationGracePeriod is what the mutator writes into a template
 	// without one (default DefaultTerminationGracePeriod).
 	TerminationGracePeriod int64
+	// CacheLag holds every VM event this long before the validator's cache
+	// shows it, as a busy webhook pod's informer lags: right after a volume
+	// left one VM, the validator still sees it there. 0: as the informer
+	// delivers.
+	CacheLag time.Duration
 }
 
 // Server serves Harvester's webhooks and keeps them registered.
@@ -59,6 +65,7 @@ type Server struct {
 	o      Options
 	kube   kubernetes.Interface
 	vmInf  cache.SharedIndexInformer
+	cache  *vmCache
 	pvcs   listerscorev1.PersistentVolumeClaimLister
 	scs    listersstoragev1.StorageClassLister
 	caPEM  []byte
@@ -104,6 +111,11 @@ func (s *Server) start(ctx, runCtx context.Context, kv kubevirt.Interface) error
 	s.vmInf = cache.NewSharedIndexInformer(
 		cache.NewListWatchFromClient(kv.KubevirtV1().RESTClient(), "virtualmachines", metav1.NamespaceAll, fields.Everything()),
 		&kubevirtv1.VirtualMachine{}, 0, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+	s.cache = newVMCache(s.o.CacheLag)
+	if _, err := s.vmInf.AddEventHandler(s.cache.handler()); err != nil {
+		return err
+	}
+	s.wg.Go(func() { s.cache.run(runCtx) })
 	f := informers.NewSharedInformerFactory(s.kube, 0)
 	s.pvcs = f.Core().V1().PersistentVolumeClaims().Lister()
 	s.scs = f.Storage().V1().StorageClasses().Lister()
@@ -299,16 +311,7 @@ func (s *Server) mutate(_ context.Context, req *admissionv1.AdmissionRequest) *a
 
 // The lookup Harvester's caches give the rules.
 
-func (s *Server) vms(namespace string) []*kubevirtv1.VirtualMachine {
-	objs, _ := s.vmInf.GetIndexer().ByIndex(cache.NamespaceIndex, namespace)
-	out := make([]*kubevirtv1.VirtualMachine, 0, len(objs))
-	for _, o := range objs {
-		if vm, ok := o.(*kubevirtv1.VirtualMachine); ok {
-			out = append(out, vm)
-		}
-	}
-	return out
-}
+func (s *Server) vms(namespace string) []*kubevirtv1.VirtualMachine { return s.cache.list(namespace) }
 
 func (s *Server) pvc(namespace, name string) *corev1.PersistentVolumeClaim {
 	p, err := s.pvcs.PersistentVolumeClaims(namespace).Get(name)
@@ -429,4 +432,17 @@ func (s *Server) IsDown() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.srv == nil
+}
+
+// Holders are the VMs whose template names claim as the validator's cache
+// shows them now (with Options.CacheLag, behind the API server).
+func (s *Server) Holders(namespace, claim string) []string {
+	var out []string
+	for _, vm := range s.cache.list(namespace) {
+		if slices.Contains(templateClaims(vm, false), claim) {
+			out = append(out, vm.Name)
+		}
+	}
+	slices.Sort(out)
+	return out
 }

@@ -15,6 +15,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -70,6 +71,8 @@ type Options struct {
 	// (internal/simharvester; a profile's Webhooks) on the host's API
 	// server, with either control plane; "" serves none.
 	Webhooks simharvester.Release
+	// WebhookCacheLag is simharvester.Options.CacheLag.
+	WebhookCacheLag time.Duration
 }
 
 // Host is a running simulated Harvester cluster.
@@ -174,7 +177,7 @@ func (h *Host) finishStart(ctx, runCtx context.Context) error {
 	if h.o.Webhooks != "" {
 		// Before the VMs, so that Harvester's mutator gives them its
 		// termination grace period as on a real host.
-		srv, err := simharvester.Start(ctx, h.Env.Config, simharvester.Options{Release: h.o.Webhooks})
+		srv, err := simharvester.Start(ctx, h.Env.Config, simharvester.Options{Release: h.o.Webhooks, CacheLag: h.o.WebhookCacheLag})
 		if err != nil {
 			return fmt.Errorf("harvester webhooks: %w", err)
 		}
