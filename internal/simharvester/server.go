@@ -121,7 +121,10 @@ func (s *Server) start(ctx, runCtx context.Context, kv kubevirt.Interface) error
 	s.scs = f.Storage().V1().StorageClasses().Lister()
 	f.Start(runCtx.Done())
 	s.wg.Go(func() { s.vmInf.RunWithContext(runCtx) })
-	s.wg.Go(func() { f.Shutdown() })
+	s.wg.Go(func() {
+		<-runCtx.Done()
+		f.Shutdown()
+	})
 	if !cache.WaitForCacheSync(ctx.Done(), s.vmInf.HasSynced) {
 		return errors.New("simharvester: VM cache did not sync")
 	}
