@@ -109,6 +109,8 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	fs.DurationVar(&c.AttachPodStuckEvery, "attachment-pod-stuck-every", 0, "how often the attachment-pod fault strikes (default 4x its length)")
 	fs.BoolVar(&c.StuckDetachOnReadd, "stuck-detach-on-readd", false, "fault: a volume re-added while Detaching stays Detaching (KubeVirt before 1.8.2 does this by itself; the flag refuses a newer --kubevirt)")
 	fs.Float64Var(&c.DenyHotplug, "deny-hotplug", 0, "fault: fraction of volumes a validating webhook denies hotplug for, a few seconds at a time")
+	fs.DurationVar(&c.WebhookOutage, "webhook-outage", 0, "fault: Harvester's webhook service is away this long (every VM write fails calling it), now and then; needs --harvester")
+	fs.DurationVar(&c.WebhookOutageEvery, "webhook-outage-every", 0, "how often the webhook outage strikes (default 4x its length)")
 	fs.IntVar(&f.verbosity, "v", 2, "log verbosity of the lab's own log (logs/lab.log)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err

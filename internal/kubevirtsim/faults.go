@@ -62,9 +62,10 @@ func (f *Faults) podsStuck(key string) bool {
 
 // DenyVolume makes the Harvester-like VM validator (WebhookHarvester) deny
 // every VM update that adds a volume with this name or claim name, with 422
-// and message (default "the volume <claim> is already used by VM
-// <namespace>/another-vm"). It applies to client patches and to the legacy
-// controller's spec updates alike.
+// and message (default "the volume <claim> is refused by an admission
+// policy": a refusal for good; Harvester's own occupied-claim rule, which
+// passes once the other VM lets go, is internal/simharvester's). It applies
+// to client patches and to the legacy controller's spec updates alike.
 func (f *Faults) DenyVolume(volume, message string) {
 	f.mu.Lock()
 	f.deny[volume] = message

@@ -228,7 +228,7 @@ func TestLegacySpecUpdateDenied(t *testing.T) {
 	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-bad", "pvc-snap")
 	s.Faults().DenyVolume("pvc-bad", "")
 	expect202(t, addVolume(t, s, ns, "vm1", "pvc-bad"))
-	wantMsg := `Error encountered when trying to update vm according to add volume and/or memory dump requests: admission webhook "validator.harvesterhci.io" denied the request: the volume pvc-bad is already used by VM`
+	wantMsg := `Error encountered when trying to update vm according to add volume and/or memory dump requests: admission webhook "validator.harvesterhci.io" denied the request: the volume pvc-bad is refused by an admission policy`
 	err := s.Wait(ctx, ns, "vm1", func(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance) bool {
 		return failure(vm, ReasonFailedUpdateError, wantMsg) && HasVolume(vmi.Spec.Volumes, "pvc-bad") && !HasVolume(vm.Spec.Template.Spec.Volumes, "pvc-bad")
 	})

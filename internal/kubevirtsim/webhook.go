@@ -475,7 +475,7 @@ func (w *webhooks) admitHarvesterVM(req *admissionv1.AdmissionRequest) []metav1.
 		for _, key := range []string{v.Name, volumeClaim(v)} {
 			if msg, ok := denied[key]; ok && key != "" {
 				if msg == "" {
-					msg = fmt.Sprintf("the volume %s is already used by VM %s/%s", volumeClaim(v), vm.Namespace, "another-vm")
+					msg = fmt.Sprintf("the volume %s is refused by an admission policy", volumeClaim(v))
 				}
 				return invalid("spec.template.spec.volumes", "%s", msg)
 			}

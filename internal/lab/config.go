@@ -1,6 +1,7 @@
 package lab
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/profile"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simharvester"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
 )
 
@@ -58,6 +60,11 @@ type Config struct {
 	AttachPodStuckEvery time.Duration `json:"fault_attachment_pod_stuck_every"`
 	StuckDetachOnReadd  bool          `json:"fault_stuck_detach_on_readd"`
 	DenyHotplug         float64       `json:"fault_deny_hotplug"`
+	// WebhookOutage takes Harvester's webhook service away this long, every
+	// WebhookOutageEvery (default 4x), as an upgrade restarting its pod
+	// does; needs Harvester (its webhooks are served then).
+	WebhookOutage      time.Duration `json:"fault_webhook_outage"`
+	WebhookOutageEvery time.Duration `json:"fault_webhook_outage_every"`
 
 	// Out is the run directory; Bin the upstream binaries; DriverBinary the
 	// driver; ControllerBinary an alternative controller process; Manifests
@@ -115,6 +122,22 @@ func hostOptions(out, kubevirt string, sim kubevirtsim.Options, nodes []string) 
 		Dir: filepath.Join(out, "host"), LogDir: filepath.Join(out, "logs"), Sim: sim, Real: tag, VMs: nodes,
 		Disks: true, HardUnplug: true, Harvester: true,
 	}
+}
+
+// webhooks are the Harvester webhooks the host serves: those of the
+// --harvester release, none without one.
+func (c *Config) webhooks() (simharvester.Release, error) {
+	if c.Harvester == "" {
+		if c.WebhookOutage > 0 {
+			return "", errors.New("--webhook-outage needs --harvester: the release whose webhooks the host serves")
+		}
+		return "", nil
+	}
+	p, err := profile.Lookup(c.Harvester)
+	if err != nil {
+		return "", fmt.Errorf("--harvester: %w", err)
+	}
+	return p.Webhooks, nil
 }
 
 // RealPrefix in --kubevirt picks KubeVirt's real control plane

@@ -109,6 +109,20 @@ func (r *run) startFaults(ctx context.Context, wg *sync.WaitGroup) {
 			r.h.Sim.Faults().SetAttachmentPodsStuck(r.h.Namespace, vm, false)
 		})
 	}
+	if c.WebhookOutage > 0 && r.h.Harvester != nil {
+		period := c.WebhookOutageEvery
+		if period <= 0 {
+			period = 4 * c.WebhookOutage
+		}
+		every(period, func() {
+			r.log.Info("fault: Harvester's webhook service away (every VM write fails calling it)", "for", c.WebhookOutage)
+			r.h.Harvester.Down()
+			sleep(c.WebhookOutage)
+			if err := r.h.Harvester.Up(); err != nil {
+				r.log.Error(err, "fault: Harvester's webhook service did not come back")
+			}
+		})
+	}
 	if c.DenyHotplug > 0 {
 		// Each volume is denied with probability p for a few seconds at a
 		// time: about that fraction of hotplug attempts meet the webhook.

@@ -3,8 +3,10 @@ package lab
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simharvester"
 )
 
 func TestParseKubeVirt(t *testing.T) {
@@ -148,5 +150,20 @@ func TestSummaryNamesTheHarvesterRelease(t *testing.T) {
 	got := (&Report{Config: Config{KubeVirt: "declarative-v1.7.0", Harvester: "1.8.0"}}).Summary()
 	if !strings.Contains(got, "Harvester 1.8.0") {
 		t.Errorf("summary does not name --harvester 1.8.0:\n%s", got)
+	}
+}
+
+// The host serves the webhooks of the --harvester release, and the outage
+// fault refuses to run without them.
+func TestWebhooksFollowTheRelease(t *testing.T) {
+	for release, want := range map[string]simharvester.Release{"1.6.0": simharvester.V1_6, "1.7.2": simharvester.V1_7, "1.8.2": simharvester.V1_8, "": ""} {
+		c := &Config{Harvester: release}
+		if got, err := c.webhooks(); err != nil || got != want {
+			t.Errorf("--harvester %q: webhooks %q, %v; want %q", release, got, err, want)
+		}
+	}
+	c := &Config{WebhookOutage: time.Second}
+	if _, err := c.webhooks(); err == nil {
+		t.Error("--webhook-outage without --harvester accepted")
 	}
 }

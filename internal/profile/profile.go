@@ -10,6 +10,7 @@ import (
 	"strings"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simharvester"
 )
 
 // Profile is one line of Harvester releases that run the same KubeVirt.
@@ -28,6 +29,9 @@ type Profile struct {
 	// Real is the nearest KubeVirt tag internal/realkubevirt builds, ""
 	// when none is near enough to stand in for it.
 	Real string
+	// Webhooks are the rules and messages of the release's own admission
+	// webhooks (internal/simharvester), read at harvester/harvester's tags.
+	Webhooks simharvester.Release
 	// minor, from, to: the patch releases x.minor.from..to it covers (to <
 	// 0: and every later one).
 	minor, from, to int
@@ -39,22 +43,23 @@ type Profile struct {
 var profiles = []Profile{
 	// v1.6.0, v1.6.1: tag 1.5.2-150700.3.5.2, featureGates HotplugVolumes.
 	// No KubeVirt 1.5 tag builds here (its client-go is not served).
-	{Name: "1.6", Releases: "1.6.x", KubeVirt: "v1.5.2", Mode: kubevirtsim.ModeLegacy, Sim: kubevirtsim.V1_5_3, minor: 6, from: 0, to: -1},
+	{Name: "1.6", Releases: "1.6.x", KubeVirt: "v1.5.2", Mode: kubevirtsim.ModeLegacy, Sim: kubevirtsim.V1_5_3, Webhooks: simharvester.V1_6, minor: 6, from: 0, to: -1},
 	// v1.7.0, v1.7.1: tag 1.6.3-150700.3.13.1, featureGates HotplugVolumes
 	// (v1.7.0 values.yaml:71). v1.6.3 does not build here; v1.6.0 does.
-	{Name: "1.7.0", Releases: "1.7.0, 1.7.1", KubeVirt: "v1.6.3", Mode: kubevirtsim.ModeLegacy, Sim: kubevirtsim.V1_6_3, Real: "v1.6.0", minor: 7, from: 0, to: 1},
+	{Name: "1.7.0", Releases: "1.7.0, 1.7.1", KubeVirt: "v1.6.3", Mode: kubevirtsim.ModeLegacy, Sim: kubevirtsim.V1_6_3, Real: "v1.6.0", Webhooks: simharvester.V1_7, minor: 7, from: 0, to: 1},
 	// v1.7.2, v1.7.3: tag 1.6.6-150700.15.7.1, HotplugVolumes.
-	{Name: "1.7.2", Releases: "1.7.2 and later 1.7", KubeVirt: "v1.6.6", Mode: kubevirtsim.ModeLegacy, Sim: kubevirtsim.V1_6_3, Real: "v1.6.0", minor: 7, from: 2, to: -1},
+	{Name: "1.7.2", Releases: "1.7.2 and later 1.7", KubeVirt: "v1.6.6", Mode: kubevirtsim.ModeLegacy, Sim: kubevirtsim.V1_6_3, Real: "v1.6.0", Webhooks: simharvester.V1_7, minor: 7, from: 2, to: -1},
 	// v1.8.0: tag 1.7.0-150700.3.16.2, v1.8.1: 1.7.0-150700.3.21.1;
 	// featureGates DeclarativeHotplugVolumes (v1.8.0 values.yaml:73).
-	{Name: "1.8.0", Releases: "1.8.0, 1.8.1", KubeVirt: "v1.7.0", Mode: kubevirtsim.ModeDeclarative, Sim: kubevirtsim.V1_7_0, Real: "v1.7.0", minor: 8, from: 0, to: 1},
+	{Name: "1.8.0", Releases: "1.8.0, 1.8.1", KubeVirt: "v1.7.0", Mode: kubevirtsim.ModeDeclarative, Sim: kubevirtsim.V1_7_0, Real: "v1.7.0", Webhooks: simharvester.V1_8, minor: 8, from: 0, to: 1},
 	// v1.8.2: tag 1.7.4-150700.3.24.2, DeclarativeHotplugVolumes. 1.7.4
 	// lacks the Detaching reset of KubeVirt 1.8.2, so the nearest real
 	// control plane is v1.7.0, not v1.8.2.
-	{Name: "1.8.2", Releases: "1.8.2 and later 1.8", KubeVirt: "v1.7.4", Mode: kubevirtsim.ModeDeclarative, Sim: kubevirtsim.V1_7_0, Real: "v1.7.0", minor: 8, from: 2, to: -1},
+	{Name: "1.8.2", Releases: "1.8.2 and later 1.8", KubeVirt: "v1.7.4", Mode: kubevirtsim.ModeDeclarative, Sim: kubevirtsim.V1_7_0, Real: "v1.7.0", Webhooks: simharvester.V1_8, minor: 8, from: 2, to: -1},
 	// v1.9.0-rc6: tag 1.8.4-5.2, DeclarativeHotplugVolumes
-	// (values.yaml:75); released 1.9 may differ.
-	{Name: "1.9", Releases: "1.9 (release candidates)", KubeVirt: "v1.8.4", Mode: kubevirtsim.ModeDeclarative, Sim: kubevirtsim.V1_8_2, Real: "v1.8.4", minor: 9, from: 0, to: -1},
+	// (values.yaml:75); released 1.9 may differ. Its webhooks are taken to
+	// be 1.8's (not read at a 1.9 tag).
+	{Name: "1.9", Releases: "1.9 (release candidates)", KubeVirt: "v1.8.4", Mode: kubevirtsim.ModeDeclarative, Sim: kubevirtsim.V1_8_2, Real: "v1.8.4", Webhooks: simharvester.V1_8, minor: 9, from: 0, to: -1},
 }
 
 // All returns every profile, oldest first.

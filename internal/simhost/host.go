@@ -15,6 +15,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -26,6 +27,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
 	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simharvester"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -65,6 +67,12 @@ type Options struct {
 	// relies on: the simulator's class is the default class, classless PVCs
 	// bind, and the online-expansion setting exists.
 	Harvester bool
+	// Webhooks serves Harvester's admission webhooks of this release
+	// (internal/simharvester; a profile's Webhooks) on the host's API
+	// server, with either control plane; "" serves none.
+	Webhooks simharvester.Release
+	// WebhookCacheLag is simharvester.Options.CacheLag.
+	WebhookCacheLag time.Duration
 }
 
 // Host is a running simulated Harvester cluster.
@@ -77,7 +85,10 @@ type Host struct {
 	Real     *realkubevirt.ControlPlane
 	KubeVirt kubevirt.Interface
 	// Disks are the loop disks (nil without Options.Disks).
-	Disks     *loopdisk.LoopDisks
+	Disks *loopdisk.LoopDisks
+	// Harvester are Harvester's webhooks with Options.Webhooks (nil
+	// otherwise); Down and Up take their service away and back.
+	Harvester *simharvester.Server
 	Kube      kubernetes.Interface
 	Namespace string
 
@@ -163,6 +174,15 @@ func (h *Host) start(ctx context.Context) error {
 // finishStart is what follows either control plane: disk growth and the
 // guest VMs.
 func (h *Host) finishStart(ctx, runCtx context.Context) error {
+	if h.o.Webhooks != "" {
+		// Before the VMs, so that Harvester's mutator gives them its
+		// termination grace period as on a real host.
+		srv, err := simharvester.Start(ctx, h.Env.Config, simharvester.Options{Release: h.o.Webhooks, CacheLag: h.o.WebhookCacheLag})
+		if err != nil {
+			return fmt.Errorf("harvester webhooks: %w", err)
+		}
+		h.Harvester = srv
+	}
 	if h.o.Disks {
 		if err := h.growDisks(runCtx); err != nil {
 			return fmt.Errorf("disk growth: %w", err)
@@ -260,6 +280,9 @@ func (h *Host) Stop(ctx context.Context) error {
 	}
 	if h.Real != nil {
 		h.Real.Stop()
+	}
+	if h.Harvester != nil {
+		h.Harvester.Stop()
 	}
 	if h.Disks != nil {
 		errs = append(errs, h.Disks.Close(context.WithoutCancel(ctx)))

@@ -297,6 +297,12 @@ func (s *controllerService) DeleteVolume(ctx context.Context, req *csi.DeleteVol
 		return nil, err
 	}
 	if err := s.volumes.DeleteVolume(ctx, req.GetVolumeId()); err != nil {
+		if inUseOnHost(err) {
+			// Harvester's PVC validator still sees the claim in a VM
+			// template (its cache can lag the VM that let go): CSI's
+			// "volume in use", retried by the provisioner.
+			return nil, status.Errorf(codes.FailedPrecondition, "delete host PVC %s: %v", req.GetVolumeId(), err)
+		}
 		return nil, apiStatus(err, "delete host PVC %s", req.GetVolumeId())
 	}
 	return &csi.DeleteVolumeResponse{}, nil

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -164,6 +165,14 @@ func apiStatus(err error, format string, args ...any) error {
 		return status.Error(codes.Unavailable, msg)
 	}
 	return status.Error(codes.Internal, msg)
+}
+
+// inUseOnHost reports Harvester's PVC validator refusing to delete a claim
+// that a VM template names (harvester v1.7.0
+// pkg/webhook/resources/persistentvolumeclaim/validator.go:100-110, 422;
+// v1.8.0 :107-108, 409).
+func inUseOnHost(err error) bool {
+	return (apierrors.IsInvalid(err) || apierrors.IsConflict(err)) && strings.Contains(err.Error(), "which is currently attached to VM")
 }
 
 // isConnectionError reports a host API that could not be reached at all.

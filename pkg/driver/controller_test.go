@@ -35,6 +35,8 @@ type fakeVolumes struct {
 	gets int
 	// createPending leaves created PVCs unbound.
 	createPending bool
+	// deleteErr, when set, is what a deletion answers (nothing deleted).
+	deleteErr error
 }
 
 var pvcGR = schema.GroupResource{Resource: "persistentvolumeclaims"}
@@ -74,6 +76,9 @@ func (f *fakeVolumes) GetVolume(_ context.Context, name string) (*corev1.Persist
 }
 
 func (f *fakeVolumes) DeleteVolume(_ context.Context, name string) error {
+	if f.deleteErr != nil {
+		return f.deleteErr
+	}
 	delete(f.pvcs, name)
 	return nil
 }
@@ -458,5 +463,25 @@ func TestVMUIDsReadsTheHostCache(t *testing.T) {
 	}
 	if uid, ok := uids("vm-2"); ok {
 		t.Errorf("UID of a VM not in the cache = %q, want none", uid)
+	}
+}
+
+// Harvester's PVC validator refuses deleting a claim a VM template names
+// (422 up to 1.7, 409 from 1.8), and its cache can still show a VM that let
+// go: the deletion answers FailedPrecondition, CSI's "volume in use", which
+// the external-provisioner retries, whatever code the release uses.
+func TestDeleteVolumeInUseOnTheHost(t *testing.T) {
+	ctx := context.Background()
+	msg := `admission webhook "validator.harvesterhci.io" denied the request: can not delete the volume pvc-x which is currently attached to VM: guests/vm-a`
+	for name, err := range map[string]error{
+		"1.6 and 1.7": &apierrors.StatusError{ErrStatus: metav1.Status{Status: metav1.StatusFailure, Code: 422, Reason: metav1.StatusReasonInvalid, Message: msg}},
+		"1.8":         &apierrors.StatusError{ErrStatus: metav1.Status{Status: metav1.StatusFailure, Code: 409, Reason: metav1.StatusReasonConflict, Message: msg}},
+	} {
+		s, vols, _ := newTestController(ControllerOptions{})
+		vols.deleteErr = err
+		_, got := s.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "pvc-x"})
+		if status.Code(got) != codes.FailedPrecondition || !strings.Contains(got.Error(), "guests/vm-a") {
+			t.Errorf("%s: delete refused by Harvester answered %v, want FailedPrecondition naming the VM", name, got)
+		}
 	}
 }

@@ -427,3 +427,41 @@ func TestStateSaysWhatEachIntentWaitsFor(t *testing.T) {
 		return false, fmt.Sprintf("%+v", st)
 	})
 }
+
+// An attach the API server refused because it could not call an admission
+// webhook (failurePolicy Fail; Harvester's while an upgrade restarts it) was
+// not stored: it leaves no expectation behind, so a detach that replaces it
+// is done at once and the volume can go to another VM, instead of counting
+// as held by the first VM until MaxHold.
+func TestWebhookCallFailureWritesNothing(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1", "vm2")
+	f.override = func(vm string, c Change) (Outcome, bool) {
+		if vm == "vm1" && c.Op == Attach {
+			return Outcome{Result: Failed, Err: apierrors.NewInternalError(errors.New(`failed calling webhook "validator.harvesterhci.io": failed to call webhook: Post "https://harvester-webhook.harvester-system.svc:443/v1/webhook/validation?timeout=10s": dial tcp 10.53.0.9:443: connect: connection refused`))}, true
+		}
+		return Outcome{}, false
+	}
+	cfg := fastConfig()
+	cfg.MaxHold = time.Hour
+	q, _ := startQueue(t, f, cfg)
+	caller, giveUp := context.WithCancel(context.Background())
+	answer := make(chan error, 1)
+	go func() { answer <- q.Attach(caller, "vm1", "pvc-a", true) }()
+	testwait.For(t, "a failed attempt", 30*time.Second, func() bool {
+		return testutil.ToFloat64(q.metrics.hostFailures.WithLabelValues(causeOther)) >= 1
+	})
+	giveUp()
+	if err := <-answer; !strings.Contains(fmt.Sprint(err), "failed calling webhook") {
+		t.Fatalf("attach answered %v, want the webhook failure as its cause", err)
+	}
+	// Bounded far below MaxHold: the detach must not wait for a write that
+	// never happened.
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := q.Detach(ctx, "vm1", "pvc-a"); err != nil {
+		t.Fatalf("detach replacing the refused attach: %v", err)
+	}
+	if err := q.Attach(ctx, "vm2", "pvc-a", true); err != nil {
+		t.Fatalf("attach to vm2 after vm1's refused attach was withdrawn: %v", err)
+	}
+}

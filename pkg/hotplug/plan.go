@@ -2,6 +2,7 @@ package hotplug
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"slices"
 	"time"
@@ -108,6 +109,13 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 				}
 				adds = append(adds, Change{Volume: vol, Op: Attach})
 			case addReq && !removeReq:
+				// A passing refusal of a volume no other VM holds waits for
+				// KubeVirt's retry; a held volume is refused below.
+				var passing *PassingRefusal
+				if err := f.refused[vol]; errors.As(err, &passing) && f.held[vol] == nil {
+					p.waits[vol] = o.onKubeVirt(vol, WedgeQueuedRequest, "waiting for the host to accept the queued add request it refused for now: "+err.Error())
+					continue
+				}
 				// A queued add the host refused blocks every request behind
 				// it: fail this volume and withdraw its request.
 				if err := f.refused[vol]; err != nil {

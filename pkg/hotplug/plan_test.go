@@ -191,6 +191,20 @@ func TestDecide(t *testing.T) {
 		wantResolve: map[string]error{"a": errDenied},
 		wantChanges: []Change{{"a", Detach}},
 	}, {
+		name: "legacy add refused by Harvester's validator for a volume no other VM holds waits for KubeVirt's retry",
+		in: in{intents: map[string]Op{"a": Attach}, since: t0.Add(-time.Second),
+			obs:     observed{vm: failedVM(vmWith(nil, addReq("a")), harvesterOccupied), vmi: vmiWith(nil)},
+			refused: map[string]error{"a": &PassingRefusal{Err: errors.New(harvesterOccupied)}}},
+		wantWait: map[string]string{"a": "refused for now"},
+	}, {
+		name: "legacy add refused by Harvester's validator for a volume another VM holds is withdrawn",
+		in: in{intents: map[string]Op{"a": Attach}, since: t0.Add(-time.Second),
+			obs:     observed{vm: failedVM(vmWith(nil, addReq("a")), harvesterOccupied), vmi: vmiWith(nil)},
+			held:    map[string]error{"a": &HeldError{Volume: "a", VM: "vm2", State: "attached"}},
+			refused: map[string]error{"a": &PassingRefusal{Err: errors.New(harvesterOccupied)}}},
+		wantResolve: map[string]error{"a": errDenied},
+		wantChanges: []Change{{"a", Detach}},
+	}, {
 		name:        "detach of a volume gone from the VM but still on the VMI waits",
 		in:          in{intents: map[string]Op{"a": Detach}, obs: observed{vm: vmWith(nil), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeDetaching})}},
 		wantChanges: nil,
@@ -262,6 +276,10 @@ var (
 	errDenied = errors.New("rejected")
 	errHeld   = errors.New("held")
 )
+
+// harvesterOccupied is Harvester's validator refusing the legacy VM
+// controller's spec update, as the VM's Failure condition says it.
+const harvesterOccupied = `Error encountered when trying to update vm according to add volume requests: admission webhook "validator.harvesterhci.io" denied the request: PVC guests/a is already used by other VM, please use a shareable RWX volume.`
 
 func failedVM(vm *kubevirtv1.VirtualMachine, msg string) *kubevirtv1.VirtualMachine {
 	vm.Status.Conditions = append(vm.Status.Conditions, kubevirtv1.VirtualMachineCondition{

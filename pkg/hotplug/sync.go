@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -604,14 +605,18 @@ func permanent(err error) bool {
 
 // refused reports an answer from the API server that says the request was
 // not carried out; anything else (a timeout, a dropped connection, a 5xx)
-// may have been.
+// may have been. A validating webhook the API server could not call is a 500
+// that stored nothing: admission runs before the write, and with
+// failurePolicy Fail the call's failure rejects the request (kubernetes
+// v1.33 staging/src/k8s.io/apiserver/pkg/admission/plugin/webhook/validating/dispatcher.go,
+// "failed calling webhook" from pkg/util/webhook/error.go).
 func refused(err error) bool {
 	var status apierrors.APIStatus
 	if !errors.As(err, &status) {
 		return false
 	}
 	code := status.Status().Code
-	return code >= 400 && code < 500
+	return code >= 400 && code < 500 || strings.Contains(status.Status().Message, "failed calling webhook")
 }
 
 func hasAttach(w *vmWork) bool {

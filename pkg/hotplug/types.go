@@ -226,6 +226,18 @@ func (e *SupersededError) Error() string {
 
 func (o Op) opposite() Op { return 1 - o }
 
+// PassingRefusal is a host refusal of a queued add request (Backend.Refusal)
+// that clears by itself: Harvester's validator refusing a claim that its
+// cache still shows on another VM. While no other VM holds the volume as far
+// as the informers and this process know, the request stays queued for
+// KubeVirt's own retry instead of failing the volume; the error is the
+// host's.
+type PassingRefusal struct{ Err error }
+
+func (e *PassingRefusal) Error() string { return e.Err.Error() }
+
+func (e *PassingRefusal) Unwrap() error { return e.Err }
+
 // RejectedError carries the host's final refusal of one volume change.
 type RejectedError struct {
 	Volume, VM string

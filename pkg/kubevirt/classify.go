@@ -37,7 +37,15 @@ func classify(err error, op hotplug.Op) hotplug.Outcome {
 		has("conflicts with an existing volume of the same name"):
 		r = hotplug.InFlight
 	// VM-wide, temporary refusals: retry the VM later, fail no volume.
-	case has("migration is in progress"), has("until snapshot"), has("VMI is not running"):
+	// Harvester's VM validator refuses every write of a VM while a claim of
+	// its template is in another VM's template (harvester v1.6.0
+	// pkg/webhook/resources/virtualmachine/validator.go:464-481, v1.7.0
+	// :517-539), judged from its informer cache: right after an RWO volume
+	// left the old VM the cache can still show it there, and the claim named
+	// need not be one this write adds. The next attempt's live read of the
+	// holders (pkg/hotplug fencing) answers a volume that is really held.
+	case has("migration is in progress"), has("until snapshot"), has("VMI is not running"),
+		has("denied the request") && harvesterOccupied(msg):
 		r = hotplug.Failed
 	// Optimistic concurrency: a JSON-patch test failed or the object moved.
 	case has("the server rejected our request due to an error in our request"),
@@ -60,4 +68,12 @@ func classify(err error, op hotplug.Op) hotplug.Outcome {
 		r = hotplug.Failed
 	}
 	return hotplug.Outcome{Result: r, Err: err}
+}
+
+// harvesterOccupied reports Harvester's refusal of a claim another VM's
+// template names, in the words of each release ("the volume %s is already
+// used by VM %s/%s" up to 1.6; "PVC %s/%s is already used by other VM,
+// please use a shareable RWX volume." from 1.7).
+func harvesterOccupied(msg string) bool {
+	return strings.Contains(msg, "is already used by VM ") || strings.Contains(msg, "is already used by other VM")
 }

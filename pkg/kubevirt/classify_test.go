@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/util/validation/field"
 
@@ -31,7 +32,13 @@ func TestClassifyKubeVirtAnswers(t *testing.T) {
 		{"resourceVersion conflict", apierrors.NewConflict(vmGR, "node-1", errors.New("the object has been modified")), hotplug.Attach, hotplug.Conflict},
 		{"not hotpluggable", conflict("Unable to remove volume [pvc-1] because it is not hotpluggable"), hotplug.Detach, hotplug.Rejected},
 		{"claim attached under another name", conflict("Unable to add volume source [pvc-1] because it already exists"), hotplug.Attach, hotplug.Rejected},
-		{"third-party webhook", errors.New(`admission webhook "validator.harvesterhci.io" denied the request: the volume pvc-1 is already used by VM other`), hotplug.Attach, hotplug.Rejected},
+		{"third-party webhook", errors.New(`admission webhook "policy.example.com" denied the request: volume pvc-1 is refused by policy`), hotplug.Attach, hotplug.Rejected},
+		// Harvester's VM validator while its cache still shows the claim on
+		// another VM: transient, and it refuses detaches too.
+		{"harvester 1.6 claim on another VM", harvesterDenial(`the volume pvc-1 is already used by VM guests/other`), hotplug.Attach, hotplug.Failed},
+		{"harvester 1.7 claim on another VM", harvesterDenial(`PVC guests/pvc-1 is already used by other VM, please use a shareable RWX volume.`), hotplug.Attach, hotplug.Failed},
+		{"harvester refusing a detach for another claim", harvesterDenial(`PVC guests/pvc-2 is already used by other VM, please use a shareable RWX volume.`), hotplug.Detach, hotplug.Failed},
+		{"harvester webhook away", apierrors.NewInternalError(errors.New(`failed calling webhook "validator.harvesterhci.io": failed to call webhook: Post "https://harvester-webhook.harvester-system.svc:443/v1/webhook/validation?timeout=10s": dial tcp 10.53.0.1:443: connect: connection refused`)), hotplug.Attach, hotplug.Failed},
 		{"snapshot in progress", errors.New(`admission webhook "virtualmachine-validator.kubevirt.io" denied the request: Cannot update vm disks or volumes until snapshot "s1" completes`), hotplug.Attach, hotplug.Failed},
 		{"migration in progress", errors.New(`admission webhook "kubevirt-crd-status-validator.kubevirt.io" denied the request: Cannot handle volume requests while VMI migration is in progress`), hotplug.Attach, hotplug.Failed},
 		{"VMI not running", apierrors.NewConflict(schema.GroupResource{Group: "kubevirt.io", Resource: "virtualmachineinstance"}, "node-1", errors.New("VMI is not running")), hotplug.Attach, hotplug.Failed},
@@ -50,6 +57,13 @@ func TestClassifyKubeVirtAnswers(t *testing.T) {
 			}
 		})
 	}
+}
+
+// harvesterDenial is the API server's answer when Harvester's validator
+// refuses a VM write (422 Invalid, its message behind the webhook's name).
+func harvesterDenial(msg string) error {
+	return &apierrors.StatusError{ErrStatus: metav1.Status{Status: metav1.StatusFailure, Code: 422, Reason: metav1.StatusReasonInvalid,
+		Message: `admission webhook "validator.harvesterhci.io" denied the request: ` + msg}}
 }
 
 func TestAtLeast(t *testing.T) {

@@ -6,6 +6,8 @@ import (
 	"strings"
 
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
 // temporaryRefusals are KubeVirt's VM-wide, passing refusals: they name no
@@ -30,6 +32,11 @@ func Refusal(vm *kubevirtv1.VirtualMachine, volume string) error {
 		}
 		if slices.ContainsFunc(temporaryRefusals, func(s string) bool { return strings.Contains(c.Message, s) }) {
 			continue
+		}
+		if harvesterOccupied(c.Message) {
+			// Harvester's validator may judge from a cache that still
+			// shows the volume on the VM it just left (classify.go).
+			return &hotplug.PassingRefusal{Err: errors.New(c.Message)}
 		}
 		return errors.New(c.Message)
 	}

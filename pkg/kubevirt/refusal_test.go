@@ -1,9 +1,12 @@
 package kubevirt
 
 import (
+	"errors"
 	"testing"
 
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
 func TestRefusalFromTheVMCondition(t *testing.T) {
@@ -12,13 +15,18 @@ func TestRefusalFromTheVMCondition(t *testing.T) {
 		Type: kubevirtv1.VirtualMachineFailure, Status: "True", Reason: "FailedUpdateError",
 		Message: `Error encountered when trying to update vm according to add volume requests: admission webhook "validator.harvesterhci.io" denied the request: the volume pvc-2 is already used by VM guests/other`,
 	}}
-	if Refusal(vm, "pvc-2") == nil {
-		t.Error("the named volume is refused")
+	var passing *hotplug.PassingRefusal
+	if err := Refusal(vm, "pvc-2"); err == nil || !errors.As(err, &passing) {
+		t.Errorf("Harvester's occupied-claim refusal of the named volume = %v, want a PassingRefusal", err)
 	}
 	for _, other := range []string{"pvc-1", "pvc-20", "vc-2"} {
 		if err := Refusal(vm, other); err != nil {
 			t.Errorf("%s is not named but was refused: %v", other, err)
 		}
+	}
+	vm.Status.Conditions[0].Message = `Error encountered when trying to update vm according to add volume requests: admission webhook "policy.example.com" denied the request: volume pvc-2 is refused by policy`
+	if err := Refusal(vm, "pvc-2"); err == nil || errors.As(err, &passing) {
+		t.Errorf("a policy's refusal of the named volume = %v, want a final refusal", err)
 	}
 	vm.Status.Conditions[0].Message = `Error encountered when trying to update vm according to add volume requests: admission webhook "virtualmachine-validator.kubevirt.io" denied the request: Cannot update vm disks or volumes until snapshot "pvc-2" completes`
 	if err := Refusal(vm, "pvc-2"); err != nil {

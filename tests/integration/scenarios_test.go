@@ -228,7 +228,7 @@ func (s *suite) webhookDenied(t *testing.T) {
 		switch {
 		case vols[i] == bad && status.Code(err) != codes.FailedPrecondition:
 			t.Errorf("denied volume answered %v, want FailedPrecondition", err)
-		case vols[i] == bad && !strings.Contains(err.Error(), "already used by VM"):
+		case vols[i] == bad && !strings.Contains(err.Error(), "refused by an admission policy"):
 			t.Errorf("denied volume's answer %q lacks the webhook's reason", err)
 		case vols[i] != bad && err != nil:
 			t.Errorf("publish %s: %v", vols[i], err)
