@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -45,6 +46,9 @@ type nodeAgents struct {
 	// because virt-handler decides from the node, not from the status it
 	// wrote.
 	handler *virthandler.Handler
+
+	mu     sync.Mutex
+	passes map[string]int // per VMI key: virt-handler passes, for tests
 }
 
 // DiskHook lets the host attach something real (a loop device, say) as
@@ -65,8 +69,16 @@ func newNodeAgents(kube kubernetes.Interface, kv, handlerKV kubevirt.Interface, 
 		kube: kube, kv: kv, handlerKV: handlerKV, nodes: nodes, handler: handler,
 		// virt-handler's queue (v1.7.0 pkg/virt-handler/vm.go:145): 5 ms
 		// doubling to 1000 s per key.
-		queue: workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[item]()),
+		queue:  workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[item]()),
+		passes: map[string]int{},
 	}
+}
+
+// passCount is how many hotplug passes virt-handler made over a VMI.
+func (a *nodeAgents) passCount(namespace, name string) int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.passes[namespace+"/"+name]
 }
 
 // run watches KubeVirt's pods and the VMIs and syncs them, one at a time so
@@ -279,6 +291,9 @@ func (a *nodeAgents) syncVMI(ctx context.Context, namespace, name string) error 
 	case vmi.Status.Phase == kubevirtv1.Scheduled:
 		startDomain(vmi)
 	case vmi.Status.Phase == kubevirtv1.Running:
+		a.mu.Lock()
+		a.passes[namespace+"/"+name]++
+		a.mu.Unlock()
 		res := a.handler.Sync(ctx, vmi, a.attachmentPods(vmi), time.Now())
 		if err := virthandler.RecordEvents(ctx, a.kube, vmi, res.Events); err != nil {
 			klog.V(2).InfoS("virt-handler stand-in: events not recorded", "vmi", klog.KObj(vmi), "err", err)

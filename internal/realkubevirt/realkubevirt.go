@@ -122,6 +122,7 @@ type ControlPlane struct {
 
 	handler *virthandler.Handler
 	requeue func(namespace, name string)
+	passes  func(namespace, name string) int
 	cancel  context.CancelFunc
 	done    chan struct{}
 }
@@ -210,7 +211,7 @@ func Start(ctx context.Context, env *testenv.Env, version string, opts Options) 
 	}
 	cp := &ControlPlane{Version: version, KubeVirt: kv, handler: handler, cancel: cancel, done: make(chan struct{})}
 	agents := newNodeAgents(kube, kv, handlerKV, opts.Nodes, handler)
-	cp.requeue = agents.requeueVMI
+	cp.requeue, cp.passes = agents.requeueVMI, agents.passCount
 	go func() {
 		defer close(cp.done)
 		agents.run(agentCtx)
@@ -260,6 +261,10 @@ func (c *ControlPlane) Faults() *virthandler.Faults { return c.handler.Faults() 
 
 // Requeue has virt-handler look at the VMI again now.
 func (c *ControlPlane) Requeue(namespace, name string) { c.requeue(namespace, name) }
+
+// Passes is how many hotplug passes virt-handler made over the VMI, for
+// tests that show a state holding while virt-handler keeps looking.
+func (c *ControlPlane) Passes(namespace, name string) int { return c.passes(namespace, name) }
 
 // Stop ends the node agents; the Env's Stop ends virt-api and virt-controller.
 func (c *ControlPlane) Stop() {

@@ -283,6 +283,23 @@ func (p *pass) syncDomain() error {
 		delete(p.d.unplugAt, name)
 		p.h.log.V(1).Info("volume unplugged from the guest", "vm", p.key, "volume", name)
 	}
+	// The domain spec holds a hotplug disk only while its entry is
+	// MountedToPod or Ready (converter.go:1780), and the domain sync
+	// detaches every disk the spec lacks (manager.go:1363): an entry
+	// virt-controller reset to its PVC phase (a set change with no current
+	// pod, before virt-handler wrote Ready for a disk it just attached)
+	// loses its disk, to get it again once the stale target makes it Ready.
+	for _, e := range p.entries {
+		if _, plugged := p.d.targets[e.Name]; !plugged || e.HotplugVolume == nil || !p.inSpec(e.Name) || domainReady(e.Phase) {
+			continue
+		}
+		name := e.Name
+		if err := p.unlocked(func() error { return p.h.unplug(p.ctx, p.key, name) }); err != nil {
+			return fmt.Errorf("domain detach of %s: %w", name, err)
+		}
+		delete(p.d.targets, name)
+		p.h.log.Info("disk detached from the domain: its entry went back to its PVC phase", "vm", p.key, "volume", name, "phase", e.Phase)
+	}
 	used := map[string]bool{}
 	for _, t := range p.d.targets {
 		used[t] = true
@@ -300,7 +317,7 @@ func (p *pass) syncDomain() error {
 		// kept while the volume stays mounted: an entry virt-controller
 		// flips back to its PVC phase for a moment still gets its disk.
 		at := p.h.deadline(p.d.attachAt, name, p.now, p.h.t.DomainAttach)
-		if e.Phase != kubevirtv1.HotplugVolumeMounted && e.Phase != kubevirtv1.VolumeReady {
+		if !domainReady(e.Phase) {
 			continue
 		}
 		if p.now.Before(at) {
@@ -316,6 +333,12 @@ func (p *pass) syncDomain() error {
 		p.h.log.V(1).Info("volume plugged into the guest", "vm", p.key, "volume", name)
 	}
 	return nil
+}
+
+// domainReady: the converter puts a hotplug disk in the domain spec
+// (v1.7.0 converter.go:1780, v1.5.2 :1615, v1.9.0 :1174).
+func domainReady(p kubevirtv1.VolumePhase) bool {
+	return p == kubevirtv1.HotplugVolumeMounted || p == kubevirtv1.VolumeReady
 }
 
 // unmount is Unmount (v1.7.0 mount.go:630-729): every record path of a

@@ -315,6 +315,36 @@ func TestIOErrorDelays(t *testing.T) {
 	}
 }
 
+// A set change that resets the entry of a disk the domain just attached
+// (MountedToPod in the status, the target not yet written) detaches the
+// disk again; the stale target then writes Ready, and the next pass
+// attaches it once more. The converter and the domain sync are the same in
+// every tag.
+func TestResetEntryDetachesItsDisk(t *testing.T) {
+	for _, version := range []string{"v1.5.3", "v1.7.0", "main"} {
+		t.Run(version, func(t *testing.T) {
+			f := newFixture(t, version)
+			f.pods = []Pod{{UID: "pod-1", Volumes: []string{"a"}}}
+			f.add("a", "pod-1")
+			f.pass()
+			f.pass() // the domain takes the disk; the status still says MountedToPod
+			f.wantPhase("a", kubevirtv1.HotplugVolumeMounted)
+			// virt-controller: a set change, no current pod.
+			i := slices.IndexFunc(f.vmi.Status.VolumeStatus, func(e kubevirtv1.VolumeStatus) bool { return e.Name == "a" })
+			f.vmi.Status.VolumeStatus[i].Phase = kubevirtv1.VolumeBound
+			f.vmi.Status.VolumeStatus[i].HotplugVolume.AttachPodUID = ""
+			f.hook.calls = nil
+			f.pass()
+			f.wantPhase("a", kubevirtv1.VolumeReady) // the target the pass began with
+			f.pass()
+			want := []string{"unplug guests/vm-0 a", "plug guests/vm-0 a claim-a"}
+			if !slices.Equal(f.hook.calls, want) {
+				t.Fatalf("hook calls %q, want %q", f.hook.calls, want)
+			}
+		})
+	}
+}
+
 // hookLog is a disk hook that records its calls and fails while fail is set.
 type hookLog struct {
 	calls []string
