@@ -86,7 +86,9 @@ func TestHandlerReleaseBugsOnRealControlPlane(t *testing.T) {
 func (h *realHost) firstUIDReuse(vm string) {
 	h.startVM(vm)
 	h.edit(vm, []string{"uid-a"}, nil)
-	h.waitEntry(vm, "uid-a Ready", func(vmi *kubevirtv1.VirtualMachineInstance) bool { return phaseOf(vmi, "uid-a") == kubevirtv1.VolumeReady })
+	h.waitEntry(vm, "uid-a Ready", func(vmi *kubevirtv1.VirtualMachineInstance) bool {
+		return phaseOf(vmi, "uid-a") == kubevirtv1.VolumeReady
+	})
 	h.cp.Faults().SetUnmountFails(h.ns+"/"+vm, "uid-a", true)
 	h.edit(vm, []string{"uid-b"}, []string{"uid-a"})
 	h.waitEntry(vm, "uid-b named with its attachment pod", func(vmi *kubevirtv1.VirtualMachineInstance) bool {
