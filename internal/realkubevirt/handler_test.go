@@ -183,8 +183,12 @@ func (h *realHost) waitEntry(vm, what string, cond func(*kubevirtv1.VirtualMachi
 
 func (h *realHost) waitEvent(vm, reason string) {
 	h.t.Helper()
-	testwait.Until(h.ctx, h.t, vm+": a "+reason+" Event from virt-handler", func() (bool, string) {
-		evs, err := h.kube.CoreV1().Events(h.ns).List(h.ctx, metav1.ListOptions{})
+	// A bound for a stalled control plane, well short of the test's, so a
+	// release without the behaviour fails here rather than at the end.
+	ctx, cancel := context.WithTimeout(h.ctx, 90*time.Second)
+	defer cancel()
+	testwait.Until(ctx, h.t, vm+": a "+reason+" Event from virt-handler", func() (bool, string) {
+		evs, err := h.kube.CoreV1().Events(h.ns).List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return false, err.Error()
 		}
