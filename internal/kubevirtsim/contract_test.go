@@ -212,7 +212,10 @@ func TestReaddWhileDetaching(t *testing.T) {
 		}
 		// A new pod holds the volume, runs and is named with its UID, and
 		// virt-handler has the volume mounted: a fresh entry would now go
-		// MountedToPod. This one stays Detaching.
+		// MountedToPod. This one stays Detaching; on v1.5.3, where
+		// virt-handler wrote Ready over Detaching while the domain still had
+		// the disk and then UnMountedFromPod, it stays UnMountedFromPod,
+		// which neither side moves either.
 		waitEntry(t, s, ns, "pvc-a", "a running pod for the re-added volume", func(vmi *kubevirtv1.VirtualMachineInstance, e kubevirtv1.VolumeStatus, ok bool) bool {
 			p := runningPodHolding(s, vmi, "pvc-a")
 			return ok && p != nil && e.HotplugVolume.AttachPodName == p.Name && e.HotplugVolume.AttachPodUID == p.UID &&
@@ -220,7 +223,11 @@ func TestReaddWhileDetaching(t *testing.T) {
 		})
 		waitPasses(t, s, ns, 5)
 		_, vmi := s.VM(ns, "vm1")
-		if e, _ := FindVolumeStatus(vmi, "pvc-a"); e.Phase != kubevirtv1.HotplugVolumeDetaching || e.Target != "" {
+		stuck := []kubevirtv1.VolumePhase{kubevirtv1.HotplugVolumeDetaching}
+		if v == V1_5_3 {
+			stuck = append(stuck, kubevirtv1.HotplugVolumeUnMounted)
+		}
+		if e, _ := FindVolumeStatus(vmi, "pvc-a"); !slices.Contains(stuck, e.Phase) || e.Target != "" {
 			t.Errorf("re-added volume left Detaching on %s:\n%s", v, describe(s, vmi))
 		}
 	})
@@ -514,9 +521,23 @@ func TestOldAttachmentPods(t *testing.T) {
 				return p.Status.Phase == corev1.PodPending && p.DeletionTimestamp == nil && sameSet(podVolumes(p), []string{"pvc-b"})
 			})
 		})
-		waitEntry(t, s, ns, "pvc-a", "pvc-a unmounted", func(vmi *kubevirtv1.VirtualMachineInstance, e kubevirtv1.VolumeStatus, ok bool) bool {
-			return !s.handler.isMounted(vmi, "pvc-a")
-		})
+		if v == V1_5_3 {
+			// v1.5's virt-handler looks pvc-b, which has no pod UID of its
+			// own yet, up in pvc-a's pod (first-UID reuse, kubevirt v1.5.2
+			// pkg/virt-handler/hotplug-disk/mount.go:330) and fails the
+			// whole pass on it (vm.go:3111-3113), before the domain sync and
+			// Unmount: pvc-a keeps its disk and its mount while the new pod
+			// is pending, and its entry flips between virt-controller's
+			// Detaching and virt-handler's Ready.
+			waitPasses(t, s, ns, 5)
+			if _, vmi := s.VM(ns, "vm1"); !s.handler.isMounted(vmi, "pvc-a") {
+				t.Errorf("pvc-a unmounted on %s behind a failing pass:\n%s", v, describe(s, vmi))
+			}
+		} else {
+			waitEntry(t, s, ns, "pvc-a", "pvc-a unmounted", func(vmi *kubevirtv1.VirtualMachineInstance, e kubevirtv1.VolumeStatus, ok bool) bool {
+				return !s.handler.isMounted(vmi, "pvc-a")
+			})
+		}
 		if v == VMain {
 			// The old pod holds nothing worth keeping any more: it goes.
 			waitEntry(t, s, ns, "pvc-a", "pvc-a's entry gone with its pod", func(_ *kubevirtv1.VirtualMachineInstance, _ kubevirtv1.VolumeStatus, ok bool) bool { return !ok })
@@ -526,7 +547,7 @@ func TestOldAttachmentPods(t *testing.T) {
 			if p := runningPodHolding(s, vmi, "pvc-a"); p == nil || p.UID != first.UID {
 				t.Errorf("the newest running old pod was not kept on %s:\n%s", v, describe(s, vmi))
 			}
-			if e, ok := FindVolumeStatus(vmi, "pvc-a"); !ok || e.Phase != kubevirtv1.HotplugVolumeDetaching {
+			if e, ok := FindVolumeStatus(vmi, "pvc-a"); !ok || (e.Phase != kubevirtv1.HotplugVolumeDetaching && (v != V1_5_3 || e.Phase != kubevirtv1.VolumeReady)) {
 				t.Errorf("pvc-a's entry %+v on %s, want Detaching while its pod is kept", e, v)
 			}
 		}

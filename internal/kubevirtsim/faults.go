@@ -10,6 +10,8 @@ import (
 	"k8s.io/client-go/util/retry"
 	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/virthandler"
 )
 
 // Faults injects the failures a host cluster can show. Switches kept in
@@ -22,6 +24,9 @@ type Faults struct {
 	deny       map[string]string // volume or claim -> denial message
 	notRunning map[string]bool   // VM key
 	stuck      map[string]bool   // VM key
+
+	// handler are virt-handler's own faults (set by Sim.New).
+	handler *virthandler.Faults
 
 	// What to wake when a switch flips (set by Sim.New).
 	requeueVMs  func()
@@ -40,6 +45,24 @@ func (f *Faults) wire(vms *vmController, vmis *vmiController, h *virtHandler, k 
 		h.queue.Add(key)
 	}
 	f.requeuePods = k.enqueueVM
+	f.handler = h.vh.Faults()
+}
+
+// SetDeviceVanished makes the hot-plugged volume's block device vanish from
+// under its attachment pod (a Longhorn volume that faulted under a running
+// pod), or come back: a domain with the disk pauses on an I/O error, which
+// delays virt-handler's updates of the VMI with growing waits, and mounting
+// the volume from its pod fails (internal/virthandler Faults).
+func (f *Faults) SetDeviceVanished(namespace, vm, volume string, on bool) {
+	f.handler.SetDeviceVanished(namespace+"/"+vm, volume, on)
+	f.requeueVMI(namespace + "/" + vm)
+}
+
+// SetUnmountFails makes virt-handler's unmount of the volume fail, or
+// succeed again (internal/virthandler Faults).
+func (f *Faults) SetUnmountFails(namespace, vm, volume string, on bool) {
+	f.handler.SetUnmountFails(namespace+"/"+vm, volume, on)
+	f.requeueVMI(namespace + "/" + vm)
 }
 
 func (f *Faults) deniedVolumes() map[string]string {

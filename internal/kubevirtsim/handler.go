@@ -10,42 +10,61 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/virthandler"
 )
 
-// virtHandler is virt-handler with its virt-launcher domains: it mounts
-// hotplug volumes from the attachment pods into virt-launcher, has the
-// domain plug and unplug the disks (the DiskHook), writes the node side of
-// volumeStatus (volumestatus.go handlerPhase), starts the domain (phase
-// Running) and shuts a deleted VMI down after its grace period.
+// virtHandler drives virt-handler (internal/virthandler, the same model the
+// real control plane's node agents run) from the simulator's informers: it
+// hands each pass the VMI and its attachment pods, writes the volumeStatus
+// and phase the pass answers (the domain starts once the hotplug volumes
+// are ready), records its Events, and shuts a deleted VMI down after its
+// grace period.
 type virtHandler struct {
 	c      *cluster
 	faults *Faults
 	queue  workQueue
+	vh     *virthandler.Handler
 
-	mu      sync.Mutex
-	domains map[types.UID]*domain
-	passes  map[string]int  // per VMI key, for tests that wait for a pass
-	paused  map[string]bool // test seam, as vmiController's
-}
-
-// domain is what virt-handler and the guest know about one VMI.
-type domain struct {
-	mounted  map[string]bool   // volume's device present in virt-launcher
-	targets  map[string]string // volume -> disk target in the domain
-	mountAt  deadlines         // AttachedToNode with a ready pod -> mounted
-	attachAt deadlines         // MountedToPod -> the domain has the disk
-	detachAt deadlines         // out of the spec -> unmounted
-	shutdown time.Time         // when the deleted VMI's grace period ends
+	mu     sync.Mutex
+	passes map[string]int  // per VMI key, for tests that wait for a pass
+	paused map[string]bool // test seam, as vmiController's
 }
 
 func newVirtHandler(c *cluster, f *Faults) *virtHandler {
+	rel, _ := virthandler.ForVersion(string(c.opts.Version)) // checked by setDefaults
+	t := virthandler.Timings{
+		Mount: c.t.Mount, DomainAttach: c.t.DomainAttach, Unplug: c.t.Detach, Poll: c.t.HandlerPoll,
+	}
+	d := virthandler.DefaultTimings().Scaled(c.opts.Scale)
+	t.IOErrorWait, t.IOErrorMaxWait, t.IOErrorWindow = d.IOErrorWait, d.IOErrorMaxWait, d.IOErrorWindow
 	return &virtHandler{
 		c: c, faults: f,
-		queue:   newWorkQueue("handler", c.t.BackoffBase, c.t.HandlerPoll),
-		domains: map[types.UID]*domain{},
-		passes:  map[string]int{},
-		paused:  map[string]bool{},
+		// virt-handler's queue is client-go's default controller rate
+		// limiter, 5 ms doubling to 1000 s per key (v1.7.0
+		// pkg/virt-handler/vm.go:145).
+		queue:  newWorkQueue("handler", c.t.BackoffBase, c.t.BackoffMax),
+		vh:     virthandler.New(rel, t, c.jit.d, diskHook{c.opts.DiskHook}, c.log.WithName("virt-handler")),
+		passes: map[string]int{},
+		paused: map[string]bool{},
 	}
+}
+
+// diskHook adapts Options.DiskHook (nil: no-op).
+type diskHook struct{ h DiskHook }
+
+func (d diskHook) Plug(ctx context.Context, vm, volume, claim string) error {
+	if d.h == nil {
+		return nil
+	}
+	return d.h.Plug(ctx, vm, volume, claim)
+}
+
+func (d diskHook) Unplug(ctx context.Context, vm, volume string) error {
+	if d.h == nil {
+		return nil
+	}
+	return d.h.Unplug(ctx, vm, volume)
 }
 
 func (h *virtHandler) register() {
@@ -58,27 +77,13 @@ func (h *virtHandler) register() {
 	}))
 	_, _ = h.c.vmiInf.AddEventHandler(onDelete(func(obj any) {
 		if vmi, ok := obj.(*kubevirtv1.VirtualMachineInstance); ok {
-			h.mu.Lock()
-			delete(h.domains, vmi.UID)
-			h.mu.Unlock()
+			h.vh.Forget(vmi.UID)
 		}
 	}))
 }
 
 func (h *virtHandler) run(ctx context.Context) { h.queue.run(ctx, h.c, 3, h.sync) }
 func (h *virtHandler) shutdown()               { h.queue.ShutDown() }
-
-func (h *virtHandler) domainOf(uid types.UID) *domain {
-	d := h.domains[uid]
-	if d == nil {
-		d = &domain{
-			mounted: map[string]bool{}, targets: map[string]string{},
-			mountAt: deadlines{}, attachAt: deadlines{}, detachAt: deadlines{},
-		}
-		h.domains[uid] = d
-	}
-	return d
-}
 
 // pass counts handler passes over a VMI; tests wait for a few to prove
 // that a stuck entry stays stuck while virt-handler keeps looking at it.
@@ -99,14 +104,10 @@ func (h *virtHandler) pause(key string, on bool) {
 
 // isMounted reports whether virt-handler has the volume mounted.
 func (h *virtHandler) isMounted(vmi *kubevirtv1.VirtualMachineInstance, volume string) bool {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	d := h.domains[vmi.UID]
-	return d != nil && d.mounted[volume]
+	return h.vh.Mounted(vmi.UID, volume)
 }
 
-// sync is one pass over one VMI. The domain's state lives under h.mu; the
-// disk hooks run outside it.
+// sync is one pass over one VMI.
 func (h *virtHandler) sync(ctx context.Context, key string) (time.Duration, error) {
 	vmi, ok := h.c.cachedVMI(key)
 	if !ok {
@@ -134,210 +135,40 @@ func (h *virtHandler) sync(ctx context.Context, key string) (time.Duration, erro
 		return 0, nil
 	}
 
-	n := node{h: h, vmi: vmi, now: time.Now(), entries: vmi.Status.DeepCopy().VolumeStatus}
-	n.mountAndUnmount(ctx)
-	n.setPhases()
-	n.attachToDomain(ctx)
-	n.setPhases()
-
+	res := h.vh.Sync(ctx, vmi, handlerPods(h.c.attachmentPods(vmi)), time.Now())
+	if err := virthandler.RecordEvents(ctx, h.c.kube, vmi, res.Events); err != nil {
+		h.c.log.V(2).Info("virt-handler events not recorded", "vm", key, "err", err)
+	}
+	if res.Entries == nil { // delayed: nothing written
+		return res.Wake, nil
+	}
 	phase := vmi.Status.Phase
-	if phase == kubevirtv1.Scheduled && (!h.c.feat.waitHotplugBeforeStart || hotplugVolumesReady(vmi, n.entries)) {
+	if phase == kubevirtv1.Scheduled && (!h.c.feat.waitHotplugBeforeStart || hotplugVolumesReady(vmi, res.Entries)) {
 		phase = kubevirtv1.Running
 		h.c.log.V(2).Info("VMI running", "vm", key)
 	}
-	if err := writeVolumeStatus(ctx, h.c, vmi, n.entries, phase); err != nil {
+	if err := writeVolumeStatus(ctx, h.c, vmi, res.Entries, phase); err != nil {
 		return 0, err
 	}
-	// virt-handler looks again every second while a hotplug entry has no
-	// target yet (v1.7.0 pkg/virt-handler/vm.go:652).
-	if slices.ContainsFunc(n.entries, func(e kubevirtv1.VolumeStatus) bool { return e.HotplugVolume != nil && e.Target == "" }) {
-		n.soon(h.c.t.HandlerPoll)
+	if res.Err != nil {
+		// The failed pass goes back rate-limited; the poll of an entry
+		// without a target still comes (vm.go:652 and :1494).
+		if res.Wake > 0 {
+			h.queue.AddAfter(key, res.Wake)
+		}
+		return 0, res.Err
 	}
-	return n.wake, nil
+	return res.Wake, nil
 }
 
-// node is one handler pass over one VMI.
-type node struct {
-	h       *virtHandler
-	vmi     *kubevirtv1.VirtualMachineInstance
-	now     time.Time
-	entries []kubevirtv1.VolumeStatus
-	wake    time.Duration
-}
-
-func (n *node) soon(d time.Duration) {
-	d = max(d, time.Millisecond)
-	if n.wake == 0 || d < n.wake {
-		n.wake = d
+// handlerPods is what virt-handler finds of each attachment pod on the
+// node: its UID and the volumes it holds.
+func handlerPods(pods []*corev1.Pod) []virthandler.Pod {
+	out := make([]virthandler.Pod, 0, len(pods))
+	for _, p := range pods {
+		out = append(out, virthandler.Pod{UID: p.UID, Volumes: podVolumes(p)})
 	}
-}
-
-// mountAndUnmount mounts every hotplug volume of the spec whose entry names
-// a running attachment pod (v1.7.0 pkg/virt-handler/hotplug-disk/mount.go:330
-// mountFromPod) and, for volumes that left the spec, has the guest drop the
-// disk and unmounts it after Timings.Detach (mount.go:630 Unmount). Once
-// mounted a volume stays mounted whatever pod its entry names later:
-// IsMounted looks at virt-launcher only (mount.go:809).
-func (n *node) mountAndUnmount(ctx context.Context) {
-	h, t := n.h, n.h.c.t
-	vmKey := n.vmi.Namespace + "/" + n.vmi.Name
-	pods := h.c.attachmentPods(n.vmi)
-	running := func(uid types.UID) bool {
-		return uid != "" && slices.ContainsFunc(pods, func(p *corev1.Pod) bool { return p.UID == uid && p.Status.Phase == corev1.PodRunning })
-	}
-	h.mu.Lock()
-	d := h.domainOf(n.vmi.UID)
-	var unplug []string
-	for _, e := range n.entries {
-		if e.HotplugVolume == nil || !HasVolume(n.vmi.Spec.Volumes, e.Name) {
-			continue
-		}
-		delete(d.detachAt, e.Name) // back in the spec before it was unmounted
-		if d.mounted[e.Name] {
-			continue
-		}
-		if !running(e.HotplugVolume.AttachPodUID) {
-			delete(d.mountAt, e.Name)
-			continue
-		}
-		if at := d.mountAt.at(e.Name, n.now, t.Mount, h.c.jit); n.now.Before(at) {
-			n.soon(at.Sub(n.now))
-			continue
-		}
-		delete(d.mountAt, e.Name)
-		d.mounted[e.Name] = true
-	}
-	for _, name := range domainVolumes(d) {
-		if HasVolume(n.vmi.Spec.Volumes, name) {
-			continue
-		}
-		if _, ok := d.targets[name]; ok {
-			unplug = append(unplug, name)
-		}
-	}
-	h.mu.Unlock()
-
-	for _, name := range unplug { // the guest loses the disk first
-		if err := h.unplug(ctx, vmKey, name); err != nil {
-			h.c.log.Info("disk hook Unplug failed, retrying", "vm", vmKey, "volume", name, "err", err)
-			n.soon(t.HandlerPoll)
-			continue
-		}
-		h.mu.Lock()
-		delete(d.targets, name)
-		h.mu.Unlock()
-	}
-
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	for _, name := range domainVolumes(d) {
-		if HasVolume(n.vmi.Spec.Volumes, name) || !d.mounted[name] {
-			continue
-		}
-		if _, attached := d.targets[name]; attached {
-			continue // Unplug failed: retried above
-		}
-		delete(d.attachAt, name)
-		if at := d.detachAt.at(name, n.now, t.Detach, h.c.jit); n.now.Before(at) {
-			n.soon(at.Sub(n.now))
-			continue
-		}
-		delete(d.detachAt, name)
-		delete(d.mounted, name)
-		h.c.log.V(2).Info("volume unmounted", "vm", vmKey, "volume", name)
-	}
-}
-
-// domainVolumes lists the volumes the domain or virt-launcher still has.
-func domainVolumes(d *domain) []string {
-	var out []string
-	for name := range d.mounted {
-		out = append(out, name)
-	}
-	for name := range d.targets {
-		if !d.mounted[name] {
-			out = append(out, name)
-		}
-	}
-	slices.Sort(out)
 	return out
-}
-
-// setPhases writes the targets and phases the node shows.
-func (n *node) setPhases() {
-	n.h.mu.Lock()
-	defer n.h.mu.Unlock()
-	d := n.h.domainOf(n.vmi.UID)
-	for i := range n.entries {
-		e := &n.entries[i]
-		if e.HotplugVolume == nil {
-			continue
-		}
-		e.Target = d.targets[e.Name]
-		handlerPhase(e, HasVolume(n.vmi.Spec.Volumes, e.Name), d.mounted[e.Name])
-	}
-}
-
-// attachToDomain has the domain take the disks of mounted volumes whose
-// entry is MountedToPod or Ready (v1.7.0
-// pkg/virt-launcher/virtwrap/converter/converter.go:1780), Timings.
-// DomainAttach after it first could; DiskHook.Plug runs just before.
-func (n *node) attachToDomain(ctx context.Context) {
-	h := n.h
-	vmKey := n.vmi.Namespace + "/" + n.vmi.Name
-	h.mu.Lock()
-	d := h.domainOf(n.vmi.UID)
-	used := map[string]bool{}
-	for _, e := range n.entries {
-		if e.Target != "" {
-			used[e.Target] = true
-		}
-	}
-	for _, t := range d.targets {
-		used[t] = true
-	}
-	var due []string
-	for _, e := range n.entries {
-		name := e.Name
-		if e.HotplugVolume == nil || !HasVolume(n.vmi.Spec.Volumes, name) || !d.mounted[name] {
-			delete(d.attachAt, name)
-			continue
-		}
-		if _, attached := d.targets[name]; attached {
-			continue
-		}
-		// The deadline runs from the first pass that could attach and is
-		// kept while the volume stays mounted: an entry virt-controller
-		// flips back to its PVC phase for a moment still gets its disk.
-		at := d.attachAt.at(name, n.now, h.c.t.DomainAttach, h.c.jit)
-		if e.Phase != kubevirtv1.HotplugVolumeMounted && e.Phase != kubevirtv1.VolumeReady {
-			continue
-		}
-		if n.now.Before(at) {
-			n.soon(at.Sub(n.now))
-			continue
-		}
-		due = append(due, name)
-	}
-	h.mu.Unlock()
-
-	for _, name := range due {
-		claim := ""
-		if v, ok := volumeNamed(n.vmi.Spec.Volumes, name); ok {
-			claim = volumeClaim(v)
-		}
-		if err := h.plug(ctx, vmKey, name, claim); err != nil {
-			h.c.log.Info("disk hook Plug failed, retrying", "vm", vmKey, "volume", name, "err", err)
-			n.soon(h.c.t.HandlerPoll)
-			continue
-		}
-		disk, _ := diskNamed(n.vmi.Spec.Domain.Devices.Disks, name)
-		h.mu.Lock()
-		d.targets[name] = nextTarget(&disk, used)
-		delete(d.attachAt, name)
-		h.mu.Unlock()
-		h.c.log.V(1).Info("volume plugged into the guest", "vm", vmKey, "volume", name)
-	}
 }
 
 // shutdownVMI lets a deleted VMI live for its termination grace period
@@ -353,29 +184,14 @@ func (h *virtHandler) shutdownVMI(ctx context.Context, vmi *kubevirtv1.VirtualMa
 		grace = *g
 	}
 	now := time.Now()
-	h.mu.Lock()
-	d := h.domainOf(vmi.UID)
-	if d.shutdown.IsZero() {
-		d.shutdown = now.Add(time.Duration(float64(time.Duration(grace)*time.Second) * h.c.opts.Scale))
-	}
-	at := d.shutdown
-	plugged := make([]string, 0, len(d.targets))
-	for name := range d.targets {
-		plugged = append(plugged, name)
-	}
-	h.mu.Unlock()
+	at := h.vh.ShutdownAt(vmi.UID, now, time.Duration(float64(time.Duration(grace)*time.Second)*h.c.opts.Scale))
 	if now.Before(at) {
 		return at.Sub(now), nil
 	}
 	vmKey := vmi.Namespace + "/" + vmi.Name
-	for _, name := range plugged {
-		if err := h.unplug(ctx, vmKey, name); err != nil {
-			h.c.log.Info("disk hook Unplug failed at shutdown, retrying", "vm", vmKey, "volume", name, "err", err)
-			return h.c.t.HandlerPoll, nil
-		}
-		h.mu.Lock()
-		delete(d.targets, name)
-		h.mu.Unlock()
+	if err := h.vh.Shutdown(ctx, vmi); err != nil {
+		h.c.log.Info("disk hook Unplug failed at shutdown, retrying", "vm", vmKey, "err", err)
+		return h.c.t.HandlerPoll, nil
 	}
 	for _, p := range h.c.attachmentPods(vmi) {
 		if p.DeletionTimestamp == nil {
@@ -397,18 +213,4 @@ func (h *virtHandler) shutdownVMI(ctx context.Context, vmi *kubevirtv1.VirtualMa
 	}
 	h.c.log.V(2).Info("VMI shut down", "vm", vmKey)
 	return 0, nil
-}
-
-func (h *virtHandler) plug(ctx context.Context, vm, volume, claim string) error {
-	if h.c.opts.DiskHook == nil {
-		return nil
-	}
-	return h.c.opts.DiskHook.Plug(ctx, vm, volume, claim)
-}
-
-func (h *virtHandler) unplug(ctx context.Context, vm, volume string) error {
-	if h.c.opts.DiskHook == nil {
-		return nil
-	}
-	return h.c.opts.DiskHook.Unplug(ctx, vm, volume)
 }

@@ -6,6 +6,8 @@ import (
 	"math/rand/v2"
 	"sync"
 	"time"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/virthandler"
 )
 
 // Mode selects which hotplug machinery the simulated KubeVirt runs. It only
@@ -86,14 +88,17 @@ type Timings struct {
 	// PodStart is the time from creating an attachment pod to its being
 	// Running and Ready (8s).
 	PodStart time.Duration
-	// Mount is the time from AttachedToNode with a ready pod to MountedToPod
-	// (1s).
+	// Mount is virt-handler's mount into virt-launcher, from an entry naming
+	// a pod that holds the volume to its device in virt-launcher, then
+	// MountedToPod (100ms: a mknod; internal/virthandler Timings.Mount).
 	Mount time.Duration
-	// DomainAttach is the time from MountedToPod to Ready (1s).
+	// DomainAttach is the time from MountedToPod to the domain having the
+	// disk, then Ready (1.5s, ~1-2 s with Jitter).
 	DomainAttach time.Duration
-	// Detach is the time from a volume leaving the VMI spec to virt-handler
-	// having unmounted it from the virt-launcher pod (2s); the guest loses
-	// the disk at the start of it.
+	// Detach is the time from a volume leaving the VMI spec to the domain
+	// letting its disk go; virt-handler unmounts it in the same pass, then
+	// UnMountedFromPod (500ms, ~0.2-1 s with Jitter). The guest loses the
+	// disk at its end.
 	Detach time.Duration
 	// PodDelete is the time an attachment pod deleted with a grace period
 	// spends terminating (1s). KubeVirt deletes its own with grace period 0
@@ -132,9 +137,9 @@ func DefaultTimings() Timings {
 		VMReconcile:  50 * time.Millisecond,
 		VMIReconcile: 50 * time.Millisecond,
 		PodStart:     8 * time.Second,
-		Mount:        time.Second,
-		DomainAttach: time.Second,
-		Detach:       2 * time.Second,
+		Mount:        100 * time.Millisecond,
+		DomainAttach: 1500 * time.Millisecond,
+		Detach:       500 * time.Millisecond,
 		PodDelete:    time.Second,
 		HandlerPoll:  time.Second,
 		Bind:         100 * time.Millisecond,
@@ -213,6 +218,9 @@ func (o *Options) setDefaults() error {
 		return fmt.Errorf("kubevirtsim: unknown mode %q", o.Mode)
 	}
 	if _, err := ParseVersion(string(o.Version)); err != nil {
+		return err
+	}
+	if _, err := virthandler.ForVersion(string(o.Version)); err != nil {
 		return err
 	}
 	if o.Mode == ModeDeclarative && !o.Version.features().declarativeGate {

@@ -140,7 +140,7 @@ func TestOptionsDefaultsAndScale(t *testing.T) {
 	if err := o.setDefaults(); err != nil {
 		t.Fatal(err)
 	}
-	if o.Timings.PodStart != 2*time.Second || o.Timings.Mount != 0 || o.Timings.DomainAttach != 500*time.Millisecond || o.Timings.Snapshot != 500*time.Millisecond {
+	if o.Timings.PodStart != 2*time.Second || o.Timings.Mount != 0 || o.Timings.DomainAttach != 750*time.Millisecond || o.Timings.Snapshot != 500*time.Millisecond {
 		t.Errorf("timings %+v", o.Timings)
 	}
 	if o.Mode != ModeLegacy || o.Version != V1_7_0 || o.StorageClass != "longhorn" || o.ServerVersion != "v1.8.0" {

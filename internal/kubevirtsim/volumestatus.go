@@ -19,7 +19,7 @@ import (
 // volume left the spec stays while some attachment pod still holds the
 // volume and goes once none does.
 //
-// virt-handler (handlerPhase) owns what happens on the node: MountedToPod
+// virt-handler (internal/virthandler Phase) owns what happens on the node: MountedToPod
 // once the volume is mounted into virt-launcher, Ready once the domain has
 // the disk (a target), UnMountedFromPod once a removed volume is unmounted.
 //
@@ -56,16 +56,6 @@ const (
 // UnMountedFromPod or Detaching stays there.
 func canMoveToAttachedPhase(p kubevirtv1.VolumePhase) bool {
 	return p == "" || p == kubevirtv1.VolumeBound || p == kubevirtv1.VolumePending
-}
-
-// canUpdateToMounted and canUpdateToUnmounted are virt-handler's guards
-// (v1.7.0 pkg/virt-handler/vm.go:443 and 447, v1.5.3 vm.go:600 and 604).
-func canUpdateToMounted(p kubevirtv1.VolumePhase) bool {
-	return p == kubevirtv1.VolumeBound || p == kubevirtv1.VolumePending || p == kubevirtv1.HotplugVolumeAttachedToNode
-}
-
-func canUpdateToUnmounted(p kubevirtv1.VolumePhase) bool {
-	return p == kubevirtv1.VolumeReady || p == kubevirtv1.HotplugVolumeMounted || p == kubevirtv1.HotplugVolumeAttachedToNode
 }
 
 // unpluggedPhase is the phase virt-controller writes for an entry whose
@@ -198,25 +188,6 @@ func detachStep(f features, e *kubevirtv1.VolumeStatus, pod *corev1.Pod) {
 	if e.Phase == kubevirtv1.HotplugVolumeDetaching && pod.DeletionTimestamp != nil {
 		e.Reason = reasonSuccessfulDelete
 		e.Message = fmt.Sprintf("Deleted hotplug attachment pod %s, for volume %s", pod.Name, e.Name)
-	}
-}
-
-// handlerPhase is virt-handler's updateHotplugVolumeStatus (v1.7.0
-// pkg/virt-handler/vm.go:474, the same in every tag): a target (the domain
-// has the disk) means Ready whatever the phase was; otherwise a mounted
-// volume in the spec becomes MountedToPod and an unmounted one out of the
-// spec UnMountedFromPod, each only from the phases its guard allows.
-func handlerPhase(e *kubevirtv1.VolumeStatus, inSpec, mounted bool) {
-	switch {
-	case e.Target != "":
-		e.Phase, e.Reason = kubevirtv1.VolumeReady, reasonVolumeReady
-		e.Message = fmt.Sprintf("Successfully attach hotplugged volume %s to VM", e.Name)
-	case mounted && inSpec && canUpdateToMounted(e.Phase):
-		e.Phase, e.Reason = kubevirtv1.HotplugVolumeMounted, reasonMounted
-		e.Message = fmt.Sprintf("Volume %s has been mounted in virt-launcher pod", e.Name)
-	case !mounted && !inSpec && canUpdateToUnmounted(e.Phase):
-		e.Phase, e.Reason = kubevirtv1.HotplugVolumeUnMounted, reasonUnMounted
-		e.Message = fmt.Sprintf("Volume %s has been unmounted from virt-launcher pod", e.Name)
 	}
 }
 

@@ -4,7 +4,7 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"strings"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -12,7 +12,6 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
@@ -20,6 +19,8 @@ import (
 	"k8s.io/klog/v2"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/virthandler"
 )
 
 // Pod labels virt-controller gives virt-launcher and attachment pods
@@ -40,24 +41,22 @@ type nodeAgents struct {
 	pods  cache.Indexer
 	vmis  cache.Indexer
 	queue workqueue.TypedRateLimitingInterface[item]
-	// mounted is virt-handler's own state: which hotplug volumes of a VMI
-	// it has mounted into virt-launcher. It outlives status writes because
-	// virt-handler decides from the node, not from the status it wrote.
-	mounted map[types.UID]map[string]bool
-	// disks, when set, follow each volume into and out of the guest.
-	disks DiskHook
+	// handler is virt-handler as the release ships it, the same model the
+	// simulated control plane runs: its state outlives status writes
+	// because virt-handler decides from the node, not from the status it
+	// wrote.
+	handler *virthandler.Handler
+
+	mu     sync.Mutex
+	passes map[string]int // per VMI key: virt-handler passes, for tests
 }
 
-// DiskHook lets the host attach something real (a loop device, say) as the
-// virt-handler stand-in hot-plugs a volume: vm is "namespace/name". Plug runs
-// just before an entry turns Ready, and an error keeps it MountedToPod until
-// a later sync; Unplug runs as a volume that left the spec is unmounted, and
-// an error keeps it mounted until a later sync. Its method set is the
-// simulator's disk hook's, so one implementation serves both hosts.
-type DiskHook interface {
-	Plug(ctx context.Context, vm, volume, claimName string) error
-	Unplug(ctx context.Context, vm, volume string) error
-}
+// DiskHook lets the host attach something real (a loop device, say) as
+// virt-handler hot-plugs a volume (internal/virthandler DiskHook): Plug runs
+// as the domain takes the disk, Unplug as it lets it go; an error fails
+// virt-handler's pass, to be tried again. Its method set is the simulator's
+// disk hook's, so one implementation serves both hosts.
+type DiskHook = virthandler.DiskHook
 
 type item struct {
 	pod       bool
@@ -65,12 +64,21 @@ type item struct {
 	name      string
 }
 
-func newNodeAgents(kube kubernetes.Interface, kv, handlerKV kubevirt.Interface, nodes []string, disks DiskHook) *nodeAgents {
+func newNodeAgents(kube kubernetes.Interface, kv, handlerKV kubevirt.Interface, nodes []string, handler *virthandler.Handler) *nodeAgents {
 	return &nodeAgents{
-		kube: kube, kv: kv, handlerKV: handlerKV, nodes: nodes, disks: disks,
-		queue:   workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[item]()),
-		mounted: map[types.UID]map[string]bool{},
+		kube: kube, kv: kv, handlerKV: handlerKV, nodes: nodes, handler: handler,
+		// virt-handler's queue (v1.7.0 pkg/virt-handler/vm.go:145): 5 ms
+		// doubling to 1000 s per key.
+		queue:  workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[item]()),
+		passes: map[string]int{},
 	}
+}
+
+// passCount is how many hotplug passes virt-handler made over a VMI.
+func (a *nodeAgents) passCount(namespace, name string) int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.passes[namespace+"/"+name]
 }
 
 // run watches KubeVirt's pods and the VMIs and syncs them, one at a time so
@@ -113,6 +121,11 @@ func (a *nodeAgents) run(ctx context.Context) {
 	}()
 	for a.next(ctx) {
 	}
+}
+
+// requeueVMI has virt-handler look at a VMI now.
+func (a *nodeAgents) requeueVMI(namespace, name string) {
+	a.queue.Add(item{namespace: namespace, name: name})
 }
 
 func metaOf(obj any) (metav1.Object, error) {
@@ -251,10 +264,10 @@ func runningStatus(pod *corev1.Pod) corev1.PodStatus {
 }
 
 // syncVMI is virt-handler for one VMI on a node: it starts the domain of a
-// scheduled VMI, mounts each hotplug volume once virt-controller has pointed
-// it at a running attachment pod, attaches it to the domain (a target), and
-// detaches and unmounts a volume that left the spec. Like virt-handler, it
-// PUTs the whole VMI: its role may update VMIs but not patch them.
+// scheduled VMI, runs virt-handler's hotplug pass over a running one
+// (internal/virthandler) and writes the status it answers, and shuts a
+// deleted one down. Like virt-handler, it PUTs the whole VMI: its role may
+// update VMIs but not patch them.
 func (a *nodeAgents) syncVMI(ctx context.Context, namespace, name string) error {
 	obj, ok, err := a.vmis.GetByKey(namespace + "/" + name)
 	if err != nil || !ok {
@@ -268,6 +281,7 @@ func (a *nodeAgents) syncVMI(ctx context.Context, namespace, name string) error 
 		return nil
 	}
 	before := vmi.DeepCopy()
+	var passErr error
 	switch {
 	case vmi.DeletionTimestamp != nil:
 		if err := a.shutDown(ctx, vmi); err != nil {
@@ -277,26 +291,74 @@ func (a *nodeAgents) syncVMI(ctx context.Context, namespace, name string) error 
 	case vmi.Status.Phase == kubevirtv1.Scheduled:
 		startDomain(vmi)
 	case vmi.Status.Phase == kubevirtv1.Running:
-		a.hotplug(ctx, vmi)
+		a.mu.Lock()
+		a.passes[namespace+"/"+name]++
+		a.mu.Unlock()
+		res := a.handler.Sync(ctx, vmi, a.attachmentPods(vmi), time.Now())
+		if err := virthandler.RecordEvents(ctx, a.kube, vmi, res.Events); err != nil {
+			klog.V(2).InfoS("virt-handler stand-in: events not recorded", "vmi", klog.KObj(vmi), "err", err)
+		}
+		if res.Wake > 0 {
+			a.queue.AddAfter(item{namespace: namespace, name: name}, res.Wake)
+		}
+		if res.Entries == nil { // delayed on an I/O error: nothing written
+			return nil
+		}
+		vmi.Status.VolumeStatus = res.Entries
+		passErr = res.Err
 	}
 	if equalStatus(before, vmi) {
-		return nil
+		return passErr
 	}
 	klog.V(3).InfoS("virt-handler stand-in updates VMI", "vmi", klog.KObj(vmi), "phase", vmi.Status.Phase)
-	_, err = a.handlerKV.KubevirtV1().VirtualMachineInstances(namespace).Update(ctx, vmi, metav1.UpdateOptions{})
-	return err
+	if _, err := a.handlerKV.KubevirtV1().VirtualMachineInstances(namespace).Update(ctx, vmi, metav1.UpdateOptions{}); err != nil {
+		return err
+	}
+	// A failed pass still wrote its status, then goes back to the
+	// rate-limited queue (v1.7.0 pkg/virt-handler/vm.go:1477-1495).
+	return passErr
 }
 
-// shutDown forgets a stopping VMI's mounts, unplugging each disk first: a
-// domain that ends takes its hot-plugged disks with it.
-func (a *nodeAgents) shutDown(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) error {
-	for volume, on := range a.mounted[vmi.UID] {
-		if on && !a.unplug(ctx, vmi, volume) {
-			return fmt.Errorf("VMI %s/%s: disk %s not unplugged", vmi.Namespace, vmi.Name, volume)
-		}
-		a.mounted[vmi.UID][volume] = false
+// attachmentPods are the VMI's attachment pods as virt-handler finds them:
+// owned by a virt-launcher pod of the VMI, holding the volumes their pod
+// volumes are named after (v1.7.0 pkg/virt-controller/services/
+// template.go:1042-1050).
+func (a *nodeAgents) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []virthandler.Pod {
+	objs, err := a.pods.ByIndex(cache.NamespaceIndex, vmi.Namespace)
+	if err != nil {
+		return nil
 	}
-	delete(a.mounted, vmi.UID)
+	launchers := map[string]bool{}
+	for _, o := range objs {
+		p := o.(*corev1.Pod)
+		if p.Labels[kubevirtv1.AppLabel] == launcherLabelValue && p.Labels[kubevirtv1.CreatedByLabel] == string(vmi.UID) {
+			launchers[p.Name] = true
+		}
+	}
+	var out []virthandler.Pod
+	for _, o := range objs {
+		p := o.(*corev1.Pod)
+		if p.Labels[kubevirtv1.AppLabel] != attachmentLabelValue || !slices.ContainsFunc(p.OwnerReferences, func(r metav1.OwnerReference) bool { return r.Kind == "Pod" && launchers[r.Name] }) {
+			continue
+		}
+		hp := virthandler.Pod{UID: p.UID}
+		for _, v := range p.Spec.Volumes {
+			if v.PersistentVolumeClaim != nil {
+				hp.Volumes = append(hp.Volumes, v.Name)
+			}
+		}
+		out = append(out, hp)
+	}
+	return out
+}
+
+// shutDown unplugs a stopping VMI's disks and forgets its mounts: a domain
+// that ends takes its hot-plugged disks with it.
+func (a *nodeAgents) shutDown(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) error {
+	if err := a.handler.Shutdown(ctx, vmi); err != nil {
+		return err
+	}
+	a.handler.Forget(vmi.UID)
 	return nil
 }
 
@@ -318,129 +380,6 @@ func startDomain(vmi *kubevirtv1.VirtualMachineInstance) {
 	vmi.Status.Conditions = append(vmi.Status.Conditions, kubevirtv1.VirtualMachineInstanceCondition{
 		Type: kubevirtv1.VirtualMachineInstanceReady, Status: corev1.ConditionTrue, LastTransitionTime: now,
 	})
-}
-
-// hotplug advances each hotplug volume's entry one step per sync, the way
-// virt-handler's updateHotplugVolumeStatus does (v1.7.0
-// pkg/virt-handler/vm.go:474): mounted and in the spec becomes MountedToPod,
-// then Ready with a target once the domain has the disk; out of the spec,
-// the disk is detached (no target) and unmounted, then UnMountedFromPod.
-func (a *nodeAgents) hotplug(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) {
-	mounted := a.mounted[vmi.UID]
-	if mounted == nil {
-		mounted = map[string]bool{}
-		a.mounted[vmi.UID] = mounted
-	}
-	for i := range vmi.Status.VolumeStatus {
-		e := &vmi.Status.VolumeStatus[i]
-		if e.HotplugVolume == nil {
-			continue
-		}
-		inSpec := slices.ContainsFunc(vmi.Spec.Volumes, func(v kubevirtv1.Volume) bool { return v.Name == e.Name })
-		switch {
-		case inSpec && !mounted[e.Name] && e.HotplugVolume.AttachPodUID != "":
-			mounted[e.Name] = true
-		case inSpec && mounted[e.Name] && e.Phase == kubevirtv1.HotplugVolumeMounted && e.Target == "":
-			if a.plug(ctx, vmi, e.Name) {
-				e.Target = freeTarget(vmi.Status.VolumeStatus)
-			}
-		case !inSpec:
-			e.Target = ""
-			mounted[e.Name] = mounted[e.Name] && !a.unplug(ctx, vmi, e.Name)
-		}
-		handlerPhase(e, inSpec, mounted[e.Name])
-	}
-}
-
-// plug runs the disk hook as the domain gets the disk; false keeps the
-// entry MountedToPod, to be tried again at the next sync.
-func (a *nodeAgents) plug(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, volume string) bool {
-	if a.disks == nil {
-		return true
-	}
-	vm := vmi.Namespace + "/" + vmi.Name
-	if err := a.disks.Plug(ctx, vm, volume, claimOf(vmi.Spec.Volumes, volume)); err != nil {
-		klog.FromContext(ctx).Error(err, "virt-handler stand-in: disk hook cannot plug, retrying", "vmi", klog.KObj(vmi), "volume", volume)
-		a.queue.AddAfter(item{namespace: vmi.Namespace, name: vmi.Name}, hookRetry)
-		return false
-	}
-	return true
-}
-
-// unplug runs the disk hook for a mounted volume that left the spec; false
-// keeps it mounted (and so not UnMountedFromPod), to be tried again.
-func (a *nodeAgents) unplug(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, volume string) bool {
-	if a.disks == nil || !a.mounted[vmi.UID][volume] {
-		return true
-	}
-	if err := a.disks.Unplug(ctx, vmi.Namespace+"/"+vmi.Name, volume); err != nil {
-		klog.FromContext(ctx).Error(err, "virt-handler stand-in: disk hook cannot unplug, retrying", "vmi", klog.KObj(vmi), "volume", volume)
-		a.queue.AddAfter(item{namespace: vmi.Namespace, name: vmi.Name}, hookRetry)
-		return false
-	}
-	return true
-}
-
-// claimOf is the PVC behind a VMI volume (a DataVolume's claim has its name).
-func claimOf(vols []kubevirtv1.Volume, name string) string {
-	for _, v := range vols {
-		if v.Name != name {
-			continue
-		}
-		switch {
-		case v.PersistentVolumeClaim != nil:
-			return v.PersistentVolumeClaim.ClaimName
-		case v.DataVolume != nil:
-			return v.DataVolume.Name
-		}
-	}
-	return name
-}
-
-// hookRetry paces a failing disk hook: no watch event would bring the VMI
-// back, since nothing changed in the API.
-const hookRetry = 200 * time.Millisecond
-
-// handlerPhase moves an entry only from the phases virt-handler's guards
-// allow (v1.7.0 pkg/virt-handler/vm.go:443 and 447).
-func handlerPhase(e *kubevirtv1.VolumeStatus, inSpec, mounted bool) {
-	switch {
-	case e.Target != "":
-		e.Phase, e.Reason = kubevirtv1.VolumeReady, "VolumeReady"
-		e.Message = fmt.Sprintf("Successfully attach hotplugged volume %s to VM", e.Name)
-	case mounted && inSpec && (e.Phase == kubevirtv1.VolumeBound || e.Phase == kubevirtv1.VolumePending || e.Phase == kubevirtv1.HotplugVolumeAttachedToNode):
-		e.Phase, e.Reason = kubevirtv1.HotplugVolumeMounted, "VolumeMountedToPod"
-		e.Message = fmt.Sprintf("Volume %s has been mounted in virt-launcher pod", e.Name)
-	case !mounted && !inSpec && (e.Phase == kubevirtv1.VolumeReady || e.Phase == kubevirtv1.HotplugVolumeMounted || e.Phase == kubevirtv1.HotplugVolumeAttachedToNode):
-		e.Phase, e.Reason = kubevirtv1.HotplugVolumeUnMounted, "VolumeUnMountedFromPod"
-		e.Message = fmt.Sprintf("Volume %s has been unmounted from virt-launcher pod", e.Name)
-	}
-}
-
-// freeTarget is the first SCSI name (sda, sdb, ...) no entry uses, as the
-// domain names hot-plugged SCSI disks.
-func freeTarget(entries []kubevirtv1.VolumeStatus) string {
-	used := map[string]bool{}
-	for _, e := range entries {
-		used[e.Target] = true
-	}
-	for i := 0; ; i++ {
-		t := "sd" + diskLetters(i)
-		if !used[t] {
-			return t
-		}
-	}
-}
-
-// diskLetters is the kernel's disk suffix: a..z, aa..az, ...
-func diskLetters(i int) string {
-	var b strings.Builder
-	for ; i >= 0; i = i/26 - 1 {
-		b.WriteByte(byte('a' + i%26))
-	}
-	r := []byte(b.String())
-	slices.Reverse(r)
-	return string(r)
 }
 
 func equalStatus(a, b *kubevirtv1.VirtualMachineInstance) bool {

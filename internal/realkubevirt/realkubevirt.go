@@ -18,12 +18,14 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -43,6 +45,7 @@ import (
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/virthandler"
 )
 
 // Namespace is where KubeVirt's components live; virt-controller and virt-api
@@ -95,8 +98,19 @@ type Options struct {
 	// missing ones are created. One node "kubevirt-node-0" if empty.
 	Nodes []string
 	// Disks, when set, follow each hot-plugged volume into and out of its
-	// VM as the virt-handler stand-in mounts and unmounts it.
+	// VM as virt-handler plugs and unplugs it.
 	Disks DiskHook
+	// Release is the KubeVirt release whose virt-handler the node agents
+	// play (internal/virthandler ForVersion): the control plane's tag when
+	// empty; a Harvester release that runs a later patch of the tag (1.7.4
+	// on v1.7.0, say) names its own.
+	Release string
+	// Scale multiplies virt-handler's stage latencies
+	// (virthandler.DefaultTimings; 0 means 1); Jitter spreads each over
+	// ±Jitter of its value with a generator seeded by Seed.
+	Scale  float64
+	Jitter float64
+	Seed   uint64
 }
 
 // ControlPlane is KubeVirt's control plane running on an Env. Its processes
@@ -106,8 +120,11 @@ type ControlPlane struct {
 	// KubeVirt reaches the API server as the admin.
 	KubeVirt kubevirt.Interface
 
-	cancel context.CancelFunc
-	done   chan struct{}
+	handler *virthandler.Handler
+	requeue func(namespace, name string)
+	passes  func(namespace, name string) int
+	cancel  context.CancelFunc
+	done    chan struct{}
 }
 
 // EnvOptions adds what KubeVirt needs to opts: ServiceAccount admission with
@@ -187,8 +204,14 @@ func Start(ctx context.Context, env *testenv.Env, version string, opts Options) 
 		return nil, err
 	}
 	agentCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	cp := &ControlPlane{Version: version, KubeVirt: kv, cancel: cancel, done: make(chan struct{})}
-	agents := newNodeAgents(kube, kv, handlerKV, opts.Nodes, opts.Disks)
+	handler, err := newHandler(version, opts)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	cp := &ControlPlane{Version: version, KubeVirt: kv, handler: handler, cancel: cancel, done: make(chan struct{})}
+	agents := newNodeAgents(kube, kv, handlerKV, opts.Nodes, handler)
+	cp.requeue, cp.passes = agents.requeueVMI, agents.passCount
 	go func() {
 		defer close(cp.done)
 		agents.run(agentCtx)
@@ -200,6 +223,48 @@ func Start(ctx context.Context, env *testenv.Env, version string, opts Options) 
 	klog.InfoS("KubeVirt control plane ready", "version", version, "mode", opts.Mode)
 	return cp, nil
 }
+
+// newHandler is the node agents' virt-handler: the release's behaviours and
+// its stage latencies, scaled and jittered.
+func newHandler(version string, opts Options) (*virthandler.Handler, error) {
+	release := opts.Release
+	if release == "" {
+		release = version
+	}
+	rel, err := virthandler.ForVersion(release)
+	if err != nil {
+		return nil, err
+	}
+	if opts.Jitter < 0 || opts.Jitter >= 1 {
+		return nil, fmt.Errorf("realkubevirt: jitter %v out of [0,1)", opts.Jitter)
+	}
+	scale := opts.Scale
+	if scale <= 0 {
+		scale = 1
+	}
+	var mu sync.Mutex
+	r := rand.New(rand.NewPCG(opts.Seed, opts.Seed^0x9e3779b97f4a7c15))
+	jitter := func(d time.Duration) time.Duration {
+		if opts.Jitter == 0 || d <= 0 {
+			return d
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		return time.Duration(float64(d) * (1 + opts.Jitter*(2*r.Float64()-1)))
+	}
+	return virthandler.New(rel, virthandler.DefaultTimings().Scaled(scale), jitter, opts.Disks, klog.Background().WithName("virt-handler")), nil
+}
+
+// Faults are the host faults the node agents' virt-handler meets; after a
+// change, Requeue has it look at the VM's VMI at once.
+func (c *ControlPlane) Faults() *virthandler.Faults { return c.handler.Faults() }
+
+// Requeue has virt-handler look at the VMI again now.
+func (c *ControlPlane) Requeue(namespace, name string) { c.requeue(namespace, name) }
+
+// Passes is how many hotplug passes virt-handler made over the VMI, for
+// tests that show a state holding while virt-handler keeps looking.
+func (c *ControlPlane) Passes(namespace, name string) int { return c.passes(namespace, name) }
 
 // Stop ends the node agents; the Env's Stop ends virt-api and virt-controller.
 func (c *ControlPlane) Stop() {

@@ -48,7 +48,9 @@ func (h *Host) startReal(ctx, runCtx context.Context) error {
 	if err != nil {
 		return err
 	}
-	ro := realkubevirt.Options{Mode: mode}
+	// virt-handler's stage timings follow the simulator's scale and jitter,
+	// so a scenario's pace is the same on both hosts.
+	ro := realkubevirt.Options{Mode: mode, Scale: h.o.Sim.Scale, Jitter: h.o.Sim.Jitter, Seed: h.o.Sim.Seed}
 	if h.o.Disks {
 		hook, err := h.newDisks()
 		if err != nil {
