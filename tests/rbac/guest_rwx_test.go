@@ -70,7 +70,7 @@ func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 	claims.Start(ctx.Done())
 	syncCtx, syncCancel := context.WithTimeout(ctx, time.Minute)
 	defer syncCancel()
-	testwait.Until(syncCtx, t, "the guest caches to sync with the listed permissions (list/watch of pods, nodes, csinodes or volumeattachments refused)",
+	testwait.Until(syncCtx, t, "the guest caches to sync with the listed permissions (list/watch of pods, nodes, csinodes, volumeattachments or persistentvolumes refused)",
 		testwait.Bool(func() bool { return nodes.HasSynced() && claims.Synced() }))
 	for _, c := range []struct{ volume, want string }{{"pvc-rwx", "default/app-1 on rke2-worker-1"}, {"vol-other", "default/app-2 on rke2-worker-1"}} {
 		for _, fresh := range []bool{false, true} {
