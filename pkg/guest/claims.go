@@ -19,9 +19,10 @@ import (
 // claim of a ReadWriteMany volume (ClaimUsers), and the guest's
 // VolumeAttachments to tell which nodes the volume is published to
 // (GuestAttachments); both find the volume's guest PV in the shared PV
-// cache of Nodes, or on the API server when asked for a fresh answer. It runs on every controller replica, since whichever
-// replica the attacher reaches answers the unpublish; it is started only
-// when RWX volumes are served.
+// cache of Nodes, or on the API server when asked for a fresh answer. It
+// runs on every controller replica, since whichever replica the attacher
+// reaches answers the unpublish; it is started only when RWX volumes are
+// served.
 type Claims struct {
 	client      kubernetes.Interface
 	driver      string

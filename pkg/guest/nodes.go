@@ -73,13 +73,13 @@ type VMUIDs func(vm string) (types.UID, bool)
 
 // Nodes caches the guest cluster's Nodes, CSINodes, this driver's
 // VolumeAttachments and the PersistentVolumes (which host PVCs are this
-// cluster's, and their claims), once for every reader. A CSI node ID is the name of the guest's VM; the guest
-// Node name may differ. The guest's CSINode (written by the
-// node-driver-registrar) maps one to the other while the node plugin is
-// registered; the mappings that outlive the plugin (the VolumeAttachments'
-// node ID record, the Node's providerID, the last CSINode mapping seen) back
-// it up, because kubelet drops the driver from the CSINode exactly while the
-// node plugin restarts.
+// cluster's, and their claims), once for every reader. A CSI node ID is the
+// name of the guest's VM; the guest Node name may differ. The guest's
+// CSINode (written by the node-driver-registrar) maps one to the other while
+// the node plugin is registered; the mappings that outlive the plugin (the
+// VolumeAttachments' node ID record, the Node's providerID, the last CSINode
+// mapping seen) back it up, because kubelet drops the driver from the
+// CSINode exactly while the node plugin restarts.
 type Nodes struct {
 	driver   string
 	client   kubernetes.Interface
