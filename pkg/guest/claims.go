@@ -18,13 +18,17 @@ import (
 // Claims watches the guest cluster's pods to tell which still use the
 // claim of a ReadWriteMany volume (ClaimUsers), and the guest's
 // VolumeAttachments to tell which nodes the volume is published to
-// (GuestAttachments). It runs on every controller replica, since whichever
-// replica the attacher reaches answers the unpublish; it is started only
-// when RWX volumes are served.
+// (GuestAttachments); both find the volume's guest PV in the shared PV
+// cache of Nodes, or on the API server when asked for a fresh answer. It
+// runs on every controller replica, since whichever replica the attacher
+// reaches answers the unpublish; it is started only when RWX volumes are
+// served.
 type Claims struct {
 	client      kubernetes.Interface
 	driver      string
 	vmOf        func(node string) string
+	cachedPV    func(volume string) (*corev1.PersistentVolume, error)
+	pvsSynced   func() bool
 	factory     informers.SharedInformerFactory
 	pods        cache.SharedIndexInformer
 	attachments cache.SharedIndexInformer
@@ -36,12 +40,14 @@ const (
 	indexVAPV     = "pv"
 )
 
-// NewClaims builds the pod cache; Start runs it. The VolumeAttachments
-// and the VM (node ID) of each guest Node come from the guest caches the
-// detach guard reads (nodes runs them), so the guest is watched once.
+// NewClaims builds the pod cache; Start runs it. The VolumeAttachments,
+// the PVs and the VM (node ID) of each guest Node come from the guest
+// caches the detach guard and the node monitor read (nodes runs them), so
+// the guest is watched once.
 func NewClaims(client kubernetes.Interface, driverName string, nodes *Nodes) (*Claims, error) {
 	f := informers.NewSharedInformerFactory(client, 0)
-	g := &Claims{client: client, driver: driverName, vmOf: nodes.VMOfNode, factory: f, pods: f.Core().V1().Pods().Informer(),
+	g := &Claims{client: client, driver: driverName, vmOf: nodes.VMOfNode, cachedPV: nodes.cachedPV,
+		pvsSynced: nodes.PVsSynced, factory: f, pods: f.Core().V1().Pods().Informer(),
 		attachments: nodes.AttachmentInformer(), started: make(chan struct{})}
 	if err := g.attachments.AddIndexers(cache.Indexers{indexVAPV: func(obj any) ([]string, error) {
 		if va, ok := obj.(*storagev1.VolumeAttachment); ok && va.Spec.Attacher == driverName && va.Spec.Source.PersistentVolumeName != nil {
@@ -78,12 +84,12 @@ func (g *Claims) Start(stop <-chan struct{}) {
 	close(g.started)
 }
 
-// Synced reports whether the pod and VolumeAttachment caches have listed
-// once.
+// Synced reports whether the pod, VolumeAttachment and PV caches have
+// listed once.
 func (g *Claims) Synced() bool {
 	select {
 	case <-g.started:
-		return g.pods.HasSynced() && g.attachments.HasSynced()
+		return g.pods.HasSynced() && g.attachments.HasSynced() && g.pvsSynced()
 	default:
 		return false
 	}
@@ -109,9 +115,9 @@ func (a Attachment) String() string {
 // server instead of the cache.
 func (g *Claims) Attachments(ctx context.Context, volume string, fresh bool) ([]Attachment, error) {
 	if !fresh && !g.Synced() {
-		return nil, errors.New("the guest pod and VolumeAttachment caches have not synced (the controller needs list and watch on pods and volumeattachments)")
+		return nil, errors.New("the guest pod, VolumeAttachment and PersistentVolume caches have not synced (the controller needs list and watch on pods, volumeattachments and persistentvolumes)")
 	}
-	pv, err := g.guestPV(ctx, volume)
+	pv, err := g.guestPV(ctx, volume, fresh)
 	if err != nil || pv == nil {
 		return nil, err // no guest PV: nothing can be attached
 	}
@@ -147,7 +153,7 @@ func (g *Claims) Attachments(ctx context.Context, volume string, fresh bool) ([]
 
 // Users implements ClaimUsers.
 func (g *Claims) Users(ctx context.Context, volume string, fresh bool) ([]string, error) {
-	pv, err := g.guestPV(ctx, volume)
+	pv, err := g.guestPV(ctx, volume, fresh)
 	if err != nil {
 		return nil, err
 	}
@@ -198,8 +204,14 @@ func (g *Claims) Users(ctx context.Context, volume string, fresh bool) ([]string
 
 // guestPV finds the guest PV of a volume: named after it when the
 // provisioner's name was a valid volume ID (always, for pvc-<uid>), else by
-// its volume handle.
-func (g *Claims) guestPV(ctx context.Context, volume string) (*corev1.PersistentVolume, error) {
+// its volume handle. fresh reads it from the API server: a fresh answer
+// confirms that an export may be disabled or deleted, and then the PV and
+// its claim must not come from a cache that may lag behind the pods and
+// VolumeAttachments listed beside it.
+func (g *Claims) guestPV(ctx context.Context, volume string, fresh bool) (*corev1.PersistentVolume, error) {
+	if !fresh {
+		return g.cachedPV(volume)
+	}
 	pv, err := g.client.CoreV1().PersistentVolumes().Get(ctx, volume, metav1.GetOptions{})
 	switch {
 	case err == nil && pv.Spec.CSI != nil && pv.Spec.CSI.Driver == g.driver && pv.Spec.CSI.VolumeHandle == volume:

@@ -114,7 +114,7 @@ func startNodesOn(t *testing.T, client *fake.Clientset) *Nodes {
 	stop := make(chan struct{})
 	t.Cleanup(func() { close(stop) })
 	nodes.Start(stop)
-	if !cache.WaitForCacheSync(stop, nodes.HasSynced) {
+	if !cache.WaitForCacheSync(stop, nodes.HasSynced, nodes.PVsSynced) {
 		t.Fatal("caches did not sync")
 	}
 	return nodes

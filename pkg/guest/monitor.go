@@ -453,16 +453,20 @@ func (m *Monitor) untaint(ctx context.Context, t *term, node *corev1.Node, vm st
 
 // owned keeps the volumes that are this guest cluster's (a guest PV of this
 // driver names them): a VM of this cluster should hold no other, and if it
-// does, that volume is another cluster's to release.
+// does, that volume is another cluster's to release. The shared PV cache is
+// enough here, unlike for an orphan: the guest was just read stopped, so the
+// release unplugs nothing in use, and a cache that lags can only hold back a
+// volume whose PV it has not seen yet (released at the Node's next resync)
+// or release one whose PV was deleted a moment ago, still this cluster's
+// volume on this cluster's VM.
 func (m *Monitor) owned(ctx context.Context, volumes []string) ([]string, error) {
 	if len(volumes) == 0 {
 		return nil, nil
 	}
-	pvs, err := m.client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	owned, err := m.nodes.cachedOwned()
 	if err != nil {
-		return nil, fmt.Errorf("list guest PVs: %w", err)
+		return nil, err
 	}
-	owned := OwnedVolumes(m.nodes.driver, pvs.Items)
 	var out []string
 	for _, v := range volumes {
 		if owned.Has(v) {

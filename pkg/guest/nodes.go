@@ -71,14 +71,15 @@ const ProviderIDPrefix = "harvester://"
 // VMUIDs tells the UID of a host VM, for the providerID mapping.
 type VMUIDs func(vm string) (types.UID, bool)
 
-// Nodes caches the guest cluster's Nodes, CSINodes and this driver's
-// VolumeAttachments. A CSI node ID is the name of the guest's VM; the guest
-// Node name may differ. The guest's CSINode (written by the
-// node-driver-registrar) maps one to the other while the node plugin is
-// registered; the mappings that outlive the plugin (the VolumeAttachments'
-// node ID record, the Node's providerID, the last CSINode mapping seen) back
-// it up, because kubelet drops the driver from the CSINode exactly while the
-// node plugin restarts.
+// Nodes caches the guest cluster's Nodes, CSINodes, this driver's
+// VolumeAttachments and the PersistentVolumes (which host PVCs are this
+// cluster's, and their claims), once for every reader. A CSI node ID is the
+// name of the guest's VM; the guest Node name may differ. The guest's
+// CSINode (written by the node-driver-registrar) maps one to the other while
+// the node plugin is registered; the mappings that outlive the plugin (the
+// VolumeAttachments' node ID record, the Node's providerID, the last CSINode
+// mapping seen) back it up, because kubelet drops the driver from the
+// CSINode exactly while the node plugin restarts.
 type Nodes struct {
 	driver   string
 	client   kubernetes.Interface
@@ -86,6 +87,7 @@ type Nodes struct {
 	nodes    cache.SharedIndexInformer
 	csiNodes cache.SharedIndexInformer
 	vas      cache.SharedIndexInformer
+	pvs      cache.SharedIndexInformer
 
 	vmUIDs atomic.Pointer[VMUIDs]
 
@@ -101,7 +103,8 @@ type Nodes struct {
 func NewNodes(client kubernetes.Interface, driverName string, resync time.Duration) (*Nodes, error) {
 	f := informers.NewSharedInformerFactory(client, resync)
 	n := &Nodes{driver: driverName, client: client, factory: f, nodes: f.Core().V1().Nodes().Informer(),
-		csiNodes: f.Storage().V1().CSINodes().Informer(), vas: f.Storage().V1().VolumeAttachments().Informer(), lastVM: map[string]string{}}
+		csiNodes: f.Storage().V1().CSINodes().Informer(), vas: f.Storage().V1().VolumeAttachments().Informer(),
+		pvs: f.Core().V1().PersistentVolumes().Informer(), lastVM: map[string]string{}}
 	if err := n.csiNodes.AddIndexers(cache.Indexers{indexNodeID: func(obj any) ([]string, error) {
 		cn, ok := obj.(*storagev1.CSINode)
 		if !ok {
@@ -121,6 +124,12 @@ func NewNodes(client kubernetes.Interface, driverName string, resync time.Durati
 		return nil, err
 	}
 	if err := n.vas.AddIndexers(cache.Indexers{indexAttachedVM: n.attachedVMIndex}); err != nil {
+		return nil, err
+	}
+	if err := n.pvs.SetTransform(trimPV); err != nil {
+		return nil, err
+	}
+	if err := n.pvs.AddIndexers(cache.Indexers{indexPVHandle: n.pvHandleIndex}); err != nil {
 		return nil, err
 	}
 	if _, err := n.csiNodes.AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -206,7 +215,8 @@ func (n *Nodes) SetVMUIDs(f VMUIDs) { n.vmUIDs.Store(&f) }
 // Start runs the informers until stop is closed.
 func (n *Nodes) Start(stop <-chan struct{}) { n.factory.Start(stop) }
 
-// HasSynced reports whether every cache has been filled.
+// HasSynced reports whether the Node, CSINode and VolumeAttachment caches
+// have been filled (the PVs: PVsSynced).
 func (n *Nodes) HasSynced() bool {
 	return n.nodes.HasSynced() && n.csiNodes.HasSynced() && n.vas.HasSynced()
 }

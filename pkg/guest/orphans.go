@@ -149,13 +149,12 @@ func (o *Orphans) sweep(ctx context.Context, first map[orphanKey]*orphanSeen, co
 		o.seen.Set(0)
 		return nil
 	}
-	// Served from the API server's cache: only a candidate's removal needs
-	// a quorum read.
-	pvs, err := o.client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{ResourceVersion: "0"})
+	// The shared PV cache says which candidates to count: only a
+	// candidate's removal needs a quorum read (remove).
+	owned, err := o.nodes.cachedOwned()
 	if err != nil {
-		return fmt.Errorf("list guest PVs: %w", err)
+		return err
 	}
-	owned := OwnedVolumes(o.nodes.driver, pvs.Items)
 	vas := o.nodes.cachedAttachments()
 	asked := o.asked(vas, owned)
 	now := o.now()
@@ -264,6 +263,9 @@ func (o *Orphans) wanted(k orphanKey, asked map[orphanKey]bool, vas []*storagev1
 func (o *Orphans) remove(ctx context.Context, k orphanKey, seen *orphanSeen, confirm func(context.Context) (time.Time, error)) (gone bool, err error) {
 	logger := klog.FromContext(ctx).WithValues("volume", k.volume, "vm", k.vm)
 	ctx = klog.NewContext(ctx, logger)
+	// A quorum read, not the cache: the removal is what cannot be undone,
+	// and a cache that lags may still show a PV deleted a moment ago, or
+	// miss a VolumeAttachment created a moment ago.
 	pvs, err := o.client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
 	if err != nil {
 		return false, fmt.Errorf("volume %s on VM %s: list guest PVs: %w", k.volume, k.vm, err)
@@ -339,14 +341,21 @@ type Owned struct {
 // mark of their own on the host, but every one of them has its guest PV, and
 // nothing is published without one.
 func OwnedVolumes(driver string, pvs []corev1.PersistentVolume) Owned {
-	o := Owned{handles: map[string]string{}, byPV: map[string]string{}}
+	o := newOwned()
 	for i := range pvs {
-		if csi := pvs[i].Spec.CSI; csi != nil && csi.Driver == driver && csi.VolumeHandle != "" {
-			o.handles[csi.VolumeHandle] = pvs[i].Name
-			o.byPV[pvs[i].Name] = csi.VolumeHandle
-		}
+		o.add(driver, &pvs[i])
 	}
 	return o
+}
+
+func newOwned() Owned { return Owned{handles: map[string]string{}, byPV: map[string]string{}} }
+
+// add counts the PV when it is one of driver's.
+func (o Owned) add(driver string, pv *corev1.PersistentVolume) {
+	if csi := pv.Spec.CSI; csi != nil && csi.Driver == driver && csi.VolumeHandle != "" {
+		o.handles[csi.VolumeHandle] = pv.Name
+		o.byPV[pv.Name] = csi.VolumeHandle
+	}
 }
 
 // Has reports whether the host PVC is this guest cluster's.

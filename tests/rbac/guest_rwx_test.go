@@ -2,12 +2,19 @@ package rbac
 
 import (
 	"context"
+	"fmt"
+	"maps"
+	"net/http"
+	"path"
+	"sync"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
@@ -19,7 +26,8 @@ import (
 // guest whether pods still use the volume's claim (the volume's PV, read by
 // name and, for a volume whose ID is not its PV's name, found among all PVs;
 // the pod cache; a fresh list of the claim's namespace) with only the
-// controller's listed permissions.
+// controller's listed permissions, and every guest cache it reads (the
+// shared PV cache included) is allowed its watch.
 func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -57,7 +65,15 @@ func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	client := asUser(t, ctx, env.Config, "system:serviceaccount:kube-system:harvester-csi-driver", rulesFor(t, "controller"))
+	user := "system:serviceaccount:kube-system:harvester-csi-driver"
+	asUser(t, ctx, env.Config, user, rulesFor(t, "controller"))
+	// An informer whose watch is refused still syncs (from its list) and
+	// lists again and again: only the watch's own answer shows the refusal.
+	watches := &watchAnswers{got: map[string]int{}}
+	cfg := rest.CopyConfig(env.Config)
+	cfg.Impersonate = rest.ImpersonationConfig{UserName: user}
+	cfg.Wrap(watches.wrap)
+	client := kubernetes.NewForConfigOrDie(cfg)
 	nodes, err := guest.NewNodes(client, driver.Name, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -70,8 +86,18 @@ func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 	claims.Start(ctx.Done())
 	syncCtx, syncCancel := context.WithTimeout(ctx, time.Minute)
 	defer syncCancel()
-	testwait.Until(syncCtx, t, "the guest caches to sync with the listed permissions (list/watch of pods, nodes, csinodes or volumeattachments refused)",
+	testwait.Until(syncCtx, t, "the guest caches to sync with the listed permissions (list/watch of pods, nodes, csinodes, volumeattachments or persistentvolumes refused)",
 		testwait.Bool(func() bool { return nodes.HasSynced() && claims.Synced() }))
+	informed := []string{"nodes", "csinodes", "volumeattachments", "persistentvolumes", "pods"}
+	testwait.Until(syncCtx, t, "the caches' watches to be answered", func() (bool, string) {
+		got := watches.answers()
+		return len(got) >= len(informed), fmt.Sprint(got)
+	})
+	for _, res := range informed {
+		if code := watches.answers()[res]; code != http.StatusOK {
+			t.Errorf("watch of %s answered %d with the listed permissions, want 200", res, code)
+		}
+	}
 	for _, c := range []struct{ volume, want string }{{"pvc-rwx", "default/app-1 on rke2-worker-1"}, {"vol-other", "default/app-2 on rke2-worker-1"}} {
 		for _, fresh := range []bool{false, true} {
 			users, err := claims.Users(ctx, c.volume, fresh)
@@ -89,3 +115,32 @@ func TestControllerRWXCallsFitTheListedPermissions(t *testing.T) {
 		}
 	}
 }
+
+// watchAnswers records the status of the last watch request the client sent
+// for each resource.
+type watchAnswers struct {
+	mu  sync.Mutex
+	got map[string]int
+}
+
+func (w *watchAnswers) wrap(rt http.RoundTripper) http.RoundTripper {
+	return roundTripperFunc(func(req *http.Request) (*http.Response, error) {
+		resp, err := rt.RoundTrip(req)
+		if err == nil && req.URL.Query().Get("watch") == "true" {
+			w.mu.Lock()
+			w.got[path.Base(req.URL.Path)] = resp.StatusCode
+			w.mu.Unlock()
+		}
+		return resp, err
+	})
+}
+
+func (w *watchAnswers) answers() map[string]int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return maps.Clone(w.got)
+}
+
+type roundTripperFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripperFunc) RoundTrip(req *http.Request) (*http.Response, error) { return f(req) }
