@@ -24,8 +24,10 @@
 //     from the attachment pod, the domain's disks (DiskHook), the node side
 //     of volumeStatus (handlerPhase), the start of the domain, the
 //     shutdown of a deleted VMI.
-//   - kubelet (kubelet.go): attachment pods start Timings.PodStart after
-//     every claim they mount is bound.
+//   - kubelet (kubelet.go): attachment pods start after every claim they
+//     mount is bound, sooner when the host node has every volume attached
+//     already than when one needs an attach, later the more volumes they
+//     hold past 50 (podStartDelay).
 //   - provisioner (provisioner.go) and snapshotter (snapshot.go): the host
 //     "Longhorn" class, the PV/PVC protection controllers, resizes,
 //     VolumeSnapshots and restores (SnapshotHook), clones of a PVC
@@ -183,8 +185,10 @@
 // Every latency is a field of Timings, multiplied by Options.Scale (tests
 // use 0.05) and spread by Options.Jitter. The defaults follow observed
 // KubeVirt: virt-api calls take milliseconds, a reconcile tens of
-// milliseconds, an attachment pod about 8 s from creation to Ready
-// (scheduling, CSI attach, kubelet mount), mounting into virt-launcher and
+// milliseconds, an attachment pod 2.5 s from creation to Ready when its
+// volumes are attached on its node already and 10 s when one needs an
+// attach (scheduling, CSI attach, kubelet mount), plus a creation cost
+// growing with the square of its volumes past 50, mounting into virt-launcher and
 // the domain attach about 1 s each, an unplug a few seconds; virt-handler
 // looks again every second while a hotplug entry has no target (v1.7.0
 // vm.go:652). Steps fire when their deadline has come, however often a
