@@ -26,8 +26,10 @@
 //     through DiskHook, unmounting, the node side of volumeStatus) is
 //     internal/virthandler's, per release and with its known faults, the
 //     same model the real control plane's node agents run.
-//   - kubelet (kubelet.go): attachment pods start Timings.PodStart after
-//     every claim they mount is bound.
+//   - kubelet (kubelet.go): attachment pods start after every claim they
+//     mount is bound, sooner when the host node has every volume attached
+//     already than when one needs an attach, later the more volumes they
+//     hold past 50 (podStartDelay).
 //   - provisioner (provisioner.go) and snapshotter (snapshot.go): the host
 //     "Longhorn" class, the PV/PVC protection controllers, resizes,
 //     VolumeSnapshots and restores (SnapshotHook), clones of a PVC
@@ -185,12 +187,15 @@
 // Every latency is a field of Timings, multiplied by Options.Scale (tests
 // use 0.05) and spread by Options.Jitter. The defaults follow observed
 // KubeVirt: virt-api calls take milliseconds, a reconcile tens of
-// milliseconds, an attachment pod about 8 s from creation to Ready
-// (scheduling, CSI attach, kubelet mount), mounting into virt-launcher
-// 0.1 s, the domain attach 1.5 s, an unplug 0.5 s (internal/virthandler
-// DefaultTimings); virt-handler looks again every second while a hotplug
-// entry has no target (v1.7.0 vm.go:652), and a failed pass backs off 5 ms
-// doubling to 1000 s (Timings.BackoffMax, vm.go:145). Steps fire when their deadline has come, however often a
+// milliseconds, an attachment pod 2.5 s from creation to Ready when its
+// volumes are attached on its node already and 10 s when one needs an
+// attach (scheduling, CSI attach, kubelet mount), plus a creation cost
+// growing with the square of its volumes past 50, mounting into
+// virt-launcher 0.1 s, the domain attach 1.5 s, an unplug 0.5 s
+// (internal/virthandler DefaultTimings); virt-handler looks again every
+// second while a hotplug entry has no target (v1.7.0 vm.go:652), and a
+// failed pass backs off 5 ms doubling to 1000 s (Timings.BackoffMax,
+// vm.go:145). Steps fire when their deadline has come, however often a
 // component looks. Backup and Restore (2 s each) stand for a small volume's
 // upload to and download from the backup target; they only need to be long
 // enough that a caller sees the backup or restore in progress first.

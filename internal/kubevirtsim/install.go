@@ -92,7 +92,15 @@ func crds() []*apiextv1.CustomResourceDefinition {
 // for volumes, generated into
 // pkg/virt-operator/resource/generate/components/validations_generated.go),
 // so the API server itself refuses a 257th, with its "Too many" message,
-// whoever writes it: the driver, virt-api or virt-controller.
+// whoever writes it: the driver, virt-api or virt-controller. That is
+// KubeVirt's only answer: virt-api's VM and VMI admitters count no disks
+// (kubevirt v1.5.3, v1.6.0, v1.7.0 and v1.8.2
+// pkg/virt-api/webhooks/validating-webhook/admitters and
+// pkg/storage/admitters check each disk, never their number), the API
+// server validates against the schema before it calls validating webhooks,
+// and virt-api's addvolume on a VMI writes the spec through the API server
+// (v1.7.0 pkg/virt-api/rest/volumes.go:350 generateVolumeRequestPatch), so
+// its 422 is that same refusal passed on.
 const MaxDisks = 256
 
 // diskLimitSchema is an open object schema whose VMI spec, at path, limits

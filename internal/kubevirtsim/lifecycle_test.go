@@ -268,7 +268,7 @@ func TestStuckAttachmentPod(t *testing.T) {
 		e, ok := FindVolumeStatus(vmi, "pvc-a")
 		return ok && e.Phase == kubevirtv1.HotplugVolumeAttachedToNode
 	})
-	time.Sleep(3 * s.c.opts.Timings.PodStart)
+	time.Sleep(3 * s.c.opts.Timings.PodStartFresh)
 	_, vmi := s.VM(ns, "vm1")
 	if e, _ := FindVolumeStatus(vmi, "pvc-a"); e.Phase != kubevirtv1.HotplugVolumeAttachedToNode || e.HotplugVolume.AttachPodUID != "" ||
 		e.Reason != "SuccessfulCreate" || e.Message != "Created hotplug attachment pod "+e.HotplugVolume.AttachPodName+", for volume pvc-a" {

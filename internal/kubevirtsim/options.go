@@ -85,9 +85,29 @@ type Timings struct {
 	// VMIReconcile is the delay between an event and the VMI controller's pass
 	// (50ms).
 	VMIReconcile time.Duration
-	// PodStart is the time from creating an attachment pod to its being
-	// Running and Ready (8s).
+	// PodStart, when set, is a flat time from creating an attachment pod to
+	// its being Running and Ready, whatever it holds and wherever its
+	// volumes are (unset: the staged model below; negative: at once).
 	PodStart time.Duration
+	// PodStartAttached is an attachment pod's start when every volume it
+	// mounts is already attached on its host node, as when KubeVirt
+	// replaces the pod on a volume-set change and the old one still holds
+	// them (2.5s: schedule, sandbox, cached virt-launcher image, PLEG
+	// relist; ~1.5-4 s on Harvester).
+	PodStartAttached time.Duration
+	// PodStartFresh is an attachment pod's start when at least one of its
+	// volumes needs a Longhorn attach on that host node (10s; ~5-20 s
+	// idle on Harvester, longhorn issue 1058 measured ~10 s per re-attach).
+	PodStartFresh time.Duration
+	// HostRelease is how long a host node still holds a volume after the
+	// last running attachment pod mounting it is gone (3s: the host
+	// kubelet's teardown and Longhorn's detach, ~3 s in longhorn issue
+	// 1058); a pod started within it finds the volume attached.
+	HostRelease time.Duration
+	// PodCreateCrowd is the creation cost an attachment pod pays per
+	// square of its volumes past PodCreateKnee (30ms; see
+	// podStartDelay for where the curve comes from).
+	PodCreateCrowd time.Duration
 	// Mount is virt-handler's mount into virt-launcher, from an entry naming
 	// a pod that holds the volume to its device in virt-launcher, then
 	// MountedToPod (100ms: a mknod; internal/virthandler Timings.Mount).
@@ -127,28 +147,35 @@ type Timings struct {
 	// backoff (5ms, 1000s).
 	BackoffBase time.Duration
 	BackoffMax  time.Duration
+
+	// podStartFlat records that the caller set PodStart, which then
+	// replaces the staged model.
+	podStartFlat bool
 }
 
 // DefaultTimings returns the unscaled defaults.
 func DefaultTimings() Timings {
 	return Timings{
-		API:          10 * time.Millisecond,
-		RaceWindow:   20 * time.Millisecond,
-		VMReconcile:  50 * time.Millisecond,
-		VMIReconcile: 50 * time.Millisecond,
-		PodStart:     8 * time.Second,
-		Mount:        100 * time.Millisecond,
-		DomainAttach: 1500 * time.Millisecond,
-		Detach:       500 * time.Millisecond,
-		PodDelete:    time.Second,
-		HandlerPoll:  time.Second,
-		Bind:         100 * time.Millisecond,
-		Snapshot:     time.Second,
-		Backup:       2 * time.Second,
-		Restore:      2 * time.Second,
-		NetworkFS:    2 * time.Second,
-		BackoffBase:  5 * time.Millisecond,
-		BackoffMax:   1000 * time.Second,
+		API:              10 * time.Millisecond,
+		RaceWindow:       20 * time.Millisecond,
+		VMReconcile:      50 * time.Millisecond,
+		VMIReconcile:     50 * time.Millisecond,
+		PodStartAttached: 2500 * time.Millisecond,
+		PodStartFresh:    10 * time.Second,
+		HostRelease:      3 * time.Second,
+		PodCreateCrowd:   30 * time.Millisecond,
+		Mount:            100 * time.Millisecond,
+		DomainAttach:     1500 * time.Millisecond,
+		Detach:           500 * time.Millisecond,
+		PodDelete:        time.Second,
+		HandlerPoll:      time.Second,
+		Bind:             100 * time.Millisecond,
+		Snapshot:         time.Second,
+		Backup:           2 * time.Second,
+		Restore:          2 * time.Second,
+		NetworkFS:        2 * time.Second,
+		BackoffBase:      5 * time.Millisecond,
+		BackoffMax:       1000 * time.Second,
 	}
 }
 
@@ -262,7 +289,14 @@ func (o *Options) setDefaults() error {
 	fill(&t.RaceWindow, d.RaceWindow)
 	fill(&t.VMReconcile, d.VMReconcile)
 	fill(&t.VMIReconcile, d.VMIReconcile)
-	fill(&t.PodStart, d.PodStart)
+	t.podStartFlat = t.PodStart != 0
+	if t.podStartFlat {
+		fill(&t.PodStart, 0)
+	}
+	fill(&t.PodStartAttached, d.PodStartAttached)
+	fill(&t.PodStartFresh, d.PodStartFresh)
+	fill(&t.HostRelease, d.HostRelease)
+	fill(&t.PodCreateCrowd, d.PodCreateCrowd)
 	fill(&t.Mount, d.Mount)
 	fill(&t.DomainAttach, d.DomainAttach)
 	fill(&t.Detach, d.Detach)

@@ -31,6 +31,13 @@ type ScaleConfig struct {
 	PublishWait                       time.Duration
 	Seed                              uint64
 	Scale                             float64
+	// Dense, when above zero, is the dense shape: that many of the
+	// Volumes sit on one more VM, churned on it (unpublished and published
+	// back), the others spread over the VMs as before. Its operations are
+	// bounded by DenseDeadline, and so is its initial attach: an attachment
+	// pod holding that many volumes takes minutes to start.
+	Dense         int
+	DenseDeadline time.Duration
 }
 
 // DefaultScale is the issue's scale workload: 50 VMs, 1,000 volumes, 10%
@@ -43,7 +50,7 @@ func DefaultScale() ScaleConfig {
 	return ScaleConfig{VMs: 50, Volumes: 1000, ChurnPerMinute: 0.10, SameVM: 0.3,
 		Warmup: 3 * time.Minute, Duration: 30 * time.Minute, SampleEvery: time.Minute,
 		Workers: 100, CallTimeout: 15 * time.Second, RetryStart: time.Second, RetryMax: 5 * time.Minute,
-		Deadline: 110 * time.Second, Seed: 1, Scale: 0.5}
+		Deadline: 110 * time.Second, Seed: 1, Scale: 0.5, DenseDeadline: time.Hour}
 }
 
 // ProcessSample is the controller process as its metrics endpoint and
@@ -67,9 +74,12 @@ type Sampler interface {
 // ScaleResult is what one scale run measured; it is written as JSON. The
 // operation figures cover the steady state only (operations begun after the
 // warm-up); an operation is one move: an unpublish and the publish after it.
+// With the dense shape, Operations, Unfinished and the per-operation counts
+// cover every VM, the latencies only the others, and Dense the dense VM's.
 type ScaleResult struct {
 	Name string `json:"name"`
 	OperationFigures
+	Dense *DenseFigures `json:"dense,omitempty"`
 	// RSSMiB is the largest resident set seen in the steady state, and
 	// RSSPeakMiB the process's high-water mark over its whole life
 	// (including the initial attach of every volume).
@@ -96,9 +106,21 @@ type ScaleResult struct {
 	Profiles             []string        `json:"profiles,omitempty"`
 }
 
+// DenseFigures are the dense VM's own operations in the steady state.
+type DenseFigures struct {
+	VM                   string      `json:"vm"`
+	Volumes              int         `json:"volumes"`
+	Operations           int         `json:"operations"`
+	Unfinished           int         `json:"unfinished"`
+	PublishToReady       Percentiles `json:"publish_to_ready_seconds"`
+	Unpublish            Percentiles `json:"unpublish_seconds"`
+	InitialAttachSeconds float64     `json:"initial_attach_seconds"`
+}
+
 // scaleOp is one move of one volume.
 type scaleOp struct {
 	vol, from, to        string
+	dense                bool // on the dense VM
 	counted              bool // begun after the warm-up
 	unpubAsked, unpubEnd time.Time
 	pubAsked, pubEnd     time.Time
@@ -122,19 +144,38 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 	att := newAttacher(h, ChurnConfig{Workers: cfg.Workers, CallTimeout: cfg.CallTimeout, RetryStart: cfg.RetryStart,
 		RetryMax: cfg.RetryMax, Scale: cfg.Scale})
 	res := ScaleResult{Config: cfg}
+	denseVM, vms, err := splitDense(cfg, vms, vols)
+	if err != nil {
+		return res, err
+	}
+	isDense := func(i int) bool { return i < cfg.Dense }
+	denseVol := make(map[string]bool, cfg.Dense)
+	for _, v := range vols[:cfg.Dense] {
+		denseVol[v] = true
+	}
+	deadline := func(dense bool) time.Duration {
+		if dense {
+			return cfg.DenseDeadline
+		}
+		return cfg.Deadline
+	}
 
-	// Every volume starts on VM i mod VMs, all asked for at once.
+	// Every volume starts on VM i mod VMs (the dense ones on the dense VM),
+	// all asked for at once.
 	where := make(map[string]string, len(vols))
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	start := time.Now()
-	initialDeadline := start.Add(sim(10 * time.Minute))
+	var denseDone time.Time
 	for i, v := range vols {
-		vm := vms[i%len(vms)]
+		vm, bound := vms[i%len(vms)], sim(10*time.Minute)
+		if isDense(i) {
+			vm, bound = denseVM, sim(max(10*time.Minute, cfg.DenseDeadline))
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			c, cancel := context.WithDeadline(ctx, initialDeadline)
+			c, cancel := context.WithDeadline(ctx, start.Add(bound))
 			defer cancel()
 			err := att.Publish(c, publishReq(vm, v))
 			mu.Lock()
@@ -144,12 +185,18 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 				return
 			}
 			where[v] = vm
+			if isDense(i) {
+				denseDone = time.Now()
+			}
 		}()
 	}
 	wg.Wait()
 	res.InitialAttachSeconds = simSeconds(time.Since(start))
+	if cfg.Dense > 0 {
+		res.Dense = &DenseFigures{VM: denseVM, Volumes: cfg.Dense, InitialAttachSeconds: simSeconds(denseDone.Sub(start))}
+	}
 	if res.InitialUnfinished > 0 {
-		return res, fmt.Errorf("%d of %d volumes not attached after 10 simulated minutes", res.InitialUnfinished, len(vols))
+		return res, fmt.Errorf("%d of %d volumes not attached in time (10 simulated minutes, the dense VM's %v)", res.InitialUnfinished, len(vols), cfg.DenseDeadline)
 	}
 
 	// The churn: every minute, ChurnPerMinute of the volumes not moving at
@@ -174,7 +221,7 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 		}
 		o.counted = !time.Now().Before(steadyAt)
 		o.unpubAsked = time.Now()
-		c, cc := context.WithDeadline(ctx, o.unpubAsked.Add(sim(cfg.Deadline)))
+		c, cc := context.WithDeadline(ctx, o.unpubAsked.Add(sim(deadline(o.dense))))
 		err := att.Unpublish(c, o.from, o.vol)
 		cc()
 		o.unpubEnd, o.unpubOK = time.Now(), err == nil
@@ -182,7 +229,7 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 			return // the volume's state is unknown: it is not moved again
 		}
 		o.pubAsked = time.Now()
-		c, cc = context.WithDeadline(ctx, o.pubAsked.Add(sim(cfg.Deadline)))
+		c, cc = context.WithDeadline(ctx, o.pubAsked.Add(sim(deadline(o.dense))))
 		err = att.Publish(c, publishReq(o.to, o.vol))
 		cc()
 		o.pubEnd, o.pubOK = time.Now(), err == nil
@@ -220,12 +267,14 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 		for _, v := range picked {
 			from := where[v]
 			to := from
-			if rng.Float64() >= cfg.SameVM {
+			// A dense volume goes back to the dense VM, which keeps its
+			// count; the others never go there.
+			if rng.Float64() >= cfg.SameVM && !denseVol[v] {
 				for to == from {
 					to = vms[rng.IntN(len(vms))]
 				}
 			}
-			o := &scaleOp{vol: v, from: from, to: to}
+			o := &scaleOp{vol: v, from: from, to: to, dense: denseVol[v]}
 			ops = append(ops, o)
 			opsWG.Add(1)
 			go move(o, minuteAt.Add(time.Duration(rng.Int64N(int64(sim(time.Minute))))))
@@ -269,23 +318,34 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 	res.SimulatedSeconds = res.WallSeconds / cfg.Scale
 	res.Answers = answers(att)
 
-	var pubs, unpubs []float64
+	var pubs, unpubs, densePubs, denseUnpubs []float64
 	for _, o := range ops {
 		if !o.counted || o.unpubAsked.IsZero() || o.unpubAsked.After(endAt) {
 			continue
 		}
 		res.Operations++
+		p, u := &pubs, &unpubs
+		if o.dense {
+			res.Dense.Operations++
+			p, u = &densePubs, &denseUnpubs
+		}
 		if !o.unpubOK || !o.pubOK {
 			res.Unfinished++
+			if o.dense {
+				res.Dense.Unfinished++
+			}
 		}
 		if o.unpubOK {
-			unpubs = append(unpubs, simSeconds(o.unpubEnd.Sub(o.unpubAsked)))
+			*u = append(*u, simSeconds(o.unpubEnd.Sub(o.unpubAsked)))
 		}
 		if o.pubOK {
-			pubs = append(pubs, simSeconds(o.pubEnd.Sub(o.pubAsked)))
+			*p = append(*p, simSeconds(o.pubEnd.Sub(o.pubAsked)))
 		}
 	}
 	res.PublishToReady, res.Unpublish = percentiles(pubs), percentiles(unpubs)
+	if res.Dense != nil {
+		res.Dense.PublishToReady, res.Dense.Unpublish = percentiles(densePubs), percentiles(denseUnpubs)
+	}
 	res.count(writes, conflicts, reqs)
 
 	res.Samples = samples
@@ -301,4 +361,19 @@ func RunScale(ctx context.Context, h Host, s Sampler, cfg ScaleConfig, vms, vols
 		res.HeapStartMiB, res.HeapEndMiB = first.HeapInuseMiB, last.HeapInuseMiB
 	}
 	return res, nil
+}
+
+// splitDense returns the dense VM (the last of vms when cfg.Dense is above
+// zero, "" otherwise) and the others; the first cfg.Dense volumes are the
+// dense VM's.
+func splitDense(cfg ScaleConfig, vms, vols []string) (string, []string, error) {
+	switch {
+	case cfg.Dense < 0 || cfg.Dense > len(vols):
+		return "", nil, fmt.Errorf("dense shape of %d volumes out of the %d", cfg.Dense, len(vols))
+	case cfg.Dense == 0:
+		return "", vms, nil
+	case len(vms) < 2:
+		return "", nil, fmt.Errorf("the dense shape needs a VM besides the others, got %d VMs", len(vms))
+	}
+	return vms[len(vms)-1], vms[:len(vms)-1], nil
 }

@@ -38,6 +38,8 @@ var (
 	scaleFlavor    = flag.String("scale.flavor", "declarative-v1.7.0", "KubeVirt to run against (a churn flavor name)")
 	scalePubWait   = flag.Duration("scale.publish-wait", 0, "the driver's --publish-wait (simulated), a plain bound (--publish-wait-crowd=1)")
 	scaleBinary    = flag.String("scale.binary", "", "driver binary to run as the controller (default: built from this tree)")
+	scaleDense     = flag.Int("scale.dense", 0, "the dense shape: this many of -scale.volumes on one more VM, churned on it (200 for the issue's)")
+	scaleDenseDL   = flag.Duration("scale.dense-deadline", defScale.DenseDeadline, "bound of each dense-VM operation and of its initial attach (simulated)")
 	scaleInProcess = flag.Bool("scale.in-process", false, "run the controller inside the benchmark instead of as its own process (RSS and CPU are then the whole benchmark's)")
 )
 
@@ -66,6 +68,7 @@ func BenchmarkScale(b *testing.B) {
 	cfg.VMs, cfg.Volumes, cfg.ChurnPerMinute, cfg.SameVM = *scaleVMs, *scaleVols, *scaleChurn, *scaleSameVM
 	cfg.Warmup, cfg.Duration, cfg.Workers, cfg.Scale, cfg.Seed = *scaleWarmup, *scaleDuration, *scaleWorkers, *scaleTime, *scaleSeed
 	cfg.PublishWait = *scalePubWait
+	cfg.Dense, cfg.DenseDeadline = *scaleDense, *scaleDenseDL
 	for range b.N {
 		res := scaleOnce(b, *f, cfg)
 		path, err := writeJSON(*resultDir, res.Name, res)
@@ -77,6 +80,12 @@ func BenchmarkScale(b *testing.B) {
 			res.Name, res.Unfinished, res.Operations, res.PublishToReady.P50, res.PublishToReady.P99, res.Unpublish.P99,
 			res.VMWritesPerOperation, res.HostRequestsPerOp, res.Conflicts, res.RSSMiB, res.RSSPeakMiB, res.CPUFraction, res.CPUFractionWall,
 			res.GoroutinesStart, res.GoroutinesEnd, res.HeapStartMiB, res.HeapEndMiB, path)
+		if d := res.Dense; d != nil {
+			b.Logf("dense VM %s (%d volumes): initial attach %.0fs, %d/%d unfinished, publish p50 %.1fs p99 %.1fs, unpublish p50 %.1fs p99 %.1fs",
+				d.VM, d.Volumes, d.InitialAttachSeconds, d.Unfinished, d.Operations, d.PublishToReady.P50, d.PublishToReady.P99, d.Unpublish.P50, d.Unpublish.P99)
+			b.ReportMetric(d.PublishToReady.P50, "dense-publish-p50-s")
+			b.ReportMetric(d.PublishToReady.P99, "dense-publish-p99-s")
+		}
 		b.ReportMetric(float64(res.Unfinished), "unfinished")
 		b.ReportMetric(res.RSSMiB, "rss-MiB")
 		b.ReportMetric(res.CPUFraction, "cpu-fraction")
@@ -86,8 +95,13 @@ func BenchmarkScale(b *testing.B) {
 
 func scaleOnce(b *testing.B, f flavor, cfg ScaleConfig) ScaleResult {
 	b.Helper()
-	h, vms, vols := startFleet(b, f, cfg.Scale, cfg.Seed, "node-%02d", cfg.VMs, "scale", cfg.Volumes)
+	vmCount := cfg.VMs
 	name := "scale-" + f.name
+	if cfg.Dense > 0 {
+		vmCount++ // the dense VM, the last one
+		name += "-dense" + strconv.Itoa(cfg.Dense)
+	}
+	h, vms, vols := startFleet(b, f, cfg.Scale, cfg.Seed, "node-%02d", vmCount, "scale", cfg.Volumes)
 	sh := &scaleHost{h: h}
 	var sampler Sampler
 	desc := ""
