@@ -97,6 +97,10 @@ type Options struct {
 	// Disks, when set, follow each hot-plugged volume into and out of its
 	// VM as the virt-handler stand-in mounts and unmounts it.
 	Disks DiskHook
+	// Kubelets says real kubelets run the host nodes (they register the
+	// Nodes) and a real scheduler places KubeVirt's pods: the kubelet
+	// stand-in then leaves pods alone and no Node is created here.
+	Kubelets bool
 }
 
 // ControlPlane is KubeVirt's control plane running on an Env. Its processes
@@ -166,7 +170,12 @@ func Start(ctx context.Context, env *testenv.Env, version string, opts Options) 
 	}
 	steps := []func(context.Context) error{
 		func(ctx context.Context) error { return s.ensureNamespace(ctx, Namespace) },
-		func(ctx context.Context) error { return s.ensureNodes(ctx, opts.Nodes) },
+		func(ctx context.Context) error {
+			if opts.Kubelets {
+				return nil
+			}
+			return s.ensureNodes(ctx, opts.Nodes)
+		},
 		func(ctx context.Context) error { return s.certificates(ctx) },
 		func(ctx context.Context) error { return s.applyManifests(ctx, apiPort) },
 		func(ctx context.Context) error { return s.kubeVirtCR(ctx, gates) },
@@ -189,6 +198,7 @@ func Start(ctx context.Context, env *testenv.Env, version string, opts Options) 
 	agentCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	cp := &ControlPlane{Version: version, KubeVirt: kv, cancel: cancel, done: make(chan struct{})}
 	agents := newNodeAgents(kube, kv, handlerKV, opts.Nodes, opts.Disks)
+	agents.kubelets = opts.Kubelets
 	go func() {
 		defer close(cp.done)
 		agents.run(agentCtx)

@@ -49,6 +49,7 @@ func (h *Host) startReal(ctx, runCtx context.Context) error {
 		return err
 	}
 	ro := realkubevirt.Options{Mode: mode}
+	h.realKubeVirtNodes(&ro)
 	if h.o.Disks {
 		hook, err := h.newDisks()
 		if err != nil {
@@ -62,11 +63,16 @@ func (h *Host) startReal(ctx, runCtx context.Context) error {
 	if h.KubeVirt, err = kubevirt.NewForConfig(h.Env.Config); err != nil {
 		return err
 	}
+	if h.nodes != nil {
+		if err := h.startHostStorage(ctx, runCtx); err != nil {
+			return fmt.Errorf("host storage: %w", err)
+		}
+	}
 	if err := h.createStorageClass(ctx); err != nil {
 		return err
 	}
 	b := &binder{kube: h.Kube, namespace: h.Namespace, class: h.StorageClass(),
-		classless: h.o.Harvester || h.o.Sim.BindClasslessPVCs}
+		classless: h.o.Harvester || h.o.Sim.BindClasslessPVCs, longhorn: h.Longhorn}
 	if err := b.run(runCtx); err != nil {
 		return fmt.Errorf("claim binder: %w", err)
 	}
@@ -78,6 +84,9 @@ func (h *Host) startReal(ctx, runCtx context.Context) error {
 	return nil
 }
 
+// rootDiskImage is the guest VMs' container disk; no image is pulled.
+const rootDiskImage = "rootdisk"
+
 // createRealVM creates a running VM as Harvester's are (a boot disk, pod
 // network, memory) and returns once its VMI runs.
 func (h *Host) createRealVM(ctx context.Context, name string) error {
@@ -87,7 +96,7 @@ func (h *Host) createRealVM(ctx context.Context, name string) error {
 		Spec: kubevirtv1.VirtualMachineSpec{
 			RunStrategy: &always,
 			Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{
-				ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"harvesterhci.io/vmName": name}},
+				ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{vmNameLabel: name}},
 				Spec: kubevirtv1.VirtualMachineInstanceSpec{
 					Domain: kubevirtv1.DomainSpec{
 						Resources: kubevirtv1.ResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("1Gi")}},
@@ -98,12 +107,13 @@ func (h *Host) createRealVM(ctx context.Context, name string) error {
 					},
 					Volumes: []kubevirtv1.Volume{{
 						Name:         "rootdisk",
-						VolumeSource: kubevirtv1.VolumeSource{ContainerDisk: &kubevirtv1.ContainerDiskSource{Image: "rootdisk"}},
+						VolumeSource: kubevirtv1.VolumeSource{ContainerDisk: &kubevirtv1.ContainerDiskSource{Image: rootDiskImage}},
 					}},
 				},
 			},
 		},
 	}
+	h.place(&vm.Spec.Template.Spec, name)
 	if _, err := h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace).Create(ctx, vm, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -333,12 +334,46 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if len(phases[corev1.PodPending]) == 0 && len(phases[corev1.PodRunning]) != len(v.Status.KubernetesStatus.WorkloadsStatus) {
 		return nil, status.Errorf(codes.Aborted, "no %v workload pods for volume %v to be mounted: %+v", corev1.PodPending, id, phases)
 	}
+	if err := makeTarget(req.GetTargetPath(), req.GetVolumeCapability().GetBlock() != nil); err != nil {
+		return nil, status.Errorf(codes.Internal, "volume %s: target %s: %v", id, req.GetTargetPath(), err)
+	}
 	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// blockTargetSize is the size of the file that stands for a published
+// block device: a kubelet keeps a loop device open on what it maps
+// (kubernetes v1.33 pkg/volume/util/operationexecutor/operation_generator.go
+// GenerateMapVolumeFunc, AttachFileDevice), and losetup warns below 512
+// bytes.
+const blockTargetSize = 1 << 20
+
+// makeTarget leaves at the target path what a kubelet expects after
+// NodePublish: for a block volume a file the plugin created (the CSI spec
+// leaves creating it to the plugin), which the kubelet bind-mounts into the
+// pod's device map; for a filesystem volume a directory.
+func makeTarget(path string, block bool) error {
+	if !block {
+		return os.MkdirAll(path, 0o750)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY, 0o640)
+	if err != nil {
+		return err
+	}
+	return errors.Join(f.Truncate(blockTargetSize), f.Close())
 }
 
 func (n *nodeServer) NodeUnpublishVolume(_ context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
 	if req.GetVolumeId() == "" || req.GetTargetPath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume id and target path are required")
+	}
+	// The kubelet has unmounted or unmapped it by now; what is left is
+	// the plugin's to remove. Not recursively: a target still mounted must
+	// fail here rather than lose what it holds.
+	if err := os.Remove(req.GetTargetPath()); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, status.Errorf(codes.Internal, "volume %s: remove target %s: %v", req.GetVolumeId(), req.GetTargetPath(), err)
 	}
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }

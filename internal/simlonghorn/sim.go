@@ -399,3 +399,14 @@ func usesClaim(p *corev1.Pod, claim string) bool {
 	}
 	return false
 }
+
+// Volume reads a Longhorn volume from the API server.
+func (s *Sim) Volume(ctx context.Context, name string) (*Volume, error) {
+	return s.store.getVolume(ctx, name)
+}
+
+// VolumeAttachment reads a Longhorn volume's VolumeAttachment (named as the
+// volume) from the API server.
+func (s *Sim) VolumeAttachment(ctx context.Context, volume string) (*VolumeAttachment, error) {
+	return s.store.getVA(ctx, volume)
+}

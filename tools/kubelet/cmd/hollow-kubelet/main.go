@@ -31,6 +31,7 @@ import (
 	"syscall"
 	"time"
 
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
@@ -58,6 +59,9 @@ type options struct {
 	apiBurst       int
 	containerLogs  string
 	runtimeTimeout time.Duration
+	cores          int
+	memory         string
+	disk           string
 }
 
 // execMap is --exec IMAGE=COMMAND, repeatable.
@@ -89,6 +93,9 @@ func main() {
 	fs.Float64Var(&o.apiQPS, "kube-api-qps", 50, "API client QPS")
 	fs.IntVar(&o.apiBurst, "kube-api-burst", 100, "API client burst")
 	fs.DurationVar(&o.runtimeTimeout, "runtime-request-timeout", 2*time.Minute, "runtime request timeout")
+	fs.IntVar(&o.cores, "cores", 0, "CPU cores the node reports (0: kubemark's 1)")
+	fs.StringVar(&o.memory, "memory", "", "memory the node reports, a quantity (empty: kubemark's 3.75 GB)")
+	fs.StringVar(&o.disk, "ephemeral-storage", "", "root filesystem the node reports, a quantity (empty: none, as kubemark)")
 	klog.InitFlags(fs)
 	_ = fs.Parse(os.Args[1:])
 	if o.kubeconfig == "" || o.nodeName == "" || o.rootDir == "" {
@@ -185,8 +192,12 @@ func run(ctx context.Context, o options) error {
 	defer rt.stopAll()
 	images := apitest.NewFakeImageService()
 
+	mach, err := newMachine(o)
+	if err != nil {
+		return err
+	}
 	hk := kubemark.NewHollowKubelet(f, c, client, heartbeat,
-		&cadvisortest.Fake{NodeName: o.nodeName}, images, rt, cm.NewStubContainerManager())
+		mach, images, rt, cm.NewStubContainerManager())
 	mounter := mount.New("")
 	hk.KubeletDeps.Mounter = mounter
 	hk.KubeletDeps.HostUtil = hostutil.NewHostUtil()
@@ -197,4 +208,22 @@ func run(ctx context.Context, o options) error {
 	<-ctx.Done()
 	klog.InfoS("hollow kubelet stopping", "node", o.nodeName)
 	return nil
+}
+
+func newMachine(o options) (*machine, error) {
+	m := &machine{Fake: &cadvisortest.Fake{NodeName: o.nodeName}, cores: o.cores}
+	for _, q := range []struct {
+		flag, v string
+		to      *uint64
+	}{{"memory", o.memory, &m.memory}, {"ephemeral-storage", o.disk, &m.disk}} {
+		if q.v == "" {
+			continue
+		}
+		v, err := resource.ParseQuantity(q.v)
+		if err != nil || v.Sign() < 0 {
+			return nil, fmt.Errorf("--%s=%s: want a non-negative quantity", q.flag, q.v)
+		}
+		*q.to = uint64(v.Value())
+	}
+	return m, nil
 }
