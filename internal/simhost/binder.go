@@ -21,6 +21,13 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
 )
 
+// Annotations the PV controller writes on a claim it bound
+// (kubernetes v1.35.4 pkg/controller/volume/persistentvolume/util).
+const (
+	annBindCompleted     = "pv.kubernetes.io/bind-completed"
+	annBoundByController = "pv.kubernetes.io/bound-by-controller"
+)
+
 // longhornProvisioner names the provisioner of Harvester's default class.
 const longhornProvisioner = "driver.longhorn.io"
 
@@ -180,8 +187,13 @@ func (b *binder) bind(ctx context.Context, pvc *corev1.PersistentVolumeClaim) er
 		return err
 	}
 	claim := pvc.DeepCopy()
-	if claim.Spec.VolumeName == "" {
+	if claim.Spec.VolumeName == "" || claim.Annotations[annBindCompleted] == "" {
 		claim.Spec.VolumeName = pvName
+		// The PV controller's marks of a finished bind: the scheduler's
+		// volume binding takes a claim without them for unbound
+		// (kubernetes v1.35.4 pkg/scheduler/framework/plugins/volumebinding).
+		metav1.SetMetaDataAnnotation(&claim.ObjectMeta, annBindCompleted, "yes")
+		metav1.SetMetaDataAnnotation(&claim.ObjectMeta, annBoundByController, "yes")
 		var err error
 		if claim, err = b.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Update(ctx, claim, metav1.UpdateOptions{}); err != nil {
 			return err

@@ -11,12 +11,11 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
-	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
@@ -49,7 +48,7 @@ var HostControllers = []string{
 // with --max-devices, 1000 by default (kubevirt v1.7.0
 // cmd/virt-handler/virt-handler.go:105), and virt-launcher pods request
 // them (pkg/virt-controller/services/template.go:79-81).
-var kubevirtDevices = []corev1.ResourceName{"devices.kubevirt.io/kvm", "devices.kubevirt.io/tun", "devices.kubevirt.io/vhost-net"}
+var kubevirtDevices = []string{"devices.kubevirt.io/kvm", "devices.kubevirt.io/tun", "devices.kubevirt.io/vhost-net"}
 
 // hostNodeLabels are what virt-handler's node labeller writes and
 // virt-launcher pods select on (kubevirt v1.7.0
@@ -121,6 +120,15 @@ func (h *Host) startHostStorage(ctx, runCtx context.Context) error {
 	if _, err := h.Kube.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: longhornNamespace(lo)}}, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
+	dir, err := os.MkdirTemp("", "hh-")
+	if err != nil {
+		return err
+	}
+	h.nodes.dir = dir
+	h.nodes.loaded = true
+	if lo.DeviceDir, err = mountDeviceDir(dir); err != nil {
+		return err
+	}
 	lh, err := simlonghorn.New(h.Env.Config, lo)
 	if err != nil {
 		return err
@@ -130,11 +138,6 @@ func (h *Host) startHostStorage(ctx, runCtx context.Context) error {
 	if err := h.longhornCSIDriver(ctx); err != nil {
 		return err
 	}
-	dir, err := os.MkdirTemp("", "hh-")
-	if err != nil {
-		return err
-	}
-	h.nodes.dir = dir
 	logDir := filepath.Join(h.o.Dir, "logs")
 	if h.o.LogDir != "" {
 		logDir = filepath.Join(h.o.LogDir, "host-nodes")
@@ -149,13 +152,26 @@ func (h *Host) startHostStorage(ctx, runCtx context.Context) error {
 	if err := os.WriteFile(script, []byte(containerScript), 0o755); err != nil { //nolint:gosec // an executable script
 		return err
 	}
-	h.nodes.loaded = true
 	for _, n := range h.nodes.names {
 		if err := h.startHostNode(runCtx, n, script); err != nil {
 			return fmt.Errorf("host node %s: %w", n, err)
 		}
 	}
 	return h.waitHostNodes(ctx)
+}
+
+// mountDeviceDir mounts a small tmpfs for the Longhorn stand-in's volume
+// devices: on another filesystem than the kubelets' roots, as /dev is on a
+// real node (see simlonghorn.Options.DeviceDir). Its files are sparse.
+func mountDeviceDir(dir string) (string, error) {
+	devs := filepath.Join(dir, "devices")
+	if err := os.MkdirAll(devs, 0o750); err != nil {
+		return "", err
+	}
+	if err := unix.Mount("tmpfs", devs, "tmpfs", 0, "size=64m,mode=0750"); err != nil {
+		return "", fmt.Errorf("tmpfs for Longhorn devices at %s: %w", devs, err)
+	}
+	return devs, nil
 }
 
 func longhornNamespace(o simlonghorn.Options) string {
@@ -255,6 +271,9 @@ func (h *Host) startHostNode(runCtx context.Context, name, script string) error 
 		"--cores=" + hostNodeCores, "--memory=" + hostNodeMemory, "--ephemeral-storage=" + hostNodeDisk,
 		"--v=2",
 	}
+	for _, d := range kubevirtDevices {
+		args = append(args, "--device="+d+"=1000")
+	}
 	for _, img := range h.kubevirtImages() {
 		args = append(args, "--exec="+img+"="+script)
 	}
@@ -277,7 +296,7 @@ func (h *Host) kubevirtImages() []string {
 }
 
 // waitHostNodes waits until every host node is Ready with Longhorn's plugin
-// in its CSINode, then gives it KubeVirt's device resources.
+// in its CSINode.
 func (h *Host) waitHostNodes(ctx context.Context) error {
 	var last string
 	err := wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 2*time.Minute, true, func(ctx context.Context) (bool, error) {
@@ -294,11 +313,6 @@ func (h *Host) waitHostNodes(ctx context.Context) error {
 	})
 	if err != nil {
 		return fmt.Errorf("host nodes not ready (%s): %w", last, err)
-	}
-	for _, name := range h.nodes.names {
-		if err := h.advertiseDevices(ctx, name); err != nil {
-			return fmt.Errorf("host node %s: KubeVirt devices: %w", name, err)
-		}
 	}
 	return nil
 }
@@ -326,23 +340,6 @@ func (h *Host) hostNodeReady(ctx context.Context, name string) (bool, string) {
 		return false, fmt.Sprintf("CSINode %s does not list %s yet", name, simlonghorn.DriverName)
 	}
 	return true, ""
-}
-
-// advertiseDevices writes KubeVirt's device resources into the node's
-// capacity, as the device plugins' registration with the kubelet does; the
-// kubelet keeps extended resources it does not manage and copies them to
-// allocatable at its next status update.
-func (h *Host) advertiseDevices(ctx context.Context, name string) error {
-	var b strings.Builder
-	for i, d := range kubevirtDevices {
-		if i > 0 {
-			b.WriteByte(',')
-		}
-		fmt.Fprintf(&b, "%q:%q", d, resource.NewQuantity(1000, resource.DecimalSI).String())
-	}
-	patch := []byte(`{"status":{"capacity":{` + b.String() + `}}}`)
-	_, err := h.Kube.CoreV1().Nodes().Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}, "status")
-	return err
 }
 
 // stopHostNodes stops the host nodes' processes and then removes what their
@@ -428,17 +425,18 @@ func (h *Host) realKubeVirtNodes(ro *realkubevirt.Options) {
 const vmNameLabel = "harvesterhci.io/vmName"
 
 // place puts a guest VM on a host node: the one Options.Placement names,
-// through a node selector, or else wherever the scheduler finds least
-// busy, kept apart from the other guest VMs by a preferred anti-affinity
-// so that guest nodes spread over host nodes.
+// through a node selector, or else where the scheduler finds it best, kept
+// apart from the other guest VMs by a preferred anti-affinity so that guest
+// nodes spread over host nodes.
 func (h *Host) place(spec *kubevirtv1.VirtualMachineInstanceSpec, vm string) {
 	if h.nodes == nil {
 		return
 	}
 	if node, ok := h.o.Placement[vm]; ok {
 		spec.NodeSelector = map[string]string{corev1.LabelHostname: node}
-		return
 	}
+	// A pinned VM keeps the term too: the scheduler weighs an existing
+	// pod's preferred anti-affinity when it places the next one.
 	spec.Affinity = &corev1.Affinity{PodAntiAffinity: &corev1.PodAntiAffinity{
 		PreferredDuringSchedulingIgnoredDuringExecution: []corev1.WeightedPodAffinityTerm{{
 			Weight: 100,

@@ -11,7 +11,6 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
@@ -60,7 +59,7 @@ func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 	defer cancel()
 	h, err := Start(ctx, Options{
 		Real: version, Sim: kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy},
-		VMs: []string{"node-0", "node-1"}, Harvester: true,
+		VMs: []string{"node-0"}, Harvester: true,
 		HostStorage: true, HostNodeStatusUpdate: 2 * time.Second,
 		Longhorn:  simlonghorn.Options{Scale: 0.05},
 		Placement: map[string]string{"node-0": "harvester-1"},
@@ -73,6 +72,10 @@ func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 			t.Errorf("stop: %v", err)
 		}
 	})
+	// After node-0, so that the scheduler sees it when it places node-1.
+	if err := h.CreateVMs(ctx, "node-1"); err != nil {
+		t.Fatal(err)
+	}
 	host := h.HostNodeOf(ctx, "node-0")
 	if host != "harvester-1" {
 		t.Fatalf("node-0's VM runs on %q, want harvester-1 where Placement pins it", host)
@@ -131,7 +134,10 @@ func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 	if !scheduledByScheduler(ctx, t, h, pod) {
 		t.Errorf("attachment pod %s was not placed by the scheduler", pod.Name)
 	}
-	va := hostVolumeAttachment(ctx, t, h, lhName)
+	va, err := hostVolumeAttachment(ctx, h, lhName)
+	if err != nil {
+		t.Fatal(err)
+	}
 	if va == nil || va.Spec.NodeName != host || !va.Status.Attached {
 		t.Fatalf("host VolumeAttachment of %s: %+v, want attached to %s by the external-attacher", lhName, va, host)
 	}
@@ -152,7 +158,10 @@ func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 		t.Fatal(err)
 	}
 	testwait.Until(ctx, t, "the host VolumeAttachment deleted", func() (bool, string) {
-		va := hostVolumeAttachment(ctx, t, h, lhName)
+		va, err := hostVolumeAttachment(ctx, h, lhName)
+		if err != nil {
+			return false, err.Error()
+		}
 		if va != nil {
 			return false, fmt.Sprintf("attached %v, deleting %v", va.Status.Attached, va.DeletionTimestamp != nil)
 		}
@@ -161,7 +170,7 @@ func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 		}
 		node, err := h.Kube.CoreV1().Nodes().Get(ctx, host, metav1.GetOptions{})
 		if err != nil {
-			t.Fatal(err)
+			return false, err.Error()
 		}
 		for _, u := range node.Status.VolumesInUse {
 			if u == corev1.UniqueVolumeName("kubernetes.io/csi/"+simlonghorn.DriverName+"^"+lhName) {
@@ -206,17 +215,16 @@ func scheduledByScheduler(ctx context.Context, t *testing.T, h *Host, pod *corev
 	return false
 }
 
-func hostVolumeAttachment(ctx context.Context, t *testing.T, h *Host, pv string) *storagev1.VolumeAttachment {
-	t.Helper()
+func hostVolumeAttachment(ctx context.Context, h *Host, pv string) (*storagev1.VolumeAttachment, error) {
 	l, err := h.Kube.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
-	if err != nil && !apierrors.IsNotFound(err) {
-		t.Fatal(err)
+	if err != nil {
+		return nil, err
 	}
 	for i := range l.Items {
 		va := &l.Items[i]
 		if va.Spec.Attacher == simlonghorn.DriverName && va.Spec.Source.PersistentVolumeName != nil && *va.Spec.Source.PersistentVolumeName == pv {
-			return va
+			return va, nil
 		}
 	}
-	return nil
+	return nil, nil
 }

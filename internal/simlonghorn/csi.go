@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -334,30 +335,52 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if len(phases[corev1.PodPending]) == 0 && len(phases[corev1.PodRunning]) != len(v.Status.KubernetesStatus.WorkloadsStatus) {
 		return nil, status.Errorf(codes.Aborted, "no %v workload pods for volume %v to be mounted: %+v", corev1.PodPending, id, phases)
 	}
-	if err := makeTarget(req.GetTargetPath(), req.GetVolumeCapability().GetBlock() != nil); err != nil {
+	if err := n.publishTarget(id, req.GetTargetPath(), req.GetVolumeCapability().GetBlock() != nil); err != nil {
 		return nil, status.Errorf(codes.Internal, "volume %s: target %s: %v", id, req.GetTargetPath(), err)
 	}
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
-// blockTargetSize is the size of the file that stands for a published
-// block device: a kubelet keeps a loop device open on what it maps
-// (kubernetes v1.33 pkg/volume/util/operationexecutor/operation_generator.go
+// blockTargetSize is the size of the file that stands for a volume's
+// device: a kubelet keeps a loop device open on what it maps (kubernetes
+// v1.35.4 pkg/volume/util/operationexecutor/operation_generator.go
 // GenerateMapVolumeFunc, AttachFileDevice), and losetup warns below 512
 // bytes.
 const blockTargetSize = 1 << 20
 
-// makeTarget leaves at the target path what a kubelet expects after
-// NodePublish: for a block volume a file the plugin created (the CSI spec
-// leaves creating it to the plugin), which the kubelet bind-mounts into the
-// pod's device map; for a filesystem volume a directory.
-func makeTarget(path string, block bool) error {
+// publishTarget leaves at the target path what a kubelet expects after
+// NodePublish (the CSI spec leaves creating it to the plugin): for a
+// filesystem volume a directory, for a block volume a file with the
+// volume's device bind-mounted on it, as Longhorn's NodePublish does with
+// /dev/longhorn/<volume> (longhorn-manager v1.10.1 csi/node_server.go
+// nodePublishBlockVolume).
+func (n *nodeServer) publishTarget(volume, path string, block bool) error {
 	if !block {
 		return os.MkdirAll(path, 0o750)
 	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
 		return err
 	}
+	if err := sparseFile(path); err != nil {
+		return err
+	}
+	if n.s.opts.DeviceDir == "" {
+		return nil
+	}
+	dev := filepath.Join(n.s.opts.DeviceDir, n.node, volume)
+	if err := os.MkdirAll(filepath.Dir(dev), 0o750); err != nil {
+		return err
+	}
+	if err := sparseFile(dev); err != nil {
+		return err
+	}
+	if mounted, err := isMountPoint(path); err != nil || mounted {
+		return err
+	}
+	return unix.Mount(dev, path, "", unix.MS_BIND, "")
+}
+
+func sparseFile(path string) error {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY, 0o640)
 	if err != nil {
 		return err
@@ -365,14 +388,33 @@ func makeTarget(path string, block bool) error {
 	return errors.Join(f.Truncate(blockTargetSize), f.Close())
 }
 
+// isMountPoint compares the path's device with its directory's, which is
+// enough for the stand-in's own bind mounts from another filesystem.
+func isMountPoint(path string) (bool, error) {
+	var st, parent unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return false, err
+	}
+	if err := unix.Stat(filepath.Dir(path), &parent); err != nil {
+		return false, err
+	}
+	return st.Dev != parent.Dev, nil
+}
+
 func (n *nodeServer) NodeUnpublishVolume(_ context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
 	if req.GetVolumeId() == "" || req.GetTargetPath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume id and target path are required")
 	}
-	// The kubelet has unmounted or unmapped it by now; what is left is
-	// the plugin's to remove. Not recursively: a target still mounted must
-	// fail here rather than lose what it holds.
-	if err := os.Remove(req.GetTargetPath()); err != nil && !errors.Is(err, os.ErrNotExist) {
+	// The kubelet has unmapped it by now; what is left is the plugin's own
+	// bind mount and the target. Not removed recursively: a target someone
+	// else still has mounted must fail here rather than lose what it holds.
+	target := req.GetTargetPath()
+	if mounted, err := isMountPoint(target); err == nil && mounted && n.s.opts.DeviceDir != "" {
+		if err := unix.Unmount(target, 0); err != nil {
+			return nil, status.Errorf(codes.Internal, "volume %s: unmount target %s: %v", req.GetVolumeId(), target, err)
+		}
+	}
+	if err := os.Remove(target); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return nil, status.Errorf(codes.Internal, "volume %s: remove target %s: %v", req.GetVolumeId(), req.GetTargetPath(), err)
 	}
 	return &csi.NodeUnpublishVolumeResponse{}, nil

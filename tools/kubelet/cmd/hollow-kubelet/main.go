@@ -14,7 +14,11 @@
 //     in HCSI_MOUNTS, and the pod's identity in the environment) and the
 //     container exits when the process does, with its exit code; a container
 //     whose command is "sleep N" exits after N seconds; any other container
-//     runs until it is stopped, as in kubemark.
+//     runs until it is stopped, as in kubemark;
+//   - a container is ready once it runs (with kubemark's prober every
+//     container is ready at once, even one whose volumes are not mounted);
+//   - the node can report a machine size (--cores, --memory,
+//     --ephemeral-storage) and device plugins' resources (--device).
 //
 // Everything else (cadvisor, the container manager, the image service) is
 // kubemark's fake.
@@ -62,6 +66,7 @@ type options struct {
 	cores          int
 	memory         string
 	disk           string
+	devices        deviceMap
 }
 
 // execMap is --exec IMAGE=COMMAND, repeatable.
@@ -79,7 +84,7 @@ func (m execMap) Set(v string) error {
 }
 
 func main() {
-	o := options{exec: execMap{}}
+	o := options{exec: execMap{}, devices: deviceMap{}}
 	fs := flag.NewFlagSet("hollow-kubelet", flag.ExitOnError)
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "guest cluster kubeconfig")
 	fs.StringVar(&o.nodeName, "node-name", "", "node name")
@@ -96,6 +101,7 @@ func main() {
 	fs.IntVar(&o.cores, "cores", 0, "CPU cores the node reports (0: kubemark's 1)")
 	fs.StringVar(&o.memory, "memory", "", "memory the node reports, a quantity (empty: kubemark's 3.75 GB)")
 	fs.StringVar(&o.disk, "ephemeral-storage", "", "root filesystem the node reports, a quantity (empty: none, as kubemark)")
+	fs.Var(o.devices, "device", "NAME=COUNT: an extended resource the node reports as a device plugin's (repeatable)")
 	klog.InitFlags(fs)
 	_ = fs.Parse(os.Args[1:])
 	if o.kubeconfig == "" || o.nodeName == "" || o.rootDir == "" {
@@ -196,8 +202,14 @@ func run(ctx context.Context, o options) error {
 	if err != nil {
 		return err
 	}
+	var cmgr cm.ContainerManager = cm.NewStubContainerManager()
+	if len(o.devices) > 0 {
+		cmgr = cm.NewStubContainerManagerWithDevicePluginResource(o.devices.resources())
+	}
+	cmgr = &sizedContainerManager{ContainerManager: cmgr, disk: mach.disk}
 	hk := kubemark.NewHollowKubelet(f, c, client, heartbeat,
-		mach, images, rt, cm.NewStubContainerManager())
+		mach, images, rt, cmgr)
+	hk.KubeletDeps.ProbeManager = probes{}
 	mounter := mount.New("")
 	hk.KubeletDeps.Mounter = mounter
 	hk.KubeletDeps.HostUtil = hostutil.NewHostUtil()
