@@ -11,7 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -126,9 +125,8 @@ func (h *Host) startHostStorage(ctx, runCtx context.Context) error {
 	}
 	h.nodes.dir = dir
 	h.nodes.loaded = true
-	if lo.DeviceDir, err = mountDeviceDir(dir); err != nil {
-		return err
-	}
+	// The files behind the volumes' devices on the host nodes.
+	lo.DeviceDir = filepath.Join(dir, "devices")
 	lh, err := simlonghorn.New(h.Env.Config, lo)
 	if err != nil {
 		return err
@@ -158,20 +156,6 @@ func (h *Host) startHostStorage(ctx, runCtx context.Context) error {
 		}
 	}
 	return h.waitHostNodes(ctx)
-}
-
-// mountDeviceDir mounts a small tmpfs for the Longhorn stand-in's volume
-// devices: on another filesystem than the kubelets' roots, as /dev is on a
-// real node (see simlonghorn.Options.DeviceDir). Its files are sparse.
-func mountDeviceDir(dir string) (string, error) {
-	devs := filepath.Join(dir, "devices")
-	if err := os.MkdirAll(devs, 0o750); err != nil {
-		return "", err
-	}
-	if err := unix.Mount("tmpfs", devs, "tmpfs", 0, "size=64m,mode=0750"); err != nil {
-		return "", fmt.Errorf("tmpfs for Longhorn devices at %s: %w", devs, err)
-	}
-	return devs, nil
 }
 
 func longhornNamespace(o simlonghorn.Options) string {

@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -306,9 +308,12 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	return &csi.NodeStageVolumeResponse{}, nil
 }
 
-func (n *nodeServer) NodeUnstageVolume(_ context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
+func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
 	if req.GetVolumeId() == "" || req.GetStagingTargetPath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume id and staging target path are required")
+	}
+	if err := n.releaseDevice(ctx, req.GetVolumeId()); err != nil {
+		return nil, status.Errorf(codes.Internal, "volume %s: release its device: %v", req.GetVolumeId(), err)
 	}
 	return &csi.NodeUnstageVolumeResponse{}, nil
 }
@@ -335,70 +340,117 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if len(phases[corev1.PodPending]) == 0 && len(phases[corev1.PodRunning]) != len(v.Status.KubernetesStatus.WorkloadsStatus) {
 		return nil, status.Errorf(codes.Aborted, "no %v workload pods for volume %v to be mounted: %+v", corev1.PodPending, id, phases)
 	}
-	if err := n.publishTarget(id, req.GetTargetPath(), req.GetVolumeCapability().GetBlock() != nil); err != nil {
+	if err := n.publishTarget(ctx, id, req.GetTargetPath(), req.GetVolumeCapability().GetBlock() != nil); err != nil {
 		return nil, status.Errorf(codes.Internal, "volume %s: target %s: %v", id, req.GetTargetPath(), err)
 	}
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
-// blockTargetSize is the size of the file that stands for a volume's
-// device: a kubelet keeps a loop device open on what it maps (kubernetes
-// v1.35.4 pkg/volume/util/operationexecutor/operation_generator.go
-// GenerateMapVolumeFunc, AttachFileDevice), and losetup warns below 512
-// bytes.
-const blockTargetSize = 1 << 20
+// deviceSize is the size of the file behind a volume's device on a node:
+// only the host's view of the volume is modeled, never its data.
+const deviceSize = 1 << 20
 
 // publishTarget leaves at the target path what a kubelet expects after
 // NodePublish (the CSI spec leaves creating it to the plugin): for a
-// filesystem volume a directory, for a block volume a file with the
-// volume's device bind-mounted on it, as Longhorn's NodePublish does with
+// filesystem volume a directory; for a block volume the volume's device
+// bind-mounted onto a file, as Longhorn's NodePublish does with
 // /dev/longhorn/<volume> (longhorn-manager v1.10.1 csi/node_server.go
-// nodePublishBlockVolume).
-func (n *nodeServer) publishTarget(volume, path string, block bool) error {
+// nodePublishBlockVolume). A kubelet maps only a device there (kubernetes
+// v1.35.4 pkg/volume/util/volumepathhandler IsDeviceBindMountExist).
+func (n *nodeServer) publishTarget(ctx context.Context, volume, path string, block bool) error {
 	if !block {
 		return os.MkdirAll(path, 0o750)
+	}
+	if n.s.opts.DeviceDir == "" {
+		return fmt.Errorf("block volumes need Options.DeviceDir")
+	}
+	dev, err := n.engineDevice(ctx, volume)
+	if err != nil {
+		return err
 	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
 		return err
 	}
-	if err := sparseFile(path); err != nil {
-		return err
-	}
-	if n.s.opts.DeviceDir == "" {
-		return nil
-	}
-	dev := filepath.Join(n.s.opts.DeviceDir, n.node, volume)
-	if err := os.MkdirAll(filepath.Dir(dev), 0o750); err != nil {
-		return err
-	}
-	if err := sparseFile(dev); err != nil {
-		return err
-	}
-	if mounted, err := isMountPoint(path); err != nil || mounted {
-		return err
-	}
-	return unix.Mount(dev, path, "", unix.MS_BIND, "")
-}
-
-func sparseFile(path string) error {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY, 0o640)
 	if err != nil {
 		return err
 	}
-	return errors.Join(f.Truncate(blockTargetSize), f.Close())
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if isDevice(path) {
+		return nil // published before
+	}
+	return unix.Mount(dev, path, "", unix.MS_BIND, "")
 }
 
-// isMountPoint compares the path's device with its directory's, which is
-// enough for the stand-in's own bind mounts from another filesystem.
-func isMountPoint(path string) (bool, error) {
-	var st, parent unix.Stat_t
-	if err := unix.Stat(path, &st); err != nil {
-		return false, err
+// engineDevice is the volume's block device on this node, as Longhorn's
+// engine frontend provides one: a loop device over a sparse file in
+// Options.DeviceDir, made on first use.
+func (n *nodeServer) engineDevice(ctx context.Context, volume string) (string, error) {
+	backing := n.backingFile(volume)
+	if dev, err := loopOf(ctx, backing); err != nil || dev != "" {
+		return dev, err
 	}
-	if err := unix.Stat(filepath.Dir(path), &parent); err != nil {
-		return false, err
+	if err := os.MkdirAll(filepath.Dir(backing), 0o750); err != nil {
+		return "", err
 	}
-	return st.Dev != parent.Dev, nil
+	f, err := os.OpenFile(backing, os.O_CREATE|os.O_WRONLY, 0o640)
+	if err != nil {
+		return "", err
+	}
+	if err := errors.Join(f.Truncate(deviceSize), f.Close()); err != nil {
+		return "", err
+	}
+	out, err := exec.CommandContext(ctx, "losetup", "--find", "--show", backing).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("losetup %s: %w: %s", backing, err, out)
+	}
+	return strings.TrimSpace(string(out)), nil
+}
+
+func (n *nodeServer) backingFile(volume string) string {
+	return filepath.Join(n.s.opts.DeviceDir, n.node, volume)
+}
+
+// releaseDevice stops the volume's device on this node, as the engine
+// frontend goes when Longhorn detaches the volume from it.
+func (n *nodeServer) releaseDevice(ctx context.Context, volume string) error {
+	if n.s.opts.DeviceDir == "" {
+		return nil
+	}
+	backing := n.backingFile(volume)
+	for {
+		dev, err := loopOf(ctx, backing)
+		if err != nil {
+			return err
+		}
+		if dev == "" {
+			break
+		}
+		if out, err := exec.CommandContext(ctx, "losetup", "-d", dev).CombinedOutput(); err != nil {
+			return fmt.Errorf("losetup -d %s: %w: %s", dev, err, out)
+		}
+	}
+	if err := os.Remove(backing); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// loopOf is the first loop device over file, or "".
+func loopOf(ctx context.Context, file string) (string, error) {
+	out, err := exec.CommandContext(ctx, "losetup", "-j", file).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("losetup -j %s: %w: %s", file, err, out)
+	}
+	dev, _, _ := strings.Cut(strings.TrimSpace(string(out)), ":")
+	return dev, nil
+}
+
+func isDevice(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && fi.Mode()&os.ModeDevice != 0
 }
 
 func (n *nodeServer) NodeUnpublishVolume(_ context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
@@ -409,7 +461,7 @@ func (n *nodeServer) NodeUnpublishVolume(_ context.Context, req *csi.NodeUnpubli
 	// bind mount and the target. Not removed recursively: a target someone
 	// else still has mounted must fail here rather than lose what it holds.
 	target := req.GetTargetPath()
-	if mounted, err := isMountPoint(target); err == nil && mounted && n.s.opts.DeviceDir != "" {
+	if isDevice(target) {
 		if err := unix.Unmount(target, 0); err != nil {
 			return nil, status.Errorf(codes.Internal, "volume %s: unmount target %s: %v", req.GetVolumeId(), target, err)
 		}

@@ -52,13 +52,10 @@ type Options struct {
 	WorkloadsLag time.Duration
 	// Faults are the faults on from the start.
 	Faults Faults
-	// DeviceDir, when set, holds each attached volume's device (a small
-	// sparse file per node and volume, as /dev/longhorn/<volume> is on a
-	// Longhorn node), and NodePublish bind-mounts it onto a block target
-	// as Longhorn does. It must be on another filesystem than the kubelets'
-	// root directories (a tmpfs), so that a kubelet tells the mounted
-	// target from a plain file (its mount-point check compares devices).
-	// Empty: a block target is a plain file.
+	// DeviceDir holds the files behind the volumes' devices on each node
+	// (loop devices, which need root), which NodePublish bind-mounts onto
+	// a block volume's target as Longhorn does /dev/longhorn/<volume>.
+	// Empty: NodePublish refuses block volumes.
 	DeviceDir string
 }
 
