@@ -13,6 +13,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/profile"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
 )
 
 // AgentImage is the image the hollow kubelets run the agent for.
@@ -58,6 +59,11 @@ type Config struct {
 	AttachPodStuckEvery time.Duration `json:"fault_attachment_pod_stuck_every"`
 	StuckDetachOnReadd  bool          `json:"fault_stuck_detach_on_readd"`
 	DenyHotplug         float64       `json:"fault_deny_hotplug"`
+
+	// HostNodes, when positive, runs the host storage path under each
+	// attachment pod (simhost.Options.HostStorage) on that many host
+	// nodes; it needs KubeVirt's real control plane.
+	HostNodes int `json:"host_nodes,omitempty"`
 
 	// Out is the run directory; Bin the upstream binaries; DriverBinary the
 	// driver; ControllerBinary an alternative controller process; Manifests
@@ -109,12 +115,20 @@ func (c *Config) simOptions() (kubevirtsim.Options, error) {
 // hostOptions is the lab's Harvester: one VM per guest node, real disks
 // that stop answering once unplugged, and what an installed Harvester gives
 // the driver process (default class, online-expansion setting).
-func hostOptions(out, kubevirt string, sim kubevirtsim.Options, nodes []string) simhost.Options {
+//
+// With hostNodes, the host storage path runs under each attachment pod on
+// that many host nodes, Longhorn's stand-in at the simulator's time scale.
+func hostOptions(out, kubevirt string, sim kubevirtsim.Options, nodes []string, hostNodes int) simhost.Options {
 	tag, _, _, _ := ParseRealKubeVirt(kubevirt)
-	return simhost.Options{
+	o := simhost.Options{
 		Dir: filepath.Join(out, "host"), LogDir: filepath.Join(out, "logs"), Sim: sim, Real: tag, VMs: nodes,
 		Disks: true, HardUnplug: true, Harvester: true,
 	}
+	if hostNodes > 0 {
+		o.HostStorage, o.HostNodes = true, hostNodes
+		o.Longhorn = simlonghorn.Options{Scale: sim.Scale, Jitter: sim.Jitter, Seed: int64(sim.Seed)} //nolint:gosec // a seed
+	}
+	return o
 }
 
 // RealPrefix in --kubevirt picks KubeVirt's real control plane

@@ -135,7 +135,7 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	for i := range c.Nodes {
 		r.nodes = append(r.nodes, fmt.Sprintf("node-%d", i))
 	}
-	if r.h, err = simhost.Start(ctx, hostOptions(c.Out, c.KubeVirt, simOpts, r.nodes)); err != nil {
+	if r.h, err = simhost.Start(ctx, hostOptions(c.Out, c.KubeVirt, simOpts, r.nodes, c.HostNodes)); err != nil {
 		return nil, err
 	}
 	r.setPhase("guest")
