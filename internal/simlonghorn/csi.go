@@ -358,11 +358,11 @@ const deviceSize = 1 << 20
 // nodePublishBlockVolume). A kubelet maps only a device there (kubernetes
 // v1.35.4 pkg/volume/util/volumepathhandler IsDeviceBindMountExist).
 func (n *nodeServer) publishTarget(ctx context.Context, volume, path string, block bool) error {
+	if n.s.opts.DeviceDir == "" {
+		return nil // no kubelet behind: only Longhorn's checks
+	}
 	if !block {
 		return os.MkdirAll(path, 0o750)
-	}
-	if n.s.opts.DeviceDir == "" {
-		return fmt.Errorf("block volumes need Options.DeviceDir")
 	}
 	dev, err := n.engineDevice(ctx, volume)
 	if err != nil {
@@ -461,6 +461,9 @@ func (n *nodeServer) NodeUnpublishVolume(_ context.Context, req *csi.NodeUnpubli
 	// bind mount and the target. Not removed recursively: a target someone
 	// else still has mounted must fail here rather than lose what it holds.
 	target := req.GetTargetPath()
+	if n.s.opts.DeviceDir == "" {
+		return &csi.NodeUnpublishVolumeResponse{}, nil
+	}
 	if isDevice(target) {
 		if err := unix.Unmount(target, 0); err != nil {
 			return nil, status.Errorf(codes.Internal, "volume %s: unmount target %s: %v", req.GetVolumeId(), target, err)
