@@ -78,10 +78,12 @@ exec sleep infinity
 
 // hostNodes are the host's nodes and Longhorn with Options.HostStorage.
 type hostNodes struct {
-	names  []string
-	procs  *proc.Group
-	dir    string // short: sockets and kubelet roots
-	loaded bool   // whether dir may hold mounts and loop devices
+	names []string
+	procs *proc.Group
+	// dir holds the sockets, the kubelet roots and the Longhorn devices'
+	// files, and so the kubelets' mounts and loop devices: a short temporary
+	// directory, as unix socket paths are limited to 107 bytes.
+	dir string
 }
 
 // HostNodes names the host nodes (none without Options.HostStorage).
@@ -124,7 +126,6 @@ func (h *Host) startHostStorage(ctx, runCtx context.Context) error {
 		return err
 	}
 	h.nodes.dir = dir
-	h.nodes.loaded = true
 	// The files behind the volumes' devices on the host nodes.
 	lo.DeviceDir = filepath.Join(dir, "devices")
 	lh, err := simlonghorn.New(h.Env.Config, lo)
@@ -339,11 +340,7 @@ func (h *Host) stopHostNodes(ctx context.Context) error {
 	if h.nodes.dir == "" {
 		return nil
 	}
-	var errs []error
-	if h.nodes.loaded {
-		errs = append(errs, unmountUnder(h.nodes.dir), detachLoopsUnder(ctx, h.nodes.dir))
-	}
-	if err := errors.Join(errs...); err != nil {
+	if err := errors.Join(unmountUnder(h.nodes.dir), detachLoopsUnder(ctx, h.nodes.dir)); err != nil {
 		// Never remove a tree that may still have something mounted.
 		return err
 	}
