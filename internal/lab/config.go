@@ -117,7 +117,8 @@ func (c *Config) simOptions() (kubevirtsim.Options, error) {
 // the driver process (default class, online-expansion setting).
 //
 // With hostNodes, the host storage path runs under each attachment pod on
-// that many host nodes, Longhorn's stand-in at the simulator's time scale.
+// that many host nodes, Longhorn's stand-in and the host kubelets' status
+// period at the simulator's time scale.
 func hostOptions(out, kubevirt string, sim kubevirtsim.Options, nodes []string, hostNodes int) simhost.Options {
 	tag, _, _, _ := ParseRealKubeVirt(kubevirt)
 	o := simhost.Options{
@@ -127,6 +128,11 @@ func hostOptions(out, kubevirt string, sim kubevirtsim.Options, nodes []string, 
 	if hostNodes > 0 {
 		o.HostStorage, o.HostNodes = true, hostNodes
 		o.Longhorn = simlonghorn.Options{Scale: sim.Scale, Jitter: sim.Jitter, Seed: int64(sim.Seed)} //nolint:gosec // a seed
+		// The host kubelets' status period at the run's scale, as the
+		// guest kubelets' is: volumesInUse goes out with it.
+		if sim.Scale > 0 {
+			o.HostNodeStatusUpdate = max(time.Second, time.Duration(float64(10*time.Second)*sim.Scale))
+		}
 	}
 	return o
 }

@@ -3,6 +3,7 @@ package lab
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 )
@@ -156,8 +157,8 @@ func TestSummaryNamesTheHarvesterRelease(t *testing.T) {
 func TestHostOptionsWithHostNodes(t *testing.T) {
 	sim := kubevirtsim.Options{Scale: 0.1, Jitter: 0.2, Seed: 7}
 	h := hostOptions("/out", "real-legacy-v1.7.0", sim, []string{"n-0"}, 3)
-	if !h.HostStorage || h.HostNodes != 3 || h.Longhorn.Scale != 0.1 || h.Longhorn.Jitter != 0.2 {
-		t.Errorf("hostOptions with 3 host nodes: HostStorage %v, HostNodes %d, Longhorn %+v", h.HostStorage, h.HostNodes, h.Longhorn)
+	if !h.HostStorage || h.HostNodes != 3 || h.Longhorn.Scale != 0.1 || h.Longhorn.Jitter != 0.2 || h.HostNodeStatusUpdate != time.Second {
+		t.Errorf("hostOptions with 3 host nodes: HostStorage %v, HostNodes %d, Longhorn %+v, status every %v", h.HostStorage, h.HostNodes, h.Longhorn, h.HostNodeStatusUpdate)
 	}
 	if h := hostOptions("/out", "real-legacy-v1.7.0", sim, nil, 0); h.HostStorage {
 		t.Error("hostOptions without host nodes turns host storage on")
