@@ -332,3 +332,26 @@ func TestHarvesterFlag(t *testing.T) {
 		}
 	}
 }
+
+// --host-nodes turns the host storage path on, only over KubeVirt's real
+// control plane.
+func TestHostNodesFlag(t *testing.T) {
+	dir := t.TempDir()
+	driver := filepath.Join(dir, "harvester-csi-driver")
+	if err := os.WriteFile(driver, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out")}
+	f, err := parse(append(append([]string{}, base...), "--kubevirt", "real-legacy-v1.7.0", "--host-nodes", "3"), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f.cfg.HostNodes != 3 {
+		t.Errorf("--host-nodes 3 gave %d host nodes", f.cfg.HostNodes)
+	}
+	for _, args := range [][]string{{"--host-nodes", "3"}, {"--kubevirt", "real-v1.7.0", "--host-nodes", "-1"}} {
+		if _, err := parse(append(append([]string{}, base...), args...), io.Discard); err == nil {
+			t.Errorf("%q: accepted, want a refusal", args)
+		}
+	}
+}

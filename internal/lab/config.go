@@ -15,6 +15,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/profile"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simharvester"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
 )
 
 // AgentImage is the image the hollow kubelets run the agent for.
@@ -66,6 +67,11 @@ type Config struct {
 	WebhookOutage      time.Duration `json:"fault_webhook_outage"`
 	WebhookOutageEvery time.Duration `json:"fault_webhook_outage_every"`
 
+	// HostNodes, when positive, runs the host storage path under each
+	// attachment pod (simhost.Options.HostStorage) on that many host
+	// nodes; it needs KubeVirt's real control plane.
+	HostNodes int `json:"host_nodes,omitempty"`
+
 	// Out is the run directory; Bin the upstream binaries; DriverBinary the
 	// driver; ControllerBinary an alternative controller process; Manifests
 	// the rendered chart; AgentCommand how the hollow kubelets run the agent.
@@ -116,12 +122,26 @@ func (c *Config) simOptions() (kubevirtsim.Options, error) {
 // hostOptions is the lab's Harvester: one VM per guest node, real disks
 // that stop answering once unplugged, and what an installed Harvester gives
 // the driver process (default class, online-expansion setting).
-func hostOptions(out, kubevirt string, sim kubevirtsim.Options, nodes []string) simhost.Options {
+//
+// With hostNodes, the host storage path runs under each attachment pod on
+// that many host nodes, Longhorn's stand-in and the host kubelets' status
+// period at the simulator's time scale.
+func hostOptions(out, kubevirt string, sim kubevirtsim.Options, nodes []string, hostNodes int) simhost.Options {
 	tag, _, _, _ := ParseRealKubeVirt(kubevirt)
-	return simhost.Options{
+	o := simhost.Options{
 		Dir: filepath.Join(out, "host"), LogDir: filepath.Join(out, "logs"), Sim: sim, Real: tag, VMs: nodes,
 		Disks: true, HardUnplug: true, Harvester: true,
 	}
+	if hostNodes > 0 {
+		o.HostStorage, o.HostNodes = true, hostNodes
+		o.Longhorn = simlonghorn.Options{Scale: sim.Scale, Jitter: sim.Jitter, Seed: int64(sim.Seed)} //nolint:gosec // a seed
+		// The host kubelets' status period at the run's scale, as the
+		// guest kubelets' is: volumesInUse goes out with it.
+		if sim.Scale > 0 {
+			o.HostNodeStatusUpdate = max(time.Second, time.Duration(float64(10*time.Second)*sim.Scale))
+		}
+	}
+	return o
 }
 
 // webhooks are the Harvester webhooks the host serves: those of the

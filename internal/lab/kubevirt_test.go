@@ -58,7 +58,7 @@ func TestParseRealKubeVirt(t *testing.T) {
 		if err != nil || o.Mode != want.mode {
 			t.Errorf("simOptions for %q: mode %s, %v; want %s", name, o.Mode, err, want.mode)
 		}
-		if h := hostOptions("/out", name, o, nil); h.Real != want.tag {
+		if h := hostOptions("/out", name, o, nil, 0); h.Real != want.tag {
 			t.Errorf("hostOptions for %q: Real %q, want %q", name, h.Real, want.tag)
 		}
 	}
@@ -66,7 +66,7 @@ func TestParseRealKubeVirt(t *testing.T) {
 		if _, _, ok, err := ParseRealKubeVirt(sim); ok || err != nil {
 			t.Errorf("ParseRealKubeVirt(%q) = real %v, %v; want a simulated name", sim, ok, err)
 		}
-		if h := hostOptions("/out", sim, kubevirtsim.Options{}, nil); h.Real != "" {
+		if h := hostOptions("/out", sim, kubevirtsim.Options{}, nil, 0); h.Real != "" {
 			t.Errorf("hostOptions for %q runs the real control plane %q", sim, h.Real)
 		}
 	}
@@ -165,5 +165,18 @@ func TestWebhooksFollowTheRelease(t *testing.T) {
 	c := &Config{WebhookOutage: time.Second}
 	if _, err := c.webhooks(); err == nil {
 		t.Error("--webhook-outage without --harvester accepted")
+	}
+}
+
+// The lab's --host-nodes reaches the host as its host storage path, with
+// Longhorn at the simulator's time scale.
+func TestHostOptionsWithHostNodes(t *testing.T) {
+	sim := kubevirtsim.Options{Scale: 0.1, Jitter: 0.2, Seed: 7}
+	h := hostOptions("/out", "real-legacy-v1.7.0", sim, []string{"n-0"}, 3)
+	if !h.HostStorage || h.HostNodes != 3 || h.Longhorn.Scale != 0.1 || h.Longhorn.Jitter != 0.2 || h.HostNodeStatusUpdate != time.Second {
+		t.Errorf("hostOptions with 3 host nodes: HostStorage %v, HostNodes %d, Longhorn %+v, status every %v", h.HostStorage, h.HostNodes, h.Longhorn, h.HostNodeStatusUpdate)
+	}
+	if h := hostOptions("/out", "real-legacy-v1.7.0", sim, nil, 0); h.HostStorage {
+		t.Error("hostOptions without host nodes turns host storage on")
 	}
 }

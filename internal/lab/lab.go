@@ -135,7 +135,7 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	for i := range c.Nodes {
 		r.nodes = append(r.nodes, fmt.Sprintf("node-%d", i))
 	}
-	ho := hostOptions(c.Out, c.KubeVirt, simOpts, r.nodes)
+	ho := hostOptions(c.Out, c.KubeVirt, simOpts, r.nodes, c.HostNodes)
 	if ho.Webhooks, err = c.webhooks(); err != nil {
 		return nil, err
 	}

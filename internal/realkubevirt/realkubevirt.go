@@ -111,6 +111,10 @@ type Options struct {
 	Scale  float64
 	Jitter float64
 	Seed   uint64
+	// Kubelets says real kubelets run the host nodes (they register the
+	// Nodes) and a real scheduler places KubeVirt's pods: the kubelet
+	// stand-in then leaves pods alone and no Node is created here.
+	Kubelets bool
 }
 
 // ControlPlane is KubeVirt's control plane running on an Env. Its processes
@@ -183,7 +187,12 @@ func Start(ctx context.Context, env *testenv.Env, version string, opts Options) 
 	}
 	steps := []func(context.Context) error{
 		func(ctx context.Context) error { return s.ensureNamespace(ctx, Namespace) },
-		func(ctx context.Context) error { return s.ensureNodes(ctx, opts.Nodes) },
+		func(ctx context.Context) error {
+			if opts.Kubelets {
+				return nil
+			}
+			return s.ensureNodes(ctx, opts.Nodes)
+		},
 		func(ctx context.Context) error { return s.certificates(ctx) },
 		func(ctx context.Context) error { return s.applyManifests(ctx, apiPort) },
 		func(ctx context.Context) error { return s.kubeVirtCR(ctx, gates) },
@@ -211,6 +220,7 @@ func Start(ctx context.Context, env *testenv.Env, version string, opts Options) 
 	}
 	cp := &ControlPlane{Version: version, KubeVirt: kv, handler: handler, cancel: cancel, done: make(chan struct{})}
 	agents := newNodeAgents(kube, kv, handlerKV, opts.Nodes, handler)
+	agents.kubelets = opts.Kubelets
 	cp.requeue, cp.passes = agents.requeueVMI, agents.passCount
 	go func() {
 		defer close(cp.done)

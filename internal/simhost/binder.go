@@ -17,6 +17,15 @@ import (
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
+)
+
+// Annotations the PV controller writes on a claim it bound
+// (kubernetes v1.35.4 pkg/controller/volume/persistentvolume/util).
+const (
+	annBindCompleted     = "pv.kubernetes.io/bind-completed"
+	annBoundByController = "pv.kubernetes.io/bound-by-controller"
 )
 
 // longhornProvisioner names the provisioner of Harvester's default class.
@@ -49,6 +58,9 @@ type binder struct {
 	namespace string
 	class     string
 	classless bool
+	// longhorn, when set, gets a Longhorn volume for each claim bound, as
+	// Longhorn's CreateVolume makes one behind the PV it provisions.
+	longhorn *simlonghorn.Sim
 
 	pvcs  cache.Indexer
 	pods  cache.Indexer
@@ -168,12 +180,20 @@ func (b *binder) bind(ctx context.Context, pvc *corev1.PersistentVolumeClaim) er
 			}},
 		},
 	}
+	if err := b.longhornVolume(ctx, pvc, pvName, size.Value(), modes); err != nil {
+		return fmt.Errorf("Longhorn volume %s: %w", pvName, err)
+	}
 	if _, err := b.kube.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
 	claim := pvc.DeepCopy()
-	if claim.Spec.VolumeName == "" {
+	if claim.Spec.VolumeName == "" || claim.Annotations[annBindCompleted] == "" {
 		claim.Spec.VolumeName = pvName
+		// The PV controller's marks of a finished bind: the scheduler's
+		// volume binding takes a claim without them for unbound
+		// (kubernetes v1.35.4 pkg/scheduler/framework/plugins/volumebinding).
+		metav1.SetMetaDataAnnotation(&claim.ObjectMeta, annBindCompleted, "yes")
+		metav1.SetMetaDataAnnotation(&claim.ObjectMeta, annBoundByController, "yes")
 		var err error
 		if claim, err = b.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).Update(ctx, claim, metav1.UpdateOptions{}); err != nil {
 			return err
@@ -183,6 +203,26 @@ func (b *binder) bind(ctx context.Context, pvc *corev1.PersistentVolumeClaim) er
 	claim.Status.AccessModes = modes
 	claim.Status.Capacity = corev1.ResourceList{corev1.ResourceStorage: size}
 	_, err := b.kube.CoreV1().PersistentVolumeClaims(pvc.Namespace).UpdateStatus(ctx, claim, metav1.UpdateOptions{})
+	return err
+}
+
+// longhornVolume creates the Longhorn volume behind a claim's PV, named as
+// the PV (Longhorn's CSI volume ID). Harvester's class is migratable, which
+// Longhorn allows for block RWX volumes only (longhorn-manager v1.10.1
+// csi/controller_server.go CreateVolume), so such a claim gets a
+// migratable volume and any other an RWO one.
+func (b *binder) longhornVolume(ctx context.Context, pvc *corev1.PersistentVolumeClaim, name string, size int64, modes []corev1.PersistentVolumeAccessMode) error {
+	if b.longhorn == nil {
+		return nil
+	}
+	block := pvc.Spec.VolumeMode != nil && *pvc.Spec.VolumeMode == corev1.PersistentVolumeBlock
+	err := b.longhorn.CreateVolume(ctx, simlonghorn.NewVolume{
+		Name: name, Size: size, Migratable: block && slices.Contains(modes, corev1.ReadWriteMany),
+		PVName: name, PVCNamespace: pvc.Namespace, PVCName: pvc.Name,
+	})
+	if apierrors.IsAlreadyExists(err) {
+		return nil // a retry of a bind that failed later on
+	}
 	return err
 }
 

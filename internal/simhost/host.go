@@ -14,6 +14,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -28,6 +29,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
 	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simharvester"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -73,6 +75,24 @@ type Options struct {
 	Webhooks simharvester.Release
 	// WebhookCacheLag is simharvester.Options.CacheLag.
 	WebhookCacheLag time.Duration
+	// HostStorage runs the host storage path under each attachment pod
+	// (hostnodes.go): HostNodes host nodes, each a real kubelet, with the
+	// real kube-scheduler, attach/detach controller and csi-attacher, and
+	// Longhorn's stand-in (internal/simlonghorn) behind every host claim.
+	// Only with Real for now.
+	HostStorage bool
+	// HostNodes is the number of host nodes with HostStorage (default
+	// DefaultHostNodes).
+	HostNodes int
+	// HostNodeStatusUpdate is the host kubelets' node status period, with
+	// which volumesInUse goes out (default 10 s, the kubelet's).
+	HostNodeStatusUpdate time.Duration
+	// Longhorn are the stand-in's options with HostStorage; Scale defaults
+	// to Sim.Scale.
+	Longhorn simlonghorn.Options
+	// Placement pins guest VMs to host nodes (VM name to host node name)
+	// with HostStorage; the others are spread by the scheduler.
+	Placement map[string]string
 }
 
 // Host is a running simulated Harvester cluster.
@@ -89,11 +109,14 @@ type Host struct {
 	// Harvester are Harvester's webhooks with Options.Webhooks (nil
 	// otherwise); Down and Up take their service away and back.
 	Harvester *simharvester.Server
+	// Longhorn is the Longhorn stand-in with Options.HostStorage, else nil.
+	Longhorn  *simlonghorn.Sim
 	Kube      kubernetes.Interface
 	Namespace string
 
 	o      Options
-	tmp    string // Dir when Start made it
+	nodes  *hostNodes // with Options.HostStorage
+	tmp    string     // Dir when Start made it
 	cancel context.CancelFunc
 }
 
@@ -106,7 +129,27 @@ func Start(ctx context.Context, o Options) (*Host, error) {
 	if o.HardUnplug && !o.Disks {
 		return nil, errors.New("simhost: HardUnplug needs Disks")
 	}
+	if o.HostStorage && o.Real == "" {
+		return nil, errors.New("simhost: HostStorage needs Real (the simulator's kubelet stand-in cannot stand aside yet)")
+	}
+	if !o.HostStorage && (o.HostNodes != 0 || len(o.Placement) != 0) {
+		return nil, errors.New("simhost: HostNodes and Placement need HostStorage")
+	}
 	h := &Host{Namespace: o.Namespace, o: o}
+	if o.HostStorage {
+		if o.HostNodes < 0 {
+			return nil, fmt.Errorf("simhost: HostNodes %d is negative", o.HostNodes)
+		}
+		if o.HostNodes == 0 {
+			o.HostNodes = DefaultHostNodes
+		}
+		h.nodes = &hostNodes{names: hostNodeNames(o.HostNodes)}
+		for vm, node := range o.Placement {
+			if !slices.Contains(h.nodes.names, node) {
+				return nil, fmt.Errorf("simhost: Placement puts VM %s on %q, which is none of the host nodes %v", vm, node, h.nodes.names)
+			}
+		}
+	}
 	if err := h.start(ctx); err != nil {
 		return nil, errors.Join(err, h.Stop(ctx))
 	}
@@ -284,6 +327,7 @@ func (h *Host) Stop(ctx context.Context) error {
 	if h.Harvester != nil {
 		h.Harvester.Stop()
 	}
+	errs = append(errs, h.stopHostNodes(ctx))
 	if h.Disks != nil {
 		errs = append(errs, h.Disks.Close(context.WithoutCancel(ctx)))
 	}

@@ -51,6 +51,7 @@ func (h *Host) startReal(ctx, runCtx context.Context) error {
 	// virt-handler's stage timings follow the simulator's scale and jitter,
 	// so a scenario's pace is the same on both hosts.
 	ro := realkubevirt.Options{Mode: mode, Scale: h.o.Sim.Scale, Jitter: h.o.Sim.Jitter, Seed: h.o.Sim.Seed}
+	h.realKubeVirtNodes(&ro)
 	if h.o.Disks {
 		hook, err := h.newDisks()
 		if err != nil {
@@ -64,11 +65,16 @@ func (h *Host) startReal(ctx, runCtx context.Context) error {
 	if h.KubeVirt, err = kubevirt.NewForConfig(h.Env.Config); err != nil {
 		return err
 	}
+	if h.nodes != nil {
+		if err := h.startHostStorage(ctx, runCtx); err != nil {
+			return fmt.Errorf("host storage: %w", err)
+		}
+	}
 	if err := h.createStorageClass(ctx); err != nil {
 		return err
 	}
 	b := &binder{kube: h.Kube, namespace: h.Namespace, class: h.StorageClass(),
-		classless: h.o.Harvester || h.o.Sim.BindClasslessPVCs}
+		classless: h.o.Harvester || h.o.Sim.BindClasslessPVCs, longhorn: h.Longhorn}
 	if err := b.run(runCtx); err != nil {
 		return fmt.Errorf("claim binder: %w", err)
 	}
@@ -80,6 +86,9 @@ func (h *Host) startReal(ctx, runCtx context.Context) error {
 	return nil
 }
 
+// rootDiskImage is the guest VMs' container disk; no image is pulled.
+const rootDiskImage = "rootdisk"
+
 // createRealVM creates a running VM as Harvester's are (a boot disk, pod
 // network, memory) and returns once its VMI runs.
 func (h *Host) createRealVM(ctx context.Context, name string) error {
@@ -89,7 +98,7 @@ func (h *Host) createRealVM(ctx context.Context, name string) error {
 		Spec: kubevirtv1.VirtualMachineSpec{
 			RunStrategy: &always,
 			Template: &kubevirtv1.VirtualMachineInstanceTemplateSpec{
-				ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{"harvesterhci.io/vmName": name}},
+				ObjectMeta: metav1.ObjectMeta{Labels: map[string]string{vmNameLabel: name}},
 				Spec: kubevirtv1.VirtualMachineInstanceSpec{
 					Domain: kubevirtv1.DomainSpec{
 						Resources: kubevirtv1.ResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceMemory: resource.MustParse("1Gi")}},
@@ -100,12 +109,13 @@ func (h *Host) createRealVM(ctx context.Context, name string) error {
 					},
 					Volumes: []kubevirtv1.Volume{{
 						Name:         "rootdisk",
-						VolumeSource: kubevirtv1.VolumeSource{ContainerDisk: &kubevirtv1.ContainerDiskSource{Image: "rootdisk"}},
+						VolumeSource: kubevirtv1.VolumeSource{ContainerDisk: &kubevirtv1.ContainerDiskSource{Image: rootDiskImage}},
 					}},
 				},
 			},
 		},
 	}
+	h.place(&vm.Spec.Template.Spec, name)
 	if _, err := h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace).Create(ctx, vm, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}

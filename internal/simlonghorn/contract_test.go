@@ -3,7 +3,9 @@ package simlonghorn
 import (
 	"context"
 	"fmt"
+	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -12,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/rest"
 )
 
 func TestBadRequestsGetTheirCodes(t *testing.T) {
@@ -330,4 +333,46 @@ func TestInterruptedMigrationWaitsForOneTicket(t *testing.T) {
 		v := l.volume(t, "vol")
 		return v.Status.CurrentNodeID == "host-a" && v.Status.State == VolumeStateAttached, fmt.Sprintf("%+v", v.Status)
 	})
+}
+
+// The stand-in follows its objects through watches, as longhorn-manager's
+// informers do: a volume's attach takes several passes and no list beyond
+// the informers' first ones (one each of volumes, VolumeAttachments, pods).
+func TestPassesReadTheInformersNotTheServer(t *testing.T) {
+	if env == nil {
+		t.Skip("needs the API server (not in -short mode)")
+	}
+	var lists atomic.Int64
+	cfg := rest.CopyConfig(env.Config)
+	cfg.WrapTransport = func(rt http.RoundTripper) http.RoundTripper { return listCounter{rt: rt, n: &lists} }
+	l := newLabWith(t, Options{}, cfg)
+	l.createVolume(t, NewVolume{Name: "vol"})
+	ctx := ctxFor(t)
+	if err := l.publish(ctx, "vol", "host-a", rwo); err != nil {
+		t.Fatal(err)
+	}
+	if v := l.volume(t, "vol"); v.Status.CurrentNodeID != "host-a" {
+		t.Fatalf("published but not attached on host-a: %+v", v.Status)
+	}
+	// Twice the informers' lists leaves room for a relist after a watch
+	// error; a pass that lists would make dozens during the attach.
+	if n := lists.Load(); n > 6 {
+		t.Errorf("the stand-in listed %d times for one attach, want only its informers' first lists", n)
+	}
+}
+
+// listCounter counts list requests (not watches) of Longhorn objects and
+// pods.
+type listCounter struct {
+	rt http.RoundTripper
+	n  *atomic.Int64
+}
+
+func (c listCounter) RoundTrip(req *http.Request) (*http.Response, error) {
+	p := req.URL.Path
+	if req.Method == http.MethodGet && req.URL.Query().Get("watch") != "true" &&
+		(strings.HasSuffix(p, "/volumes") || strings.HasSuffix(p, "/volumeattachments") || strings.HasSuffix(p, "/pods")) {
+		c.n.Add(1)
+	}
+	return c.rt.RoundTrip(req)
 }

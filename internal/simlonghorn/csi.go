@@ -7,9 +7,13 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -304,9 +308,12 @@ func (n *nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolu
 	return &csi.NodeStageVolumeResponse{}, nil
 }
 
-func (n *nodeServer) NodeUnstageVolume(_ context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
+func (n *nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
 	if req.GetVolumeId() == "" || req.GetStagingTargetPath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume id and staging target path are required")
+	}
+	if err := n.releaseDevice(ctx, req.GetVolumeId()); err != nil {
+		return nil, status.Errorf(codes.Internal, "volume %s: release its device: %v", req.GetVolumeId(), err)
 	}
 	return &csi.NodeUnstageVolumeResponse{}, nil
 }
@@ -333,12 +340,137 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if len(phases[corev1.PodPending]) == 0 && len(phases[corev1.PodRunning]) != len(v.Status.KubernetesStatus.WorkloadsStatus) {
 		return nil, status.Errorf(codes.Aborted, "no %v workload pods for volume %v to be mounted: %+v", corev1.PodPending, id, phases)
 	}
+	if err := n.publishTarget(ctx, id, req.GetTargetPath(), req.GetVolumeCapability().GetBlock() != nil); err != nil {
+		return nil, status.Errorf(codes.Internal, "volume %s: target %s: %v", id, req.GetTargetPath(), err)
+	}
 	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// deviceSize is the size of the file behind a volume's device on a node:
+// only the host's view of the volume is modeled, never its data.
+const deviceSize = 1 << 20
+
+// publishTarget leaves at the target path what a kubelet expects after
+// NodePublish (the CSI spec leaves creating it to the plugin): for a
+// filesystem volume a directory; for a block volume the volume's device
+// bind-mounted onto a file, as Longhorn's NodePublish does with
+// /dev/longhorn/<volume> (longhorn-manager v1.10.1 csi/node_server.go
+// nodePublishBlockVolume). A kubelet maps only a device there (kubernetes
+// v1.35.4 pkg/volume/util/volumepathhandler IsDeviceBindMountExist).
+func (n *nodeServer) publishTarget(ctx context.Context, volume, path string, block bool) error {
+	if n.s.opts.DeviceDir == "" {
+		return nil // no kubelet behind: only Longhorn's checks
+	}
+	if !block {
+		return os.MkdirAll(path, 0o750)
+	}
+	dev, err := n.engineDevice(ctx, volume)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY, 0o640)
+	if err != nil {
+		return err
+	}
+	if err := f.Close(); err != nil {
+		return err
+	}
+	if isDevice(path) {
+		return nil // published before
+	}
+	return unix.Mount(dev, path, "", unix.MS_BIND, "")
+}
+
+// engineDevice is the volume's block device on this node, as Longhorn's
+// engine frontend provides one: a loop device over a sparse file in
+// Options.DeviceDir, made on first use.
+func (n *nodeServer) engineDevice(ctx context.Context, volume string) (string, error) {
+	backing := n.backingFile(volume)
+	if dev, err := loopOf(ctx, backing); err != nil || dev != "" {
+		return dev, err
+	}
+	if err := os.MkdirAll(filepath.Dir(backing), 0o750); err != nil {
+		return "", err
+	}
+	f, err := os.OpenFile(backing, os.O_CREATE|os.O_WRONLY, 0o640)
+	if err != nil {
+		return "", err
+	}
+	if err := errors.Join(f.Truncate(deviceSize), f.Close()); err != nil {
+		return "", err
+	}
+	out, err := exec.CommandContext(ctx, "losetup", "--find", "--show", backing).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("losetup %s: %w: %s", backing, err, out)
+	}
+	return strings.TrimSpace(string(out)), nil
+}
+
+func (n *nodeServer) backingFile(volume string) string {
+	return filepath.Join(n.s.opts.DeviceDir, n.node, volume)
+}
+
+// releaseDevice stops the volume's device on this node, as the engine
+// frontend goes when Longhorn detaches the volume from it.
+func (n *nodeServer) releaseDevice(ctx context.Context, volume string) error {
+	if n.s.opts.DeviceDir == "" {
+		return nil
+	}
+	backing := n.backingFile(volume)
+	for {
+		dev, err := loopOf(ctx, backing)
+		if err != nil {
+			return err
+		}
+		if dev == "" {
+			break
+		}
+		if out, err := exec.CommandContext(ctx, "losetup", "-d", dev).CombinedOutput(); err != nil {
+			return fmt.Errorf("losetup -d %s: %w: %s", dev, err, out)
+		}
+	}
+	if err := os.Remove(backing); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// loopOf is the first loop device over file, or "".
+func loopOf(ctx context.Context, file string) (string, error) {
+	out, err := exec.CommandContext(ctx, "losetup", "-j", file).CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("losetup -j %s: %w: %s", file, err, out)
+	}
+	dev, _, _ := strings.Cut(strings.TrimSpace(string(out)), ":")
+	return dev, nil
+}
+
+func isDevice(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && fi.Mode()&os.ModeDevice != 0
 }
 
 func (n *nodeServer) NodeUnpublishVolume(_ context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
 	if req.GetVolumeId() == "" || req.GetTargetPath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume id and target path are required")
+	}
+	// The kubelet has unmapped it by now; what is left is the plugin's own
+	// bind mount and the target. Not removed recursively: a target someone
+	// else still has mounted must fail here rather than lose what it holds.
+	target := req.GetTargetPath()
+	if n.s.opts.DeviceDir == "" {
+		return &csi.NodeUnpublishVolumeResponse{}, nil
+	}
+	if isDevice(target) {
+		if err := unix.Unmount(target, 0); err != nil {
+			return nil, status.Errorf(codes.Internal, "volume %s: unmount target %s: %v", req.GetVolumeId(), target, err)
+		}
+	}
+	if err := os.Remove(target); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, status.Errorf(codes.Internal, "volume %s: remove target %s: %v", req.GetVolumeId(), req.GetTargetPath(), err)
 	}
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }

@@ -20,6 +20,7 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/klog/v2"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
@@ -95,6 +96,16 @@ func newLab(t *testing.T, opts Options) *lab {
 	if env == nil {
 		t.Skip("needs the API server (not in -short mode)")
 	}
+	return newLabWith(t, opts, env.Config)
+}
+
+// newLabWith runs the stand-in on cfg (the tests' client stays the
+// admin's).
+func newLabWith(t *testing.T, opts Options, cfg *rest.Config) *lab {
+	t.Helper()
+	if env == nil {
+		t.Skip("needs the API server (not in -short mode)")
+	}
 	ns := strings.ToLower(strings.NewReplacer("/", "-", "_", "-").Replace(t.Name()))
 	if len(ns) > 50 {
 		ns = ns[:50]
@@ -113,7 +124,7 @@ func newLab(t *testing.T, opts Options) *lab {
 		opts.Scale = testScale
 	}
 	opts.Jitter = 0.2
-	sim, err := New(env.Config, opts)
+	sim, err := New(cfg, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

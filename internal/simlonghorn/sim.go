@@ -12,8 +12,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/rest"
-	"k8s.io/klog/v2"
 )
 
 // Real timings. Longhorn's own constants are cited where they are code;
@@ -31,10 +31,6 @@ const (
 	// and a work queue. Nothing publishes how far behind that runs; one
 	// second is an assumption for a lightly loaded manager.
 	realWorkloadsLag = 1 * time.Second
-	// The stand-in polls where longhorn-manager reacts to events; the
-	// period is kept short against the stages above so that polling adds
-	// little to them.
-	realTick = 500 * time.Millisecond
 )
 
 // Options tune the stand-in.
@@ -52,6 +48,12 @@ type Options struct {
 	WorkloadsLag time.Duration
 	// Faults are the faults on from the start.
 	Faults Faults
+	// DeviceDir holds the files behind the volumes' devices on each node
+	// (loop devices, which need root), which NodePublish bind-mounts onto
+	// a block volume's target as Longhorn does /dev/longhorn/<volume>.
+	// Empty: the node service makes Longhorn's checks only and leaves
+	// targets alone, for callers with no kubelet behind them.
+	DeviceDir string
 }
 
 // Faults the stand-in can model.
@@ -81,6 +83,7 @@ type Sim struct {
 	faulted map[string]time.Time // by volume: faulted until
 	lag     map[string]*lagging  // by volume: the workloads list on its way
 	ghosts  map[string]WorkloadStatus
+	view    *view // the informers, once Run has started them
 }
 
 // stage is a timed transition of a volume's engine.
@@ -196,20 +199,22 @@ func (s *Sim) CreateVolume(ctx context.Context, spec NewVolume) error {
 // engine stops, Longhorn detaches it and attaches nothing until it recovers.
 func (s *Sim) FaultVolume(volume string, d time.Duration) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.faulted[volume] = time.Now().Add(s.scaled(d))
+	s.mu.Unlock()
+	s.queue(volume)
 }
 
 // SetGhostWorkload adds (or, with an empty PodName, removes) a ghost entry
 // of a volume's workloads list.
 func (s *Sim) SetGhostWorkload(volume string, w WorkloadStatus) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	if w.PodName == "" {
 		delete(s.ghosts, volume)
-		return
+	} else {
+		s.ghosts[volume] = w
 	}
-	s.ghosts[volume] = w
+	s.mu.Unlock()
+	s.queue(volume)
 }
 
 func (s *Sim) isFaulted(volume string, now time.Time) bool {
@@ -218,51 +223,14 @@ func (s *Sim) isFaulted(volume string, now time.Time) bool {
 	return now.Before(s.faulted[volume])
 }
 
-// Run reconciles until ctx ends.
-func (s *Sim) Run(ctx context.Context) {
-	t := time.NewTicker(max(s.scaled(realTick), time.Millisecond))
-	defer t.Stop()
-	for {
-		s.reconcileAll(ctx)
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
-}
-
-// pass is what one reconcile pass read: every volume's VolumeAttachment and,
-// per namespace asked for, its pods. Reading them once per pass keeps the
-// stand-in's requests proportional to its writes, not to volumes × pods;
-// optimistic concurrency (resourceVersion) turns a stale read into a
+// pass is what one reconcile pass reads, from the informers (watch.go):
+// the volume's VolumeAttachment and, per namespace asked for, its pods.
+// Optimistic concurrency (resourceVersion) turns a stale read into a
 // conflict that the next pass redoes.
 type pass struct {
-	vas  map[string]*VolumeAttachment
-	pods map[string][]corev1.Pod
-}
-
-func (s *Sim) reconcileAll(ctx context.Context) {
-	log := klog.FromContext(ctx)
-	vols, err := s.store.listVolumes(ctx)
-	if err == nil {
-		var vas []*VolumeAttachment
-		if vas, err = s.store.listVAs(ctx); err == nil {
-			p := &pass{vas: map[string]*VolumeAttachment{}, pods: map[string][]corev1.Pod{}}
-			for _, va := range vas {
-				p.vas[va.Name] = va
-			}
-			for _, v := range vols {
-				if err := s.reconcile(ctx, p, v); err != nil && ctx.Err() == nil && !apierrors.IsConflict(err) {
-					log.Error(err, "Reconcile Longhorn volume", "volume", v.Name)
-				}
-			}
-			return
-		}
-	}
-	if ctx.Err() == nil {
-		log.Error(err, "List Longhorn objects", "namespace", s.opts.Namespace)
-	}
+	vas    map[string]*VolumeAttachment
+	pods   map[string][]corev1.Pod
+	lister corelisters.PodLister
 }
 
 // reconcile is one pass of longhorn-manager's controllers over a volume:
@@ -288,19 +256,6 @@ func (s *Sim) reconcile(ctx context.Context, p *pass, v *Volume) error {
 	return s.store.updateVA(ctx, oldVA, va)
 }
 
-// podsOf lists a namespace's pods once per pass.
-func (s *Sim) podsOf(ctx context.Context, p *pass, ns string) ([]corev1.Pod, error) {
-	if pods, ok := p.pods[ns]; ok {
-		return pods, nil
-	}
-	l, err := s.kube.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
-	if err != nil {
-		return nil, err
-	}
-	p.pods[ns] = l.Items
-	return l.Items, nil
-}
-
 // followWorkloads is longhorn-manager v1.10.1 controller/kubernetes_pv_controller.go
 // setWorkloads (:460-480) behind a lag: the list becomes the pods that use
 // the volume's PVC, each with its phase; with no such pod the old list stays
@@ -310,7 +265,7 @@ func (s *Sim) followWorkloads(ctx context.Context, p *pass, v *Volume, now time.
 	if ks.PVCName == "" {
 		return nil
 	}
-	pods, err := s.podsOf(ctx, p, ks.Namespace)
+	pods, err := p.podsOf(ks.Namespace)
 	if err != nil {
 		return err
 	}
@@ -398,4 +353,15 @@ func usesClaim(p *corev1.Pod, claim string) bool {
 		}
 	}
 	return false
+}
+
+// Volume reads a Longhorn volume from the API server.
+func (s *Sim) Volume(ctx context.Context, name string) (*Volume, error) {
+	return s.store.getVolume(ctx, name)
+}
+
+// VolumeAttachment reads a Longhorn volume's VolumeAttachment (named as the
+// volume) from the API server.
+func (s *Sim) VolumeAttachment(ctx context.Context, volume string) (*VolumeAttachment, error) {
+	return s.store.getVA(ctx, volume)
 }

@@ -170,6 +170,9 @@ func (va *VolumeAttachment) satisfied(id string) bool {
 	return ok && st.Generation == t.Generation && st.Satisfied
 }
 
+// Satisfied reports whether ticket id is satisfied at its generation.
+func (va *VolumeAttachment) Satisfied(id string) bool { return va.satisfied(id) }
+
 func crd(plural, singular, kind string, shortNames []string) *apiextv1.CustomResourceDefinition {
 	return &apiextv1.CustomResourceDefinition{
 		ObjectMeta: metav1.ObjectMeta{Name: plural + "." + Group},

@@ -7,6 +7,7 @@ package integration
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"strings"
 	"testing"
@@ -21,6 +22,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
@@ -90,10 +92,18 @@ func queueConfigAt(s float64) hotplug.Config {
 // 1.8's (declarative on v1.7.0) runs by default; allRealEnv=all runs the
 // others too.
 var realFlavors = []realFlavor{
-	{flavor{"real-declarative-v1.7.0", kubevirtsim.ModeDeclarative, "", kvbackend.BackendDeclarative, false}, "v1.7.0", true},
-	{flavor{"real-legacy-v1.7.0", kubevirtsim.ModeLegacy, "", kvbackend.BackendSubresource, false}, "v1.7.0", false},
-	{flavor{"real-declarative-v1.8.2", kubevirtsim.ModeDeclarative, "", kvbackend.BackendDeclarative, false}, "v1.8.2", false},
+	{flavor: flavor{"real-declarative-v1.7.0", kubevirtsim.ModeDeclarative, "", kvbackend.BackendDeclarative, false}, tag: "v1.7.0", byDefault: true},
+	{flavor: flavor{"real-legacy-v1.7.0", kubevirtsim.ModeLegacy, "", kvbackend.BackendSubresource, false}, tag: "v1.7.0"},
+	{flavor: flavor{"real-declarative-v1.8.2", kubevirtsim.ModeDeclarative, "", kvbackend.BackendDeclarative, false}, tag: "v1.8.2"},
+	// The host storage path under each attachment pod (simhost
+	// Options.HostStorage: host nodes with real kubelets, scheduler,
+	// attach/detach and csi-attacher over the Longhorn stand-in), which
+	// needs root for the kubelets' mounts; hostStorageEnv=1 runs it.
+	{flavor: flavor{"real-legacy-v1.7.0-host-storage", kubevirtsim.ModeLegacy, "", kvbackend.BackendSubresource, false}, tag: "v1.7.0", hostStorage: true},
 }
+
+// hostStorageEnv set to "1" runs the host-storage flavor.
+const hostStorageEnv = "HCSI_HOST_STORAGE"
 
 // allRealEnv set to "all" runs every real-control-plane flavor.
 const allRealEnv = "HCSI_KUBEVIRT_REAL"
@@ -101,8 +111,24 @@ const allRealEnv = "HCSI_KUBEVIRT_REAL"
 // realFlavor is a flavor on KubeVirt's real control plane of tag.
 type realFlavor struct {
 	flavor
-	tag       string
-	byDefault bool
+	tag         string
+	byDefault   bool
+	hostStorage bool
+}
+
+// skip says why a real flavor does not run here, or "".
+func (rf realFlavor) skip(bin string) string {
+	switch {
+	case rf.hostStorage && os.Getenv(hostStorageEnv) != "1":
+		return fmt.Sprintf("the host storage path runs with %s=1", hostStorageEnv)
+	case rf.hostStorage && os.Geteuid() != 0:
+		return "the host storage path's kubelets mount and map block volumes: needs root"
+	case !rf.hostStorage && !rf.byDefault && os.Getenv(allRealEnv) != "all":
+		return fmt.Sprintf("one real-control-plane flavor runs by default; %s=all runs this one too", allRealEnv)
+	case !realkubevirt.Built(bin, rf.tag):
+		return fmt.Sprintf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", rf.tag, bin)
+	}
+	return ""
 }
 
 // suite is one host cluster flavor with a controller in front of it.
@@ -132,15 +158,13 @@ func TestController(t *testing.T) {
 	}
 	for _, rf := range realFlavors {
 		t.Run(rf.name, func(t *testing.T) {
-			if !rf.byDefault && os.Getenv(allRealEnv) != "all" {
-				t.Skipf("one real-control-plane flavor runs by default; %s=all runs this one too", allRealEnv)
-			}
-			if !realkubevirt.Built(bin, rf.tag) {
-				t.Skipf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", rf.tag, bin)
+			if why := rf.skip(bin); why != "" {
+				t.Skip(why)
 			}
 			t.Parallel()
 			h := framework.StartHostWith(t, simhost.Options{Real: rf.tag,
-				Sim: kubevirtsim.Options{Mode: rf.mode, BindClasslessPVCs: true}})
+				Sim:         kubevirtsim.Options{Mode: rf.mode, BindClasslessPVCs: true},
+				HostStorage: rf.hostStorage, Longhorn: simlonghorn.Options{Scale: scale}})
 			runScenarios(t, &suite{t: t, f: rf.flavor, real: rf.tag, host: h})
 		})
 	}

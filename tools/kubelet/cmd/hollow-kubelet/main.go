@@ -14,7 +14,11 @@
 //     in HCSI_MOUNTS, and the pod's identity in the environment) and the
 //     container exits when the process does, with its exit code; a container
 //     whose command is "sleep N" exits after N seconds; any other container
-//     runs until it is stopped, as in kubemark.
+//     runs until it is stopped, as in kubemark;
+//   - a container is ready once it runs (with kubemark's prober every
+//     container is ready at once, even one whose volumes are not mounted);
+//   - the node can report a machine size (--cores, --memory,
+//     --ephemeral-storage) and device plugins' resources (--device).
 //
 // Everything else (cadvisor, the container manager, the image service) is
 // kubemark's fake.
@@ -31,6 +35,7 @@ import (
 	"syscall"
 	"time"
 
+	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/clientcmd"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
@@ -58,6 +63,10 @@ type options struct {
 	apiBurst       int
 	containerLogs  string
 	runtimeTimeout time.Duration
+	cores          int
+	memory         string
+	disk           string
+	devices        deviceMap
 }
 
 // execMap is --exec IMAGE=COMMAND, repeatable.
@@ -75,7 +84,7 @@ func (m execMap) Set(v string) error {
 }
 
 func main() {
-	o := options{exec: execMap{}}
+	o := options{exec: execMap{}, devices: deviceMap{}}
 	fs := flag.NewFlagSet("hollow-kubelet", flag.ExitOnError)
 	fs.StringVar(&o.kubeconfig, "kubeconfig", "", "guest cluster kubeconfig")
 	fs.StringVar(&o.nodeName, "node-name", "", "node name")
@@ -89,6 +98,10 @@ func main() {
 	fs.Float64Var(&o.apiQPS, "kube-api-qps", 50, "API client QPS")
 	fs.IntVar(&o.apiBurst, "kube-api-burst", 100, "API client burst")
 	fs.DurationVar(&o.runtimeTimeout, "runtime-request-timeout", 2*time.Minute, "runtime request timeout")
+	fs.IntVar(&o.cores, "cores", 0, "CPU cores the node reports (0: kubemark's 1)")
+	fs.StringVar(&o.memory, "memory", "", "memory the node reports, a quantity (empty: kubemark's 3.75 GB)")
+	fs.StringVar(&o.disk, "ephemeral-storage", "", "root filesystem the node reports, a quantity (empty: none, as kubemark)")
+	fs.Var(o.devices, "device", "NAME=COUNT: an extended resource the node reports as a device plugin's (repeatable)")
 	klog.InitFlags(fs)
 	_ = fs.Parse(os.Args[1:])
 	if o.kubeconfig == "" || o.nodeName == "" || o.rootDir == "" {
@@ -185,8 +198,18 @@ func run(ctx context.Context, o options) error {
 	defer rt.stopAll()
 	images := apitest.NewFakeImageService()
 
+	mach, err := newMachine(o)
+	if err != nil {
+		return err
+	}
+	var cmgr cm.ContainerManager = cm.NewStubContainerManager()
+	if len(o.devices) > 0 {
+		cmgr = cm.NewStubContainerManagerWithDevicePluginResource(o.devices.resources())
+	}
+	cmgr = &sizedContainerManager{ContainerManager: cmgr, disk: mach.disk}
 	hk := kubemark.NewHollowKubelet(f, c, client, heartbeat,
-		&cadvisortest.Fake{NodeName: o.nodeName}, images, rt, cm.NewStubContainerManager())
+		mach, images, rt, cmgr)
+	hk.KubeletDeps.ProbeManager = probes{}
 	mounter := mount.New("")
 	hk.KubeletDeps.Mounter = mounter
 	hk.KubeletDeps.HostUtil = hostutil.NewHostUtil()
@@ -197,4 +220,22 @@ func run(ctx context.Context, o options) error {
 	<-ctx.Done()
 	klog.InfoS("hollow kubelet stopping", "node", o.nodeName)
 	return nil
+}
+
+func newMachine(o options) (*machine, error) {
+	m := &machine{Fake: &cadvisortest.Fake{NodeName: o.nodeName}, cores: o.cores}
+	for _, q := range []struct {
+		flag, v string
+		to      *uint64
+	}{{"memory", o.memory, &m.memory}, {"ephemeral-storage", o.disk, &m.disk}} {
+		if q.v == "" {
+			continue
+		}
+		v, err := resource.ParseQuantity(q.v)
+		if err != nil || v.Sign() < 0 {
+			return nil, fmt.Errorf("--%s=%s: want a non-negative quantity", q.flag, q.v)
+		}
+		*q.to = uint64(v.Value())
+	}
+	return m, nil
 }

@@ -1,0 +1,230 @@
+package simhost
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
+)
+
+func TestHostStorageNeedsRealAndHostNodesNeedHostStorage(t *testing.T) {
+	for _, o := range []Options{
+		{HostStorage: true},
+		{HostNodes: 2},
+		{Placement: map[string]string{"vm": "harvester-0"}},
+		{Real: "v1.7.0", HostStorage: true, Placement: map[string]string{"vm": "elsewhere"}},
+	} {
+		if h, err := Start(context.Background(), o); err == nil {
+			_ = h.Stop(context.Background())
+			t.Errorf("Start(%+v) succeeded, want a refusal", o)
+		}
+	}
+}
+
+// On KubeVirt's real control plane with host storage, a hot-plug goes the
+// way it goes on Harvester: the attachment pod is placed by the scheduler
+// on its VM's host node, the attach/detach controller asks for the
+// Longhorn volume there, the external-attacher's ControllerPublish gets
+// its Longhorn ticket satisfied, the kubelet publishes the volume, and
+// only then is the VMI entry Ready. The unplug lets go in the host's order:
+// the host VolumeAttachment goes only after the pod is gone and the node
+// no longer lists the volume in use.
+func TestHotplugThroughTheHostStoragePath(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("host kubelets mount and map block volumes: needs root")
+	}
+	bin, err := testenv.BinDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const version = "v1.7.0"
+	if !realkubevirt.Built(bin, version) {
+		t.Skipf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", version, bin)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	defer cancel()
+	h, err := Start(ctx, Options{
+		Real: version, Sim: kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy},
+		VMs: []string{"node-0"}, Harvester: true,
+		HostStorage: true, HostNodeStatusUpdate: 2 * time.Second,
+		Longhorn:  simlonghorn.Options{Scale: 0.05},
+		Placement: map[string]string{"node-0": "harvester-1"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := h.Stop(context.Background()); err != nil {
+			t.Errorf("stop: %v", err)
+		}
+	})
+	// After node-0, so that the scheduler sees it when it places node-1.
+	if err := h.CreateVMs(ctx, "node-1"); err != nil {
+		t.Fatal(err)
+	}
+	host := h.HostNodeOf(ctx, "node-0")
+	if host != "harvester-1" {
+		t.Fatalf("node-0's VM runs on %q, want harvester-1 where Placement pins it", host)
+	}
+	if other := h.HostNodeOf(ctx, "node-1"); other == host || !slices.Contains(h.HostNodes(), other) {
+		t.Errorf("node-1's VM runs on %q, want another host node than node-0's %s", other, host)
+	}
+
+	vols, err := h.CreateVolumes(ctx, "pvc", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, vols[0], metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lhName := pvc.Spec.VolumeName
+	lv, err := h.Longhorn.Volume(ctx, lhName)
+	if err != nil {
+		t.Fatalf("no Longhorn volume behind PV %s: %v", lhName, err)
+	}
+	if !lv.Spec.Migratable {
+		t.Errorf("Longhorn volume %s of an RWX block claim of Harvester's class is not migratable", lhName)
+	}
+
+	vms := h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace)
+	if err := vms.AddVolume(ctx, "node-0", &kubevirtv1.AddVolumeOptions{
+		Name: vols[0], Disk: &kubevirtv1.Disk{DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusSCSI}}},
+		VolumeSource: &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{
+			PersistentVolumeClaimVolumeSource: corev1.PersistentVolumeClaimVolumeSource{ClaimName: vols[0]}, Hotpluggable: true}},
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	// Whatever is seen Ready must have every host stage done before it.
+	var pod *corev1.Pod
+	testwait.Until(ctx, t, "the VMI entry Ready", func() (bool, string) {
+		_, vmi := h.VM(ctx, "node-0")
+		if vmi == nil {
+			return false, "no VMI"
+		}
+		for _, e := range vmi.Status.VolumeStatus {
+			if e.Name == vols[0] {
+				return e.Phase == kubevirtv1.VolumeReady, fmt.Sprintf("%+v", e)
+			}
+		}
+		return false, "no entry"
+	})
+	pod = attachmentPod(ctx, t, h)
+	if pod == nil {
+		t.Fatal("VMI entry Ready without an attachment pod")
+	}
+	if pod.Spec.NodeName != host {
+		t.Errorf("attachment pod %s is on %q, want the VM's host node %s", pod.Name, pod.Spec.NodeName, host)
+	}
+	if !scheduledByScheduler(ctx, t, h, pod) {
+		t.Errorf("attachment pod %s was not placed by the scheduler", pod.Name)
+	}
+	va, err := hostVolumeAttachment(ctx, h, lhName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if va == nil || va.Spec.NodeName != host || !va.Status.Attached {
+		t.Fatalf("host VolumeAttachment of %s: %+v, want attached to %s by the external-attacher", lhName, va, host)
+	}
+	lva, err := h.Longhorn.VolumeAttachment(ctx, lhName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !lva.Satisfied(simlonghorn.AttachmentID(lhName, host)) {
+		t.Errorf("Longhorn ticket of %s on %s not satisfied: %+v", lhName, host, lva)
+	}
+	target := filepath.Join(h.nodes.dir, host, "plugins/kubernetes.io/csi/volumeDevices/publish", lhName, string(pod.UID))
+	if _, err := os.Stat(target); err != nil {
+		t.Errorf("the kubelet did not publish %s for pod %s: %v", lhName, pod.Name, err)
+	}
+
+	// Unplug: the host lets go only after the pod and the node's use.
+	if err := vms.RemoveVolume(ctx, "node-0", &kubevirtv1.RemoveVolumeOptions{Name: vols[0]}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(ctx, t, "the host VolumeAttachment deleted", func() (bool, string) {
+		va, err := hostVolumeAttachment(ctx, h, lhName)
+		if err != nil {
+			return false, err.Error()
+		}
+		if va != nil {
+			return false, fmt.Sprintf("attached %v, deleting %v", va.Status.Attached, va.DeletionTimestamp != nil)
+		}
+		if p, err := h.Kube.CoreV1().Pods(h.Namespace).Get(ctx, pod.Name, metav1.GetOptions{}); err == nil {
+			t.Errorf("host VolumeAttachment of %s gone while attachment pod %s is still there (%s)", lhName, p.Name, p.Status.Phase)
+		}
+		node, err := h.Kube.CoreV1().Nodes().Get(ctx, host, metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, u := range node.Status.VolumesInUse {
+			if u == corev1.UniqueVolumeName("kubernetes.io/csi/"+simlonghorn.DriverName+"^"+lhName) {
+				t.Errorf("host VolumeAttachment of %s gone while %s still lists it in volumesInUse", lhName, host)
+			}
+		}
+		return true, ""
+	})
+	testwait.Until(ctx, t, "the Longhorn ticket gone", func() (bool, string) {
+		lva, err := h.Longhorn.VolumeAttachment(ctx, lhName)
+		if err != nil {
+			return false, err.Error()
+		}
+		return len(lva.Spec.AttachmentTickets) == 0, fmt.Sprintf("%v", lva.Spec.AttachmentTickets)
+	})
+}
+
+func attachmentPod(ctx context.Context, t *testing.T, h *Host) *corev1.Pod {
+	t.Helper()
+	pods, err := h.Kube.CoreV1().Pods(h.Namespace).List(ctx, metav1.ListOptions{LabelSelector: kubevirtv1.AppLabel + "=hotplug-disk"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(pods.Items) == 0 {
+		return nil
+	}
+	return &pods.Items[0]
+}
+
+// scheduledByScheduler looks for the scheduler's Scheduled event of pod.
+func scheduledByScheduler(ctx context.Context, t *testing.T, h *Host, pod *corev1.Pod) bool {
+	t.Helper()
+	evs, err := h.Kube.CoreV1().Events(h.Namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range evs.Items {
+		if e.InvolvedObject.UID == pod.UID && e.Reason == "Scheduled" && (e.Source.Component == "default-scheduler" || e.ReportingController == "default-scheduler") {
+			return true
+		}
+	}
+	return false
+}
+
+func hostVolumeAttachment(ctx context.Context, h *Host, pv string) (*storagev1.VolumeAttachment, error) {
+	l, err := h.Kube.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	for i := range l.Items {
+		va := &l.Items[i]
+		if va.Spec.Attacher == simlonghorn.DriverName && va.Spec.Source.PersistentVolumeName != nil && *va.Spec.Source.PersistentVolumeName == pv {
+			return va, nil
+		}
+	}
+	return nil, nil
+}
