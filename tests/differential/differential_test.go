@@ -1,0 +1,238 @@
+// Package differential runs the same hotplug scenarios on KubeVirt's real
+// control plane (internal/realkubevirt) and on the simulated one
+// (internal/kubevirtsim) at the same version and hotplug mode, through the
+// driver's own KubeVirt writers, and compares what each shows: the order of
+// the VM's, the VMI's and the attachment pods' states, the settled state and
+// KubeVirt's answers. Timing is not compared. Each difference is a defect of
+// the simulator, fixed there or listed in docs/architecture.md ("Where the
+// simulator differs from KubeVirt").
+package differential
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"k8s.io/klog/v2"
+	"kubevirt.io/client-go/kubevirt"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
+)
+
+// allRealEnv set to "all" compares every version; tests/integration reads
+// the same variable to run its scenarios on every real control plane.
+const allRealEnv = "HCSI_KUBEVIRT_REAL"
+
+// flavor is one KubeVirt version and hotplug mode, real and simulated.
+type flavor struct {
+	name string
+	real string              // the tag hack/tools.sh builds
+	sim  kubevirtsim.Version // the simulator's version of the same release
+	mode kubevirtsim.Mode
+	// byDefault: `make test` runs it; the others need allRealEnv=all.
+	byDefault bool
+}
+
+// flavors: Harvester 1.8's KubeVirt in both modes by default (one real
+// version, a few minutes). The simulator has no v1.6.0: its v1.6.3 is the
+// same line's release Harvester 1.7 ships, and the hotplug code the two
+// share is what is compared.
+var flavors = []flavor{
+	{"v1.7.0-declarative", "v1.7.0", kubevirtsim.V1_7_0, kubevirtsim.ModeDeclarative, true},
+	{"v1.7.0-legacy", "v1.7.0", kubevirtsim.V1_7_0, kubevirtsim.ModeLegacy, true},
+	{"v1.6.0-legacy", "v1.6.0", kubevirtsim.V1_6_3, kubevirtsim.ModeLegacy, false},
+	{"v1.6.0-declarative", "v1.6.0", kubevirtsim.V1_6_3, kubevirtsim.ModeDeclarative, false},
+	{"v1.8.2-declarative", "v1.8.2", kubevirtsim.V1_8_2, kubevirtsim.ModeDeclarative, false},
+	{"v1.8.2-legacy", "v1.8.2", kubevirtsim.V1_8_2, kubevirtsim.ModeLegacy, false},
+}
+
+// simScale runs the simulator's timings at 1/20: timing is not compared,
+// and the order of states does not depend on it.
+const simScale = 0.05
+
+// writer is the part of the driver's KubeVirt backends a scenario drives.
+type writer interface {
+	Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome
+}
+
+// side is one control plane under comparison.
+type side struct {
+	name string
+	h    *simhost.Host
+	kv   kubevirt.Interface
+	w    writer
+	obs  *observer
+	hold hold
+	stop context.CancelFunc // ends the observer
+}
+
+func TestDifferential(t *testing.T) {
+	bin, err := testenv.BinDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range flavors {
+		t.Run(f.name, func(t *testing.T) {
+			if !f.byDefault && os.Getenv(allRealEnv) != "all" {
+				t.Skipf("only KubeVirt v1.7.0 runs by default; %s=all compares this one too", allRealEnv)
+			}
+			if !realkubevirt.Built(bin, f.real) {
+				t.Skipf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", f.real, bin)
+			}
+			real, sim := startSides(t, f)
+			for _, sc := range scenarios {
+				t.Run(sc.name, func(t *testing.T) { compareScenario(t, f, sc, real, sim) })
+			}
+		})
+	}
+}
+
+// startSides starts both hosts at once; they are stopped when t ends.
+func startSides(t *testing.T, f flavor) (real, sim *side) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	opts := map[string]simhost.Options{
+		"real": {Real: f.real, Sim: kubevirtsim.Options{Mode: f.mode, BindClasslessPVCs: true}},
+		"sim":  {Sim: kubevirtsim.Options{Mode: f.mode, Version: f.sim, Scale: simScale, BindClasslessPVCs: true}},
+	}
+	sides := map[string]*side{}
+	errs := map[string]error{}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for name, o := range opts {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s, err := startSide(ctx, name, f, o)
+			mu.Lock()
+			defer mu.Unlock()
+			sides[name], errs[name] = s, err
+		}()
+	}
+	wg.Wait()
+	for name, s := range sides {
+		if s != nil {
+			t.Cleanup(func() {
+				if s.stop != nil {
+					s.stop()
+				}
+				if err := s.h.Stop(context.Background()); err != nil {
+					t.Errorf("stop %s host: %v", name, err)
+				}
+			})
+		}
+	}
+	for name, err := range errs {
+		if err != nil {
+			t.Fatalf("%s host: %v", name, err)
+		}
+	}
+	return sides["real"], sides["sim"]
+}
+
+func startSide(ctx context.Context, name string, f flavor, o simhost.Options) (*side, error) {
+	h, err := simhost.Start(ctx, o)
+	if err != nil {
+		return nil, err
+	}
+	s := &side{name: name, h: h, hold: hold{kube: h.Kube, ns: h.Namespace}}
+	fail := func(err error) (*side, error) { return s, err }
+	// The simulator's virt-api is behind its front proxy: its client
+	// config goes there, the real one to the API server.
+	c, err := host.NewForConfig(h.ClientConfig(), h.Namespace)
+	if err != nil {
+		return fail(err)
+	}
+	s.kv = c.KubeVirt
+	s.w = kvbackend.NewSubresource(c)
+	if f.mode == kubevirtsim.ModeDeclarative {
+		s.w = kvbackend.NewDeclarative(c, nil)
+	}
+	// The observer outlives ctx, which bounds the start only.
+	runCtx, stop := context.WithCancel(context.WithoutCancel(ctx))
+	s.stop = stop
+	s.obs, err = startObserver(runCtx, h.Kube, s.kv, h.Namespace)
+	if err != nil {
+		return fail(err)
+	}
+	return s, nil
+}
+
+// compareScenario runs sc on both control planes at once and compares.
+func compareScenario(t *testing.T, f flavor, sc scenario, real, sim *side) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	var traces [2]trace
+	var errs [2]error
+	var wg sync.WaitGroup
+	for i, s := range []*side{real, sim} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			logger := klog.LoggerWithValues(klog.FromContext(ctx), "side", s.name)
+			traces[i], errs[i] = runScenario(klog.NewContext(ctx, logger), s, sc)
+		}()
+	}
+	wg.Wait()
+	for i, s := range []*side{real, sim} {
+		if errs[i] != nil {
+			t.Errorf("%s control plane: %v\n%s", s.name, errs[i], traces[i].dump())
+		}
+	}
+	if t.Failed() {
+		return
+	}
+	if d := differences(traces[0], traces[1]); d != "" {
+		t.Errorf("KubeVirt %s (%s) and the simulator's %s differ:\n%s", f.real, f.mode, f.sim, d)
+	}
+}
+
+func (tr trace) dump() string {
+	var b strings.Builder
+	write := func(what string, list []string) {
+		fmt.Fprintf(&b, "  %s:\n", what)
+		for _, s := range list {
+			fmt.Fprintf(&b, "    %s\n", s)
+		}
+	}
+	write("VM", tr.seq.VM)
+	write("VMI", tr.seq.VMI)
+	write("pods", tr.seq.Pods)
+	write("answers", tr.answers)
+	return b.String()
+}
+
+// differences lists where the simulated trace departs from the real one.
+func differences(real, sim trace) string {
+	var b strings.Builder
+	cmp := func(what string, r, s []string) {
+		if strings.Join(r, "\n") == strings.Join(s, "\n") {
+			return
+		}
+		fmt.Fprintf(&b, "%s:\n  real:\n", what)
+		for _, x := range r {
+			fmt.Fprintf(&b, "    %s\n", x)
+		}
+		b.WriteString("  simulated:\n")
+		for _, x := range s {
+			fmt.Fprintf(&b, "    %s\n", x)
+		}
+	}
+	cmp("VM states", real.seq.VM, sim.seq.VM)
+	cmp("VMI states", real.seq.VMI, sim.seq.VMI)
+	cmp("attachment pods", real.seq.Pods, sim.seq.Pods)
+	cmp("final state", []string{real.final.VM[0], real.final.VMI[0], real.final.Pods[0]}, []string{sim.final.VM[0], sim.final.VMI[0], sim.final.Pods[0]})
+	cmp("answers", real.answers, sim.answers)
+	return b.String()
+}
