@@ -25,18 +25,29 @@ import (
 // hotplug and stays out of the recorded states.
 const bootVolume = "rootdisk"
 
-// facets are the three things recorded per scenario. Each is a sequence of
-// its own: KubeVirt writes the VM, the VMI and the pods from different
-// goroutines, so how their events interleave is timing, while the order of
-// one object's states is behaviour.
+// facets are what is recorded per scenario, each a sequence of its own:
+// the VM, the VMI (phase and spec), each hotplug volume's volumeStatus
+// entry, and the attachment pods. KubeVirt's controllers and the node
+// agents write these from different goroutines, so how the sequences
+// interleave is timing; the order within one is behaviour.
 type facets struct {
-	VM, VMI, Pods []string
+	VM, VMI []string
+	Entries map[string][]string
+	Pods    []string
+}
+
+func (f facets) clone() facets {
+	c := facets{VM: slices.Clone(f.VM), VMI: slices.Clone(f.VMI), Pods: slices.Clone(f.Pods), Entries: map[string][]string{}}
+	for k, v := range f.Entries {
+		c.Entries[k] = slices.Clone(v)
+	}
+	return c
 }
 
 // trace is what a scenario observed on one control plane.
 type trace struct {
 	seq     facets
-	final   facets // the last state of each, once settled
+	final   []string // the VM, VMI and pods once settled
 	answers []string
 }
 
@@ -44,14 +55,18 @@ type trace struct {
 // observer's informers deliver them.
 type recorder struct {
 	vm   string
-	vols map[string]bool // the scenario's volumes: its pods are the ones holding them
+	vols []string // the scenario's volumes: its pods are the ones holding them
 
 	mu      sync.Mutex
 	seq     facets
 	answers []string
 }
 
-func (r *recorder) push(list *[]string, s string) {
+func (r *recorder) holds(p *corev1.Pod) bool {
+	return slices.ContainsFunc(podVolumes(p), func(v string) bool { return slices.Contains(r.vols, v) })
+}
+
+func push(list *[]string, s string) {
 	if n := len(*list); n > 0 && (*list)[n-1] == s {
 		return // consecutive duplicates collapse: only changes count
 	}
@@ -65,25 +80,30 @@ func (r *recorder) answer(step string, err error) {
 	r.answers = append(r.answers, step+": "+normAnswer(err))
 }
 
-func (r *recorder) trace(final facets) trace {
+func (r *recorder) trace(final []string) trace {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return trace{seq: facets{slices.Clone(r.seq.VM), slices.Clone(r.seq.VMI), slices.Clone(r.seq.Pods)}, final: final, answers: slices.Clone(r.answers)}
+	return trace{seq: r.seq.clone(), final: final, answers: slices.Clone(r.answers)}
 }
 
 // observer watches one host namespace's VMs, VMIs and attachment pods and
-// hands every change to the scenario's recorder.
+// hands every change to the scenario's recorder. It keeps the objects as
+// the events delivered them, not the informers' caches: a cache may already
+// hold a later state when the handler of an event runs, and a state seen
+// only for a moment (a pod between its deletion timestamp and its removal)
+// would then be missed at random.
 type observer struct {
-	ns        string
-	vms, vmis cache.Indexer
-	pods      cache.Indexer
+	ns string
 
-	mu  sync.Mutex
-	rec *recorder
+	mu   sync.Mutex
+	rec  *recorder
+	vms  map[string]*kubevirtv1.VirtualMachine
+	vmis map[string]*kubevirtv1.VirtualMachineInstance
+	pods map[string]*corev1.Pod
 }
 
 func startObserver(ctx context.Context, kube kubernetes.Interface, kv kubevirt.Interface, ns string) (*observer, error) {
-	o := &observer{ns: ns}
+	o := &observer{ns: ns, vms: map[string]*kubevirtv1.VirtualMachine{}, vmis: map[string]*kubevirtv1.VirtualMachineInstance{}, pods: map[string]*corev1.Pod{}}
 	factory := informers.NewSharedInformerFactoryWithOptions(kube, 0, informers.WithNamespace(ns),
 		informers.WithTweakListOptions(func(lo *metav1.ListOptions) { lo.LabelSelector = kubevirtv1.AppLabel + "=hotplug-disk" }))
 	podInf := factory.Core().V1().Pods().Informer()
@@ -91,13 +111,12 @@ func startObserver(ctx context.Context, kube kubernetes.Interface, kv kubevirt.I
 		&kubevirtv1.VirtualMachine{}, 0, cache.Indexers{})
 	vmiInf := cache.NewSharedIndexInformer(cache.NewListWatchFromClient(kv.KubevirtV1().RESTClient(), "virtualmachineinstances", ns, fields.Everything()),
 		&kubevirtv1.VirtualMachineInstance{}, 0, cache.Indexers{})
-	o.pods, o.vms, o.vmis = podInf.GetIndexer(), vmInf.GetIndexer(), vmiInf.GetIndexer()
 	for _, inf := range []cache.SharedIndexInformer{podInf, vmInf, vmiInf} {
-		// Handlers run one event at a time per informer, after the cache
-		// holds it: each call records the state that event made.
-		h := func(any) { o.record() }
+		// One informer's handler sees its events one at a time, in order.
 		if _, err := inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
-			AddFunc: h, UpdateFunc: func(_, n any) { h(n) }, DeleteFunc: h,
+			AddFunc:    func(obj any) { o.event(obj, false) },
+			UpdateFunc: func(_, obj any) { o.event(obj, false) },
+			DeleteFunc: func(obj any) { o.event(obj, true) },
 		}); err != nil {
 			return nil, err
 		}
@@ -111,56 +130,88 @@ func startObserver(ctx context.Context, kube kubernetes.Interface, kv kubevirt.I
 	return o, nil
 }
 
+func (o *observer) event(obj any, gone bool) {
+	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj, gone = t.Obj, true
+	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	switch x := obj.(type) {
+	case *kubevirtv1.VirtualMachine:
+		o.vms[x.Name] = x
+		if gone {
+			delete(o.vms, x.Name)
+		}
+	case *kubevirtv1.VirtualMachineInstance:
+		o.vmis[x.Name] = x
+		if gone {
+			delete(o.vmis, x.Name)
+		}
+	case *corev1.Pod:
+		o.pods[x.Name] = x
+		if gone {
+			delete(o.pods, x.Name)
+		}
+	}
+	o.recordLocked()
+}
+
 // follow makes rec the recorder of the changes to come, starting with the
 // state now.
 func (o *observer) follow(rec *recorder) {
 	o.mu.Lock()
+	defer o.mu.Unlock()
 	o.rec = rec
-	o.mu.Unlock()
-	o.record()
+	o.recordLocked()
 }
 
-func (o *observer) record() {
-	o.mu.Lock()
+func (o *observer) recordLocked() {
 	rec := o.rec
-	o.mu.Unlock()
 	if rec == nil {
 		return
 	}
-	f := o.state(rec)
+	vm, vmi, pods := o.objectsLocked(rec)
 	rec.mu.Lock()
 	defer rec.mu.Unlock()
-	rec.push(&rec.seq.VM, f.VM[0])
-	rec.push(&rec.seq.VMI, f.VMI[0])
-	rec.push(&rec.seq.Pods, f.Pods[0])
+	push(&rec.seq.VM, vmState(vm))
+	push(&rec.seq.VMI, vmiState(vmi))
+	if rec.seq.Entries == nil {
+		rec.seq.Entries = map[string][]string{}
+	}
+	for _, v := range rec.vols {
+		list := rec.seq.Entries[v]
+		push(&list, entryState(vmi, v))
+		rec.seq.Entries[v] = list
+	}
+	push(&rec.seq.Pods, podsState(pods))
 }
 
-// state is the normalised state of rec's VM, VMI and pods, one entry each.
-func (o *observer) state(rec *recorder) facets {
+// state is the normalised VM, VMI (with every entry) and pods of rec.
+func (o *observer) state(rec *recorder) []string {
 	vm, vmi, pods := o.objects(rec)
-	return facets{VM: []string{vmState(vm)}, VMI: []string{vmiState(vmi)}, Pods: []string{podsState(pods)}}
+	entries := make([]string, len(rec.vols))
+	for i, v := range rec.vols {
+		entries[i] = v + ": " + entryState(vmi, v)
+	}
+	return []string{vmState(vm), vmiState(vmi), strings.Join(entries, "; "), podsState(pods)}
 }
 
 // objects are rec's VM and VMI (nil when absent) and the attachment pods
-// that hold one of its volumes, as the caches have them.
+// that hold one of its volumes.
 func (o *observer) objects(rec *recorder) (*kubevirtv1.VirtualMachine, *kubevirtv1.VirtualMachineInstance, []*corev1.Pod) {
-	key := o.ns + "/" + rec.vm
-	var vm *kubevirtv1.VirtualMachine
-	if obj, ok, _ := o.vms.GetByKey(key); ok {
-		vm = obj.(*kubevirtv1.VirtualMachine)
-	}
-	var vmi *kubevirtv1.VirtualMachineInstance
-	if obj, ok, _ := o.vmis.GetByKey(key); ok {
-		vmi = obj.(*kubevirtv1.VirtualMachineInstance)
-	}
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.objectsLocked(rec)
+}
+
+func (o *observer) objectsLocked(rec *recorder) (*kubevirtv1.VirtualMachine, *kubevirtv1.VirtualMachineInstance, []*corev1.Pod) {
 	var pods []*corev1.Pod
-	for _, obj := range o.pods.List() {
-		p := obj.(*corev1.Pod)
-		if slices.ContainsFunc(podVolumes(p), func(v string) bool { return rec.vols[v] }) {
+	for _, p := range o.pods {
+		if rec.holds(p) {
 			pods = append(pods, p)
 		}
 	}
-	return vm, vmi, pods
+	return o.vms[rec.vm], o.vmis[rec.vm], pods
 }
 
 // vmState: the hotplug volumes of the VM spec, in order, and its pending
@@ -189,37 +240,36 @@ func vmState(vm *kubevirtv1.VirtualMachine) string {
 	return fmt.Sprintf("spec [%s] requests [%s]", strings.Join(spec, " "), strings.Join(reqs, ", "))
 }
 
-// vmiState: whether the VMI exists (and is going), its spec's hotplug
-// volumes, and per volumeStatus entry its phase and whether it names an
-// attachment pod. Entries are sorted by name: their order in the list is
-// not part of KubeVirt's contract.
+// vmiState: whether the VMI exists (and is going), its phase and its
+// spec's hotplug volumes.
 func vmiState(vmi *kubevirtv1.VirtualMachineInstance) string {
 	if vmi == nil {
 		return "no VMI"
 	}
-	var spec []string
-	for _, v := range vmi.Spec.Volumes {
-		if v.Name != bootVolume {
-			spec = append(spec, v.Name)
-		}
-	}
-	var entries []string
-	for _, e := range vmi.Status.VolumeStatus {
-		if e.Name == bootVolume {
-			continue
-		}
-		s := e.Name + " " + string(e.Phase)
-		if e.HotplugVolume != nil && e.HotplugVolume.AttachPodUID != "" {
-			s += " +pod"
-		}
-		entries = append(entries, s)
-	}
-	sort.Strings(entries)
 	head := "VMI " + string(vmi.Status.Phase)
 	if vmi.DeletionTimestamp != nil {
 		head += " deleting"
 	}
-	return fmt.Sprintf("%s spec [%s] status [%s]", head, strings.Join(spec, " "), strings.Join(entries, ", "))
+	return fmt.Sprintf("%s spec [%s]", head, strings.Join(hotplugNames(vmi.Spec.Volumes), " "))
+}
+
+// entryState: a volume's volumeStatus entry, its phase and whether it names
+// an attachment pod.
+func entryState(vmi *kubevirtv1.VirtualMachineInstance, vol string) string {
+	if vmi == nil {
+		return "no VMI"
+	}
+	for _, e := range vmi.Status.VolumeStatus {
+		if e.Name != vol {
+			continue
+		}
+		s := string(e.Phase)
+		if e.HotplugVolume != nil && e.HotplugVolume.AttachPodUID != "" {
+			s += " +pod"
+		}
+		return s
+	}
+	return "no entry"
 }
 
 // podsState: each attachment pod as its volumes and whether it runs, is

@@ -43,13 +43,19 @@ var scenarios = []scenario{
 		r.apply("remove one, add the other", detach(r.vol(0)), attach(r.vol(1)))
 		r.settle(r.vol(1))
 	}},
-	// The add follows the removal before KubeVirt has taken the volume off
-	// the VMI.
+	// The add comes once the volume left the VMI's spec, while its entry
+	// is still in the VMI's status (its unmount held, see hold).
 	{"readd", 1, func(r *run) {
 		r.apply("add", attach(r.vol(0)))
 		r.settle(r.vol(0))
+		mounted := unmountHold(r.s.admin, r.s.h.Namespace, r.vm)
+		r.do("hold unmounts", func(ctx context.Context) error { return mounted.on(ctx, r.s.h.Kube) })
 		r.apply("remove", detach(r.vol(0)))
+		r.until("the volume off the VMI spec", func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, _ []*corev1.Pod) bool {
+			return vmi != nil && len(hotplugNames(vmi.Spec.Volumes)) == 0
+		})
 		r.apply("add again", attach(r.vol(0)))
+		r.do("let unmounts through", func(ctx context.Context) error { return mounted.off(ctx, r.s.h.Kube) })
 		r.settle(r.vol(0))
 	}},
 	// KubeVirt's own answers to an add of what is there and a removal of
@@ -71,7 +77,8 @@ var scenarios = []scenario{
 	// The attachment pod is held starting (see hold) while the volume
 	// leaves the VM, then let go.
 	{"remove-while-starting", 1, func(r *run) {
-		r.do("hold pods", r.s.hold.on)
+		pods := podStartHold(r.s.h.Kube, r.s.h.Namespace)
+		r.do("hold pods starting", func(ctx context.Context) error { return pods.on(ctx, r.s.h.Kube) })
 		r.apply("add", attach(r.vol(0)))
 		r.until("an attachment pod starting", func(_ *kubevirtv1.VirtualMachine, _ *kubevirtv1.VirtualMachineInstance, pods []*corev1.Pod) bool {
 			return slices.ContainsFunc(pods, func(p *corev1.Pod) bool { return p.DeletionTimestamp == nil })
@@ -80,7 +87,7 @@ var scenarios = []scenario{
 		r.until("the volume off the VMI spec", func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, _ []*corev1.Pod) bool {
 			return vmi != nil && len(hotplugNames(vmi.Spec.Volumes)) == 0
 		})
-		r.do("let pods start", r.s.hold.off)
+		r.do("let pods start", func(ctx context.Context) error { return pods.off(ctx, r.s.h.Kube) })
 		r.settle()
 	}},
 }
@@ -109,10 +116,7 @@ func runScenario(ctx context.Context, s *side, sc scenario) (trace, error) {
 		return trace{}, err
 	}
 	r.vols = vols
-	r.rec = &recorder{vm: r.vm, vols: map[string]bool{}}
-	for _, v := range vols {
-		r.rec.vols[v] = true
-	}
+	r.rec = &recorder{vm: r.vm, vols: vols}
 	s.obs.follow(r.rec)
 	defer s.obs.follow(nil)
 	sc.run(r)
@@ -181,7 +185,8 @@ func (r *run) until(what string, cond func(*kubevirtv1.VirtualMachine, *kubevirt
 	r.do(what, func(ctx context.Context) error {
 		return testwait.Poll(ctx, what, func() (bool, string, error) {
 			vm, vmi, pods := r.s.obs.objects(r.rec)
-			return cond(vm, vmi, pods), vmState(vm) + "; " + vmiState(vmi) + "; " + podsState(pods), nil
+			ok := cond(vm, vmi, pods)
+			return ok, strings.Join(r.s.obs.state(r.rec), "; "), nil
 		})
 	})
 }
