@@ -72,9 +72,10 @@ func unmountHold(kv kubevirt.Interface, ns, vm string) hold {
 		message:  "hot-plugged volumes are held mounted",
 		resource: admissionv1.Rule{APIGroups: []string{"kubevirt.io"}, APIVersions: []string{"v1"}, Resources: []string{"virtualmachineinstances", "virtualmachineinstances/status"}},
 		refuse:   "has(object.status) && has(object.status.volumeStatus) && object.status.volumeStatus.exists(v, has(v.phase) && v.phase == 'UnMountedFromPod')",
-		// A dry-run write of vm's VMI reporting an unmount, where its status
-		// is written: the status subresource on the simulator's CRD, the
-		// object itself on KubeVirt's (which has none).
+		// A dry-run write of vm's VMI reporting an unmount, as virt-handler
+		// writes it (kv must act as virt-handler on KubeVirt's own control
+		// plane): to the status subresource on the simulator's CRD, to the
+		// object itself on KubeVirt's, which has none.
 		probe: func(ctx context.Context) error {
 			vmi, err := kv.KubevirtV1().VirtualMachineInstances(ns).Get(ctx, vm, metav1.GetOptions{})
 			if err != nil {

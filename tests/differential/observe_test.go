@@ -73,11 +73,12 @@ func push(list *[]string, s string) {
 	*list = append(*list, s)
 }
 
-// answer records what the API said to one write.
+// answer records what the API said to one write; the same answer to a
+// retry of it collapses into one.
 func (r *recorder) answer(step string, err error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.answers = append(r.answers, step+": "+normAnswer(err))
+	push(&r.answers, step+": "+normAnswer(err))
 }
 
 func (r *recorder) trace(final []string) trace {
