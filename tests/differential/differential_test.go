@@ -64,10 +64,12 @@ var flavors = []flavor{
 // simulator's node agents act at once, as the stand-ins beside the real
 // control plane do, and its controllers at 1/20 of their default delays.
 func simOptions(v kubevirtsim.Version, m kubevirtsim.Mode) kubevirtsim.Options {
-	const none = -1
+	const none, step = -1, 20 * time.Millisecond
 	return kubevirtsim.Options{
 		Version: v, Mode: m, Scale: 0.05, BindClasslessPVCs: true,
-		Timings: kubevirtsim.Timings{PodStart: none, Mount: none, DomainAttach: none, Detach: none, PodDelete: none},
+		// One write per step, as the stand-ins make them: a zero delay
+		// would let the simulated virt-handler mount and attach in one.
+		Timings: kubevirtsim.Timings{PodStart: none, PodDelete: none, Mount: step, DomainAttach: step, Detach: step},
 	}
 }
 
@@ -244,19 +246,40 @@ func (tr trace) dump() string {
 // seen, no attachment pod yet), AttachedToNode before the entry names its
 // pod, Detaching (unmounted, the entry not yet dropped), and
 // UnMountedFromPod of an entry that never had a pod (the node agent passed
-// before the controller dropped the entry of a volume that left the spec).
+// before the controller dropped the entry of a volume that left the spec),
+// and Ready naming no pod (the volume's attachment pod being replaced by one
+// for more volumes: whether the old one ran by then decides whether the
+// entry loses its pod for a pass).
 // The real control plane shows them in some runs and folds them into the
 // next write in others, so they are left out of the comparison.
 var transient = []string{
 	string(kubevirtv1.VolumeBound), string(kubevirtv1.VolumePending), string(kubevirtv1.HotplugVolumeAttachedToNode),
 	string(kubevirtv1.HotplugVolumeDetaching), string(kubevirtv1.HotplugVolumeDetaching) + " +pod",
-	string(kubevirtv1.HotplugVolumeUnMounted),
+	string(kubevirtv1.HotplugVolumeUnMounted), string(kubevirtv1.VolumeReady),
 }
 
 func withoutTransient(list []string) []string {
 	var out []string
 	for _, s := range list {
 		if !slices.Contains(transient, s) {
+			push(&out, s)
+		}
+	}
+	return out
+}
+
+// nodeAgentOnly are VMI states that only one host's node agents write. The
+// node agents are not the control plane under comparison, and they are
+// being made one model (internal/kubevirtsim/handler.go and
+// internal/realkubevirt/node.go); until then what only one writes is left
+// out: the stand-in virt-handler beside the real control plane reports a
+// deleted VMI Succeeded before it goes, the simulated one does not.
+var nodeAgentOnly = []string{"VMI Succeeded deleting"}
+
+func withoutNodeAgentOnly(list []string) []string {
+	var out []string
+	for _, s := range list {
+		if !slices.ContainsFunc(nodeAgentOnly, func(p string) bool { return strings.HasPrefix(s, p) }) {
 			push(&out, s)
 		}
 	}
@@ -280,7 +303,7 @@ func differences(real, sim trace) string {
 		}
 	}
 	cmp("VM states", real.seq.VM, sim.seq.VM)
-	cmp("VMI states", real.seq.VMI, sim.seq.VMI)
+	cmp("VMI states", withoutNodeAgentOnly(real.seq.VMI), withoutNodeAgentOnly(sim.seq.VMI))
 	for _, v := range sortedKeys(real.seq.Entries) {
 		cmp("volumeStatus of "+v, withoutTransient(real.seq.Entries[v]), withoutTransient(sim.seq.Entries[v]))
 	}

@@ -247,7 +247,14 @@ func vmiState(vmi *kubevirtv1.VirtualMachineInstance) string {
 	if vmi == nil {
 		return "no VMI"
 	}
-	head := "VMI " + string(vmi.Status.Phase)
+	phase := vmi.Status.Phase
+	if phase == "" {
+		// KubeVirt's mutating webhook gives a new VMI phase Pending (v1.7.0
+		// vmi-mutator.go:116); the simulator's VMI is born without one and
+		// made Pending by its controller's first pass (lab.md lists it).
+		phase = kubevirtv1.Pending
+	}
+	head := "VMI " + string(phase)
 	if vmi.DeletionTimestamp != nil {
 		head += " deleting"
 	}

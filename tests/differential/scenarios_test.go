@@ -48,7 +48,7 @@ var scenarios = []scenario{
 	{"readd", 1, func(r *run) {
 		r.apply("add", attach(r.vol(0)))
 		r.settle(r.vol(0))
-		mounted := unmountHold(r.s.handler, r.s.h.Namespace, r.vm)
+		mounted := unmountHold(r.s.kv, r.s.handler, r.s.h.Namespace, r.vm)
 		r.do("hold unmounts", func(ctx context.Context) error { return mounted.on(ctx, r.s.h.Kube) })
 		r.apply("remove", detach(r.vol(0)))
 		r.until("the volume off the VMI spec", func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, _ []*corev1.Pod) bool {
@@ -137,14 +137,20 @@ func (r *run) do(what string, step func(ctx context.Context) error) {
 
 // apply is the driver's writer applying changes as its queue does: a
 // Conflict is retried at once, and an InFlight (KubeVirt still working off
-// an earlier request of the VM) again until it is not. How often either
-// comes is timing, so each distinct answer is recorded once, in order.
+// an earlier request of the VM) again until it is not. Whether a Conflict
+// comes at all is timing (a test-guarded write raced one of KubeVirt's
+// status writes), so it is not recorded; an InFlight is, once however often
+// it repeats.
 func (r *run) apply(what string, changes ...hotplug.Change) {
 	r.do(what, func(ctx context.Context) error {
 		return testwait.Poll(ctx, what, func() (bool, string, error) {
 			outs := r.s.w.Apply(ctx, r.vm, changes)
 			again := false
 			for i, o := range outs {
+				if o.Result == hotplug.Conflict {
+					again = true
+					continue
+				}
 				r.rec.answer(fmt.Sprintf("%s: %s %s: %s", what, changes[i].Op, changes[i].Volume, o.Result), o.Err)
 				again = again || o.Result == hotplug.Conflict || o.Result == hotplug.InFlight
 			}
