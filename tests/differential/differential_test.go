@@ -4,8 +4,8 @@
 // driver's own KubeVirt writers, and compares what each shows: the order of
 // the VM's, the VMI's and the attachment pods' states, the settled state and
 // KubeVirt's answers. Timing is not compared. Each difference is a defect of
-// the simulator, fixed there or listed in docs/architecture.md ("Where the
-// simulator differs from KubeVirt").
+// the simulator, fixed there or listed in docs/lab.md ("The simulator against
+// KubeVirt's own control plane").
 package differential
 
 import (
@@ -64,7 +64,7 @@ var flavors = []flavor{
 // simulator's node agents act at once, as the stand-ins beside the real
 // control plane do, and its controllers at 1/20 of their default delays.
 func simOptions(v kubevirtsim.Version, m kubevirtsim.Mode) kubevirtsim.Options {
-	const none, step = -1, 20 * time.Millisecond
+	const none, step = -1, 200 * time.Millisecond
 	return kubevirtsim.Options{
 		Version: v, Mode: m, Scale: 0.05, BindClasslessPVCs: true,
 		// One write per step, as the stand-ins make them: a zero delay

@@ -51,8 +51,11 @@ var scenarios = []scenario{
 		mounted := unmountHold(r.s.kv, r.s.handler, r.s.h.Namespace, r.vm)
 		r.do("hold unmounts", func(ctx context.Context) error { return mounted.on(ctx, r.s.h.Kube) })
 		r.apply("remove", detach(r.vol(0)))
-		r.until("the volume off the VMI spec", func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, _ []*corev1.Pod) bool {
-			return vmi != nil && len(hotplugNames(vmi.Spec.Volumes)) == 0
+		// The legacy controller takes the volume off the VMI before it
+		// takes it off the VM: wait for both.
+		r.until("the volume off the VM and the VMI spec", func(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, _ []*corev1.Pod) bool {
+			return vm != nil && vm.Spec.Template != nil && len(hotplugNames(vm.Spec.Template.Spec.Volumes)) == 0 && len(vm.Status.VolumeRequests) == 0 &&
+				vmi != nil && len(hotplugNames(vmi.Spec.Volumes)) == 0
 		})
 		r.apply("add again", attach(r.vol(0)))
 		r.do("let unmounts through", func(ctx context.Context) error { return mounted.off(ctx, r.s.h.Kube) })
