@@ -39,7 +39,7 @@ build() { # module-dir binary package [source-glob...]
 
 # legacy_kubevirt_dir prints the cache directory a KubeVirt module's
 # virt-controller and virt-api were built in before the manifest generator's
-# source moved to tools/kubevirt-manifests: one key then covered all three
+# source moved to tools/kubevirt-cmd: one key then covered all three
 # binaries, the generator's own main.go (as of legacy_rev) included. Only
 # the controller binaries are taken over: the generator is built anew. The
 # key is computed over today's go.mod, go.sum and controller sources, so a
@@ -67,7 +67,7 @@ build kubelet csi-registrar ./cmd/csi-registrar
 # KubeVirt's virt-controller, virt-api and manifest generator, one tools module
 # per tag that builds from the module proxy; the binaries carry the tag in
 # their names so every version can sit in one bin directory. The generator's
-# source is shared (tools/kubevirt-manifests, linked from each module), so it
+# source is shared (tools/kubevirt-cmd, linked from each module), so it
 # has a key of its own: changing it does not rebuild the control plane.
 for kv in "$root"/tools/kubevirt-v*/; do
 	kv=$(basename "$kv")
