@@ -49,6 +49,7 @@ type trace struct {
 	seq     facets
 	final   []string // the VM, VMI and pods once settled
 	answers []string
+	notes   []string
 }
 
 // recorder collects the states of one VM and its attachment pods as the
@@ -60,6 +61,13 @@ type recorder struct {
 	mu      sync.Mutex
 	seq     facets
 	answers []string
+	notes   []string // logged, not compared
+}
+
+func (r *recorder) note(s string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	push(&r.notes, s)
 }
 
 func (r *recorder) holds(p *corev1.Pod) bool {
@@ -84,7 +92,7 @@ func (r *recorder) answer(step string, err error) {
 func (r *recorder) trace(final []string) trace {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return trace{seq: r.seq.clone(), final: final, answers: slices.Clone(r.answers)}
+	return trace{seq: r.seq.clone(), final: final, answers: slices.Clone(r.answers), notes: slices.Clone(r.notes)}
 }
 
 // observer watches one host namespace's VMs, VMIs and attachment pods and

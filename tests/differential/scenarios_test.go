@@ -20,29 +20,35 @@ type scenario struct {
 	name string
 	vols int
 	run  func(r *run)
+	// legacyRace: in the legacy mode the driver's writer makes its two
+	// changes as two addvolume/removevolume calls, and whether
+	// virt-controller's pass falls between them is timing, on KubeVirt as
+	// on the simulator; only the settled state and the answers are
+	// compared there.
+	legacyRace bool
 }
 
 var scenarios = []scenario{
 	{"add", 1, func(r *run) {
 		r.apply("add", attach(r.vol(0)))
 		r.settle(r.vol(0))
-	}},
+	}, false},
 	{"remove", 1, func(r *run) {
 		r.apply("add", attach(r.vol(0)))
 		r.settle(r.vol(0))
 		r.apply("remove", detach(r.vol(0)))
 		r.settle()
-	}},
+	}, false},
 	{"add-two", 2, func(r *run) {
 		r.apply("add both", attach(r.vol(0)), attach(r.vol(1)))
 		r.settle(r.vol(0), r.vol(1))
-	}},
+	}, true},
 	{"swap", 2, func(r *run) {
 		r.apply("add", attach(r.vol(0)))
 		r.settle(r.vol(0))
 		r.apply("remove one, add the other", detach(r.vol(0)), attach(r.vol(1)))
 		r.settle(r.vol(1))
-	}},
+	}, true},
 	// The add comes once the volume left the VMI's spec, while its entry
 	// is still in the VMI's status (its unmount held, see hold).
 	{"readd", 1, func(r *run) {
@@ -60,7 +66,7 @@ var scenarios = []scenario{
 		r.apply("add again", attach(r.vol(0)))
 		r.do("let unmounts through", func(ctx context.Context) error { return mounted.off(ctx, r.s.h.Kube) })
 		r.settle(r.vol(0))
-	}},
+	}, false},
 	// KubeVirt's own answers to an add of what is there and a removal of
 	// what is not, through virt-api's VM subresources in either mode.
 	{"already", 2, func(r *run) {
@@ -69,14 +75,14 @@ var scenarios = []scenario{
 		r.addVolume("addvolume present", r.vol(0))
 		r.removeVolume("removevolume absent", r.vol(1))
 		r.settle(r.vol(0))
-	}},
+	}, false},
 	{"stop-start", 2, func(r *run) {
 		r.apply("add both", attach(r.vol(0)), attach(r.vol(1)))
 		r.settle(r.vol(0), r.vol(1))
 		r.do("stop VM", func(ctx context.Context) error { return r.s.h.StopVM(ctx, r.vm) })
 		r.do("start VM", func(ctx context.Context) error { return r.s.h.StartVM(ctx, r.vm) })
 		r.settle(r.vol(0), r.vol(1))
-	}},
+	}, true},
 	// The attachment pod is held starting (see hold) while the volume
 	// leaves the VM, then let go.
 	{"remove-while-starting", 1, func(r *run) {
@@ -87,12 +93,20 @@ var scenarios = []scenario{
 			return slices.ContainsFunc(pods, func(p *corev1.Pod) bool { return p.DeletionTimestamp == nil })
 		})
 		r.apply("remove", detach(r.vol(0)))
-		r.until("the volume off the VMI spec", func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, _ []*corev1.Pod) bool {
+		// The legacy removal request has been seen to vanish from the VM's
+		// status here, on KubeVirt v1.7.0 as the only writer it raced is
+		// virt-controller: the driver's queue, judging by the VM, writes
+		// again, and so does the scenario (unrecorded, noted).
+		r.until("the volume off the VMI spec", func(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, _ []*corev1.Pod) bool {
+			if vm != nil && vm.Spec.Template != nil && len(hotplugNames(vm.Spec.Template.Spec.Volumes)) > 0 && len(vm.Status.VolumeRequests) == 0 {
+				r.rec.note("removal not in the VM: written again")
+				r.s.w.Apply(r.ctx, r.vm, []hotplug.Change{detach(r.vol(0))})
+			}
 			return vmi != nil && len(hotplugNames(vmi.Spec.Volumes)) == 0
 		})
 		r.do("let pods start", func(ctx context.Context) error { return pods.off(ctx, r.s.h.Kube) })
 		r.settle()
-	}},
+	}, false},
 }
 
 func attach(vol string) hotplug.Change { return hotplug.Change{Volume: vol, Op: hotplug.Attach} }
