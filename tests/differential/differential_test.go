@@ -93,7 +93,9 @@ type side struct {
 	handler kubevirt.Interface
 	w       writer
 	obs     *observer
-	stop    context.CancelFunc // ends the observer
+	// legacy: the legacy gate is on (volume requests in the VM's status).
+	legacy bool
+	stop   context.CancelFunc // ends the observer
 }
 
 func TestDifferential(t *testing.T) {
@@ -166,7 +168,7 @@ func startSide(ctx context.Context, name string, f flavor, o simhost.Options) (*
 	if err != nil {
 		return nil, err
 	}
-	s := &side{name: name, h: h}
+	s := &side{name: name, h: h, legacy: f.mode == kubevirtsim.ModeLegacy}
 	fail := func(err error) (*side, error) { return s, err }
 	// The simulator's virt-api is behind its front proxy: its client
 	// config goes there, the real one to the API server.

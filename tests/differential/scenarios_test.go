@@ -98,8 +98,8 @@ var scenarios = []scenario{
 		// virt-controller: the driver's queue, judging by the VM, writes
 		// again, and so does the scenario (unrecorded, noted).
 		r.until("the volume off the VMI spec", func(vm *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, _ []*corev1.Pod) bool {
-			if vm != nil && vm.Spec.Template != nil && len(hotplugNames(vm.Spec.Template.Spec.Volumes)) > 0 && len(vm.Status.VolumeRequests) == 0 {
-				r.rec.note("removal not in the VM: written again")
+			if r.s.legacy && vm != nil && vm.Spec.Template != nil && len(hotplugNames(vm.Spec.Template.Spec.Volumes)) > 0 && len(vm.Status.VolumeRequests) == 0 {
+				r.rec.note("removal request not seen in the VM: written again")
 				r.s.w.Apply(r.ctx, r.vm, []hotplug.Change{detach(r.vol(0))})
 			}
 			return vmi != nil && len(hotplugNames(vmi.Spec.Volumes)) == 0
