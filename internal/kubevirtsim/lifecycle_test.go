@@ -176,7 +176,7 @@ func TestStartWithHotplugVolumes(t *testing.T) {
 		t.Fatal(err)
 	}
 	ready(t, s, ns, "vm1", "pvc-a", 20*time.Second)
-	want := []string{"", "Scheduled/AttachedToNode", "Running/MountedToPod", "Running/Ready"}
+	want := []string{"", "Pending", "Scheduling", "Scheduled/AttachedToNode", "Running/MountedToPod", "Running/Ready"}
 	testwait.Until(testCtx(t, 3*time.Second), t, fmt.Sprintf("the phases %v", want), func() (bool, string) {
 		mu.Lock()
 		got := slices.Clone(phases)
