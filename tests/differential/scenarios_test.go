@@ -160,18 +160,20 @@ func (r *run) do(what string, step func(ctx context.Context) error) {
 // it repeats.
 func (r *run) apply(what string, changes ...hotplug.Change) {
 	r.do(what, func(ctx context.Context) error {
+		pending := changes
 		return testwait.Poll(ctx, what, func() (bool, string, error) {
-			outs := r.s.w.Apply(ctx, r.vm, changes)
-			again := false
+			outs := r.s.w.Apply(ctx, r.vm, pending)
+			var again []hotplug.Change // only these are retried, as the queue does
 			for i, o := range outs {
-				if o.Result == hotplug.Conflict {
-					again = true
-					continue
+				if o.Result == hotplug.Conflict || o.Result == hotplug.InFlight {
+					again = append(again, pending[i])
 				}
-				r.rec.answer(fmt.Sprintf("%s: %s %s: %s", what, changes[i].Op, changes[i].Volume, o.Result), o.Err)
-				again = again || o.Result == hotplug.Conflict || o.Result == hotplug.InFlight
+				if o.Result != hotplug.Conflict {
+					r.rec.answer(fmt.Sprintf("%s: %s %s: %s", what, pending[i].Op, pending[i].Volume, o.Result), o.Err)
+				}
 			}
-			return !again, fmt.Sprint(outs), nil
+			pending = again
+			return len(again) == 0, fmt.Sprint(outs), nil
 		})
 	})
 }
