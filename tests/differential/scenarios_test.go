@@ -64,6 +64,11 @@ var scenarios = []scenario{
 				vmi != nil && len(hotplugNames(vmi.Spec.Volumes)) == 0
 		})
 		r.apply("add again", attach(r.vol(0)))
+		// Let go only once the VMI has it again: a virt-handler pass
+		// before that would unmount it, and which comes first is timing.
+		r.until("the volume back in the VMI spec", func(_ *kubevirtv1.VirtualMachine, vmi *kubevirtv1.VirtualMachineInstance, _ []*corev1.Pod) bool {
+			return vmi != nil && slices.Contains(hotplugNames(vmi.Spec.Volumes), r.vol(0))
+		})
 		r.do("let unmounts through", func(ctx context.Context) error { return mounted.off(ctx, r.s.h.Kube) })
 		r.settle(r.vol(0))
 	}, false},
