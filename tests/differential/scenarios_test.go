@@ -144,6 +144,14 @@ func runScenario(ctx context.Context, s *side, sc scenario) (trace, error) {
 	}
 	r.vols = vols
 	r.rec = &recorder{vm: r.vm, vols: vols}
+	// Recording starts from the running VM, once the observer's watch has
+	// caught up with what CreateVMs saw.
+	if err := testwait.Poll(ctx, "the observer sees the VMI running", func() (bool, string, error) {
+		_, vmi, _ := s.obs.objects(r.rec)
+		return vmi != nil && vmi.Status.Phase == kubevirtv1.Running, vmiState(vmi), nil
+	}); err != nil {
+		return trace{}, err
+	}
 	s.obs.follow(r.rec)
 	defer s.obs.follow(nil)
 	sc.run(r)
