@@ -294,8 +294,11 @@ func withoutTransient(list []string) []string {
 // being made one model (internal/kubevirtsim/handler.go and
 // internal/realkubevirt/node.go); until then what only one writes is left
 // out: the stand-in virt-handler beside the real control plane reports a
-// deleted VMI Succeeded before it goes, the simulated one does not.
-var nodeAgentOnly = []string{"VMI Succeeded deleting"}
+// deleted VMI Succeeded before it goes, the simulated one does not; and the
+// stand-in kubelet ends the virt-launcher pod at once, so virt-controller
+// may find a deleted VMI Running without its pod first and mark it Failed
+// (v1.7.0 pkg/virt-controller/watch/vmi/lifecycle.go:432-435).
+var nodeAgentOnly = []string{"VMI Succeeded deleting", "VMI Failed deleting"}
 
 func withoutNodeAgentOnly(list []string) []string {
 	var out []string
