@@ -176,7 +176,7 @@ func TestStartWithHotplugVolumes(t *testing.T) {
 		t.Fatal(err)
 	}
 	ready(t, s, ns, "vm1", "pvc-a", 20*time.Second)
-	want := []string{"", "Scheduled/AttachedToNode", "Running/MountedToPod", "Running/Ready"}
+	want := []string{"", "Pending", "Scheduling", "Scheduled/AttachedToNode", "Running/MountedToPod", "Running/Ready"}
 	testwait.Until(testCtx(t, 3*time.Second), t, fmt.Sprintf("the phases %v", want), func() (bool, string) {
 		mu.Lock()
 		got := slices.Clone(phases)
@@ -348,4 +348,37 @@ func TestProxyWatch(t *testing.T) {
 	if err := anon.get(ctx, resVMs, ns, "watched", &kubevirtv1.VirtualMachine{}); !apierrors.IsForbidden(err) {
 		t.Errorf("anonymous get: %v", err)
 	}
+}
+
+// TestVMIStartPhases: virt-controller takes a new VMI through Pending (the
+// pass that creates its virt-launcher pod) and Scheduling (the pod exists,
+// not yet running) to Scheduled, each its own write (v1.7.0
+// pkg/virt-controller/watch/vmi/lifecycle.go:280-288, 331-382), and
+// virt-handler then to Running.
+func TestVMIStartPhases(t *testing.T) {
+	t.Parallel()
+	s, ns := testSim(t, Options{Mode: ModeDeclarative})
+	ctx := testCtx(t, 30*time.Second)
+	var mu sync.Mutex
+	var phases []string
+	_, _ = s.c.vmiInf.AddEventHandler(cacheHandler(func(obj any) {
+		vmi, ok := obj.(*kubevirtv1.VirtualMachineInstance)
+		if !ok || vmi.Namespace != ns || vmi.Name != "starting" {
+			return
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if p := string(vmi.Status.Phase); len(phases) == 0 || phases[len(phases)-1] != p {
+			phases = append(phases, p)
+		}
+	}))
+	if _, err := s.CreateVM(ctx, VMSpec{Namespace: ns, Name: "starting"}); err != nil {
+		t.Fatal(err)
+	}
+	want := []string{"", "Pending", "Scheduling", "Scheduled", "Running"}
+	testwait.Until(ctx, t, "the VMI's phases", func() (bool, string) {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Equal(phases, want), fmt.Sprint(phases)
+	})
 }

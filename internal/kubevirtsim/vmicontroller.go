@@ -102,7 +102,17 @@ func (v *vmiController) sync(ctx context.Context, key string) (time.Duration, er
 	}
 	st := vmi.Status.DeepCopy()
 	switch st.Phase {
-	case "", kubevirtv1.Pending, kubevirtv1.Scheduling:
+	case "", kubevirtv1.Pending:
+		// The pass that creates the virt-launcher pod writes Pending, the
+		// next, which finds the pod not yet running, Scheduling (v1.7.0
+		// pkg/virt-controller/watch/vmi/lifecycle.go:280-288 and 331): two
+		// writes a watcher sees before Scheduled.
+		st.Phase = kubevirtv1.Scheduling
+		if vmi.Status.Phase == "" {
+			st.Phase = kubevirtv1.Pending
+		}
+		return 0, writeVMIStatus(ctx, v.c, vmi, st)
+	case kubevirtv1.Scheduling:
 		v.schedule(vmi, st)
 	case kubevirtv1.Scheduled, kubevirtv1.Running:
 	default:

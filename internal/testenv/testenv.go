@@ -202,11 +202,13 @@ func (e *Env) start(ctx context.Context, opts Options) error {
 // namespace's "default" ServiceAccount (kubernetes v1.35.4
 // pkg/controller/serviceaccount/serviceaccounts_controller.go), the real one
 // rather than a stand-in, so the timing of a new namespace's first pod is a
-// real cluster's.
+// real cluster's, and the garbage collector: KubeVirt leaves an attachment
+// pod whose virt-launcher pod (its owner) is gone to it, so without it a
+// stopped VM's attachment pods would run on.
 func (e *Env) runServiceAccountController() error {
 	return e.run("kube-controller-manager",
 		"--kubeconfig="+e.Kubeconfig,
-		"--controllers=serviceaccount",
+		"--controllers=serviceaccount,garbagecollector",
 		"--use-service-account-credentials=false",
 		"--leader-elect=false",
 		"--bind-address=127.0.0.1",

@@ -1,6 +1,1 @@
-// Command virt-controller is KubeVirt's virt-controller, unmodified, for tests.
-package main
-
-import "kubevirt.io/kubevirt/pkg/virt-controller/watch"
-
-func main() { watch.Execute() }
+../../../kubevirt-cmd/virt-controller.go

@@ -1,0 +1,1 @@
+../../../kubevirt-cmd/manifests_v1.8.go
