@@ -149,18 +149,29 @@ func (q *Queue) detach(ctx context.Context, vm, volume string, until time.Time, 
 	}
 	if !expecting && obs.detached(volume) {
 		// Nothing of ours is in flight and nothing is there: cancel a
-		// not-yet-written attach and answer at once. A reservation this
+		// not-yet-written attach and answer once a reservation this
 		// process may still have (an attach superseded before its write,
-		// a VM deleted with its VMI) is released by the VM's worker, which
-		// alone writes the VM, so the release never overtakes a write.
+		// a VM deleted with its VMI) is released. The VM's worker releases
+		// it, since it alone writes the VM and so the release never
+		// overtakes a write; the answer waits for that, as every detach's
+		// does, so a caller moving the volume to another VM next does not
+		// find it still reserved here.
 		if it := w.intents[volume]; it != nil {
 			q.supersedeLocked(ctx, w, it, Detach)
 		}
-		w.release[volume] = true
+		released, ok := w.release[volume]
+		if !ok {
+			released = make(chan struct{})
+			w.release[volume] = released
+		}
 		q.wq.Add(key)
-		q.dropIfIdleLocked(key)
 		q.mu.Unlock()
-		return nil
+		select {
+		case <-released:
+			return nil
+		case <-ctx.Done():
+			return fmt.Errorf("detach of volume %s on VM %s: waiting for its reservation to be released: %w", volume, vm, ctx.Err())
+		}
 	}
 	prev := w.intents[volume]
 	joined := prev != nil && prev.op == Detach

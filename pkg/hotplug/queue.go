@@ -74,8 +74,9 @@ type vmWork struct {
 	// cannot cure (the host refuses our identity), waking waiting callers.
 	failed chan struct{}
 	// release lists volumes whose reservation for this VM the worker is to
-	// release: a detach was answered without an intent.
-	release map[string]bool
+	// release for a detach that found nothing on the VM; the channel is
+	// closed once the worker has done so, and the detach answers then.
+	release map[string]chan struct{}
 }
 
 type waitState struct {
@@ -401,7 +402,7 @@ func (q *Queue) key(vm string) cache.ObjectName {
 func (q *Queue) vmWork(key cache.ObjectName) *vmWork {
 	w := q.work[key]
 	if w == nil {
-		w = &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, waiting: map[string]waitState{}, release: map[string]bool{}, failed: make(chan struct{})}
+		w = &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, waiting: map[string]waitState{}, release: map[string]chan struct{}{}, failed: make(chan struct{})}
 		q.work[key] = w
 	}
 	return w

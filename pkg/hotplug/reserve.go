@@ -276,10 +276,14 @@ func (q *Queue) releaseAsked(ctx context.Context, key cache.ObjectName) {
 			vols = append(vols, vol)
 		}
 	}
-	clear(w.release)
+	answered := w.release
+	w.release = map[string]chan struct{}{}
 	q.dropIfIdleLocked(key)
 	q.mu.Unlock()
 	q.unreserve(ctx, key, vols, nil)
+	for _, done := range answered {
+		close(done)
+	}
 }
 
 func volumesOf(rs []resolution) []string {
