@@ -2,18 +2,11 @@ package kubevirtsim
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"strings"
@@ -27,6 +20,8 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
 // Names of the simulated admission webhooks, as they appear in denial
@@ -84,11 +79,7 @@ type webhookServer struct {
 }
 
 func (w *webhooks) serve() (*webhookServer, error) {
-	certPEM, keyPEM, err := selfSignedCert()
-	if err != nil {
-		return nil, err
-	}
-	cert, err := tls.X509KeyPair(certPEM, keyPEM)
+	caPEM, cert, err := testenv.LoopbackServing("kubevirtsim-webhook")
 	if err != nil {
 		return nil, err
 	}
@@ -108,7 +99,7 @@ func (w *webhooks) serve() (*webhookServer, error) {
 	srv := &webhookServer{
 		srv:    &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, TLSConfig: &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}},
 		url:    "https://" + ln.Addr().String(),
-		caPEM:  certPEM,
+		caPEM:  caPEM,
 		cfgKey: name,
 	}
 	w.c.goRun(func() {
@@ -125,37 +116,6 @@ func (w *webhookServer) close() {
 	if err := w.srv.Shutdown(ctx); err != nil {
 		_ = w.srv.Close()
 	}
-}
-
-func selfSignedCert() (certPEM, keyPEM []byte, err error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, nil, err
-	}
-	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
-	if err != nil {
-		return nil, nil, err
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          serial,
-		Subject:               pkix.Name{CommonName: "kubevirtsim-webhook"},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(24 * time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		IPAddresses:           []net.IP{net.ParseIP("127.0.0.1")},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		return nil, nil, err
-	}
-	kder, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		return nil, nil, err
-	}
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), nil
 }
 
 // register writes the ValidatingWebhookConfiguration and waits until the

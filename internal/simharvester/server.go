@@ -2,18 +2,11 @@ package simharvester
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
-	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
-	"math/big"
 	"net"
 	"net/http"
 	"slices"
@@ -39,6 +32,8 @@ import (
 	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
 const (
@@ -133,14 +128,10 @@ func (s *Server) start(ctx, runCtx context.Context, kv kubevirt.Interface) error
 			return fmt.Errorf("simharvester: %v cache did not sync", typ)
 		}
 	}
-	certPEM, keyPEM, err := selfSigned()
-	if err != nil {
+	var err error
+	if s.caPEM, s.cert, err = testenv.LoopbackServing("harvester-webhook"); err != nil {
 		return err
 	}
-	if s.cert, err = tls.X509KeyPair(certPEM, keyPEM); err != nil {
-		return err
-	}
-	s.caPEM = certPEM
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return err
@@ -371,37 +362,6 @@ func (s *Server) shutdown() {
 	if err := srv.Shutdown(ctx); err != nil {
 		_ = srv.Close()
 	}
-}
-
-func selfSigned() (certPEM, keyPEM []byte, err error) {
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	if err != nil {
-		return nil, nil, err
-	}
-	serial, err := rand.Int(rand.Reader, big.NewInt(1<<62))
-	if err != nil {
-		return nil, nil, err
-	}
-	tmpl := &x509.Certificate{
-		SerialNumber:          serial,
-		Subject:               pkix.Name{CommonName: "harvester-webhook"},
-		NotBefore:             time.Now().Add(-time.Hour),
-		NotAfter:              time.Now().Add(7 * 24 * time.Hour),
-		IsCA:                  true,
-		BasicConstraintsValid: true,
-		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
-		ExtKeyUsage:           []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth},
-		IPAddresses:           []net.IP{net.ParseIP("127.0.0.1")},
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		return nil, nil, err
-	}
-	kder, err := x509.MarshalECPrivateKey(key)
-	if err != nil {
-		return nil, nil, err
-	}
-	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder}), nil
 }
 
 // Down takes the webhook service away, as a Harvester upgrade does while

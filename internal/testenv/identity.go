@@ -3,6 +3,7 @@ package testenv
 import (
 	"crypto/rand"
 	"crypto/rsa"
+	"crypto/tls"
 	"crypto/x509"
 	"crypto/x509/pkix"
 	"encoding/pem"
@@ -180,6 +181,25 @@ func (c *CA) Issue(cn string, hosts []string, usage ...x509.ExtKeyUsage) (certPE
 	certPEM = pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
 	keyPEM = pem.EncodeToMemory(&pem.Block{Type: "RSA PRIVATE KEY", Bytes: x509.MarshalPKCS1PrivateKey(key)})
 	return certPEM, keyPEM, nil
+}
+
+// LoopbackServing makes a CA named cn and a serving certificate it signed
+// for 127.0.0.1, for a test server the API server or a client reaches on
+// the loopback address: caPEM is what they trust (a webhook's caBundle, a
+// kubeconfig's certificate-authority-data).
+func LoopbackServing(cn string) (caPEM []byte, cert tls.Certificate, err error) {
+	ca, err := NewCA(cn + "-ca")
+	if err != nil {
+		return nil, tls.Certificate{}, err
+	}
+	certPEM, keyPEM, err := ca.Issue(cn, []string{"127.0.0.1"}, x509.ExtKeyUsageServerAuth)
+	if err != nil {
+		return nil, tls.Certificate{}, err
+	}
+	if cert, err = tls.X509KeyPair(certPEM, keyPEM); err != nil {
+		return nil, tls.Certificate{}, err
+	}
+	return ca.CertPEM, cert, nil
 }
 
 func serial() *big.Int {
