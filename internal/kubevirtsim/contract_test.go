@@ -470,7 +470,12 @@ func TestMissingClaimAbortsHotplug(t *testing.T) {
 		pods := s.c.attachmentPods(vmi)
 		a, _ := FindVolumeStatus(vmi, "pvc-a")
 		b, _ := FindVolumeStatus(vmi, "pvc-b")
-		if len(pods) != 1 || pods[0].UID != oldPod.UID || pods[0].DeletionTimestamp != nil || a.Phase != kubevirtv1.HotplugVolumeDetaching || b.Phase != kubevirtv1.VolumeBound {
+		// On 1.5.x virt-handler's pass fails at the first mount error
+		// (pvc-b is looked up in pvc-a's pod, internal/virthandler), before
+		// the domain lets pvc-a's disk go, and writes the status anyway: the
+		// removed entry flips between Detaching and Ready there.
+		aStuck := a.Phase == kubevirtv1.HotplugVolumeDetaching || v == V1_5_3 && a.Phase == kubevirtv1.VolumeReady
+		if len(pods) != 1 || pods[0].UID != oldPod.UID || pods[0].DeletionTimestamp != nil || !aStuck || b.Phase != kubevirtv1.VolumeBound {
 			t.Errorf("hotplug handling went on with a claim missing on %s:\n%s", v, describe(s, vmi))
 		}
 		// The claim appears (and the lost one goes, or its pod would never

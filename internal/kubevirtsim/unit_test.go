@@ -118,12 +118,7 @@ func TestCASPatchShape(t *testing.T) {
 	}
 }
 
-func TestDriveLetters(t *testing.T) {
-	for i, want := range map[int]string{0: "a", 25: "z", 26: "aa", 27: "ab", 701: "zz", 702: "aaa"} {
-		if got := driveLetters(i); got != want {
-			t.Errorf("%d: %q want %q", i, got, want)
-		}
-	}
+func TestNextTarget(t *testing.T) {
 	used := map[string]bool{"sda": true, "vda": true}
 	d := &kubevirtv1.Disk{DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: "scsi"}}}
 	if got := nextTarget(d, used); got != "sdb" {

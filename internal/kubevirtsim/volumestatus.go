@@ -8,6 +8,8 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/virthandler"
 )
 
 // The volumeStatus machine of a hotplug volume, as two writers see it.
@@ -372,19 +374,5 @@ func nextTarget(d *kubevirtv1.Disk, used map[string]bool) string {
 	if d != nil && diskBus(d) == kubevirtv1.DiskBusVirtio {
 		prefix = "vd"
 	}
-	for i := 0; ; i++ {
-		t := prefix + driveLetters(i)
-		if !used[t] {
-			used[t] = true
-			return t
-		}
-	}
-}
-
-func driveLetters(i int) string {
-	s := ""
-	for i++; i > 0; i = (i - 1) / 26 {
-		s = string(rune('a'+(i-1)%26)) + s
-	}
-	return s
+	return virthandler.FreeTarget(prefix, used)
 }

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"strings"
@@ -184,45 +183,26 @@ func (w *webhooks) register(ctx context.Context) error {
 	})
 }
 
-// admitHandler decodes an AdmissionReview, runs f and answers; the causes'
-// messages are joined as v1.7.0 pkg/util/webhooks/webhooks.go:54
-// ToAdmissionResponse does.
+// admitHandler serves f as an admission webhook; the causes' messages are
+// joined as v1.7.0 pkg/util/webhooks/webhooks.go:54 ToAdmissionResponse does.
 func admitHandler(f func(*admissionv1.AdmissionRequest) []metav1.StatusCause) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		body, err := io.ReadAll(r.Body)
-		if err != nil {
-			http.Error(w, err.Error(), http.StatusBadRequest)
-			return
+	return testenv.AdmissionHandler(func(req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {
+		causes := f(req)
+		if len(causes) == 0 {
+			return &admissionv1.AdmissionResponse{Allowed: true}
 		}
-		var review admissionv1.AdmissionReview
-		if err := json.Unmarshal(body, &review); err != nil || review.Request == nil {
-			http.Error(w, "bad admission review", http.StatusBadRequest)
-			return
+		msgs := make([]string, len(causes))
+		for i, c := range causes {
+			msgs[i] = c.Message
 		}
-		resp := &admissionv1.AdmissionResponse{UID: review.Request.UID, Allowed: true}
-		if causes := f(review.Request); len(causes) > 0 {
-			msg := ""
-			for _, c := range causes {
-				if msg == "" {
-					msg = c.Message
-				} else {
-					msg += ", " + c.Message
-				}
-			}
-			resp.Allowed = false
-			resp.Result = &metav1.Status{
-				Status:  metav1.StatusFailure,
-				Message: msg,
-				Reason:  metav1.StatusReasonInvalid,
-				Code:    http.StatusUnprocessableEntity,
-				Details: &metav1.StatusDetails{Causes: causes},
-			}
-		}
-		out := admissionv1.AdmissionReview{TypeMeta: review.TypeMeta, Response: resp}
-		data, _ := json.Marshal(out)
-		w.Header().Set("Content-Type", "application/json")
-		_, _ = w.Write(data)
-	}
+		return &admissionv1.AdmissionResponse{Result: &metav1.Status{
+			Status:  metav1.StatusFailure,
+			Message: strings.Join(msgs, ", "),
+			Reason:  metav1.StatusReasonInvalid,
+			Code:    http.StatusUnprocessableEntity,
+			Details: &metav1.StatusDetails{Causes: causes},
+		}}
+	})
 }
 
 func decodeVM(raw []byte) (*kubevirtv1.VirtualMachine, error) {

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"slices"
@@ -236,25 +235,9 @@ func (s *Server) waitCalled(ctx context.Context) error {
 	})
 }
 
-// review decodes an AdmissionReview, runs f and answers.
+// review serves f, with the server's context, as an admission webhook.
 func (s *Server) review(ctx context.Context, f func(context.Context, *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		body, err := io.ReadAll(r.Body)
-		if err != nil {
-			http.Error(w, err.Error(), http.StatusBadRequest)
-			return
-		}
-		var rev admissionv1.AdmissionReview
-		if err := json.Unmarshal(body, &rev); err != nil || rev.Request == nil {
-			http.Error(w, "bad admission review", http.StatusBadRequest)
-			return
-		}
-		resp := f(ctx, rev.Request)
-		resp.UID = rev.Request.UID
-		out, _ := json.Marshal(admissionv1.AdmissionReview{TypeMeta: rev.TypeMeta, Response: resp})
-		w.Header().Set("Content-Type", "application/json")
-		_, _ = w.Write(out)
-	}
+	return testenv.AdmissionHandler(func(req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse { return f(ctx, req) })
 }
 
 func (s *Server) validate(ctx context.Context, req *admissionv1.AdmissionRequest) *admissionv1.AdmissionResponse {

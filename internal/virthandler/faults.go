@@ -157,6 +157,13 @@ func nextTarget(vmi *kubevirtv1.VirtualMachineInstance, name string, used map[st
 			prefix = "vd"
 		}
 	}
+	return FreeTarget(prefix, used)
+}
+
+// FreeTarget takes the first disk name prefix+a, prefix+b, ... that used
+// lacks, marks it used and returns it: the kernel's naming of the disks a
+// domain has, which virt-controller follows for a new volume's target too.
+func FreeTarget(prefix string, used map[string]bool) string {
 	for i := 0; ; i++ {
 		t := prefix + driveLetters(i)
 		if !used[t] {
@@ -174,10 +181,6 @@ func driveLetters(i int) string {
 	}
 	return s
 }
-
-func cloneTargets(m map[string]string) map[string]string { return maps.Clone(m) }
-
-func mapsEqual(a, b map[string]string) bool { return maps.Equal(a, b) }
 
 func sortedKeys(m map[string]string) []string {
 	keys := slices.Collect(maps.Keys(m))

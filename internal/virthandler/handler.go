@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -174,7 +175,7 @@ func (h *Handler) Sync(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstan
 		h.log.Info("domain paused on an I/O error: delaying the VMI update", "vm", p.key, "delay", delay)
 		return Result{Wake: delay}
 	}
-	seen := cloneTargets(p.d.targets)
+	seen := maps.Clone(p.d.targets)
 	err := p.mount()
 	if err == nil {
 		err = p.syncDomain()
@@ -187,7 +188,7 @@ func (h *Handler) Sync(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstan
 		p.res.Events = append(p.res.Events, Event{Reason: ReasonSyncFailed, Message: err.Error()})
 		h.log.Info("virt-handler pass failed", "vm", p.key, "err", err)
 	}
-	if !mapsEqual(seen, p.d.targets) {
+	if !maps.Equal(seen, p.d.targets) {
 		p.soon(time.Millisecond) // the domain event
 	}
 	p.status(seen)
