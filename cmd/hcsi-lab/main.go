@@ -265,10 +265,7 @@ func outside(f *flags, args []string) int {
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, os.Stdout, os.Stderr
 	cmd.Env = append(os.Environ(), inNamespace+"=1")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNS}
-	// Ctrl-C reaches the lab too (same process group): it stops, reports
-	// and cleans up; this side only waits for it.
-	signal.Ignore(os.Interrupt, syscall.SIGTERM)
-	err = cmd.Run()
+	err = runForwardingSignals(cmd)
 	code := 0
 	var ee *exec.ExitError
 	switch {
@@ -290,6 +287,34 @@ func outside(f *flags, args []string) int {
 		code = max(code, 1)
 	}
 	return code
+}
+
+// runForwardingSignals runs cmd and passes it the interrupts and
+// terminations this process gets, so that the lab stops, reports and cleans
+// up whichever of the two a supervisor signals: a SIGTERM sent to this
+// process alone (kill, a CI timeout) would otherwise never reach the lab, and
+// a Ctrl-C that reaches both through the process group only repeats the
+// request.
+func runForwardingSignals(cmd *exec.Cmd) error {
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	done := make(chan struct{})
+	defer close(done)
+	go func() {
+		for {
+			select {
+			case s := <-sigs:
+				_ = cmd.Process.Signal(s)
+			case <-done:
+				return
+			}
+		}
+	}()
+	return cmd.Wait()
 }
 
 func inside(f *flags) int {
