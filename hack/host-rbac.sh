@@ -184,6 +184,27 @@ subjects:
 EOF
 }
 
+# granted KIND NAME NAMESPACE RULES (NAMESPACE "" for a ClusterRole): the role of what an identity lacked, annotated
+# with every grant added, and its binding; nothing when RULES is empty.
+granted() {
+	local kind=$1 name=$2 ns=$3 rules=$4
+	[ -n "$rules" ] || return 0
+	cat <<EOF
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ${kind}
+metadata:
+  name: ${name}${ns:+
+  namespace: ${ns}}
+$(labels "${namespace}.${sa}")
+  annotations:
+    ${annotation}: "${grants}"
+rules:
+${rules}
+EOF
+	binding "${kind}Binding" "$name" "$ns" "$kind" "$name"
+}
+
 # The objects of the default mode. The Role is per namespace, the ClusterRole shared by every guest cluster.
 manifests() {
 	cat <<EOF
@@ -448,68 +469,10 @@ if [ -n "$existing" ]; then
 		exit 0
 	fi
 	{
-		if [ -n "$nsrules" ]; then
-			cat <<EOF
-apiVersion: rbac.authorization.k8s.io/v1
-kind: Role
-metadata:
-  name: ${role}
-  namespace: ${namespace}
-$(labels "${namespace}.${sa}")
-  annotations:
-    ${annotation}: "${grants}"
-rules:
-${nsrules}
-EOF
-			binding RoleBinding "$role" "$namespace" Role "$role"
-		fi
-		if [ -n "$hsrules" ]; then
-			cat <<EOF
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: Role
-metadata:
-  name: ${namespace}-${role}
-  namespace: ${hsns}
-$(labels "${namespace}.${sa}")
-  annotations:
-    ${annotation}: "${grants}"
-rules:
-${hsrules}
-EOF
-			binding RoleBinding "${namespace}-${role}" "$hsns" Role "${namespace}-${role}"
-		fi
-		if [ -n "$lhrules" ]; then
-			cat <<EOF
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: Role
-metadata:
-  name: ${namespace}-${role}
-  namespace: ${lhns}
-$(labels "${namespace}.${sa}")
-  annotations:
-    ${annotation}: "${grants}"
-rules:
-${lhrules}
-EOF
-			binding RoleBinding "${namespace}-${role}" "$lhns" Role "${namespace}-${role}"
-		fi
-		if [ -n "$clrules" ]; then
-			cat <<EOF
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRole
-metadata:
-  name: ${clusterrole}
-$(labels "${namespace}.${sa}")
-  annotations:
-    ${annotation}: "${grants}"
-rules:
-${clrules}
-EOF
-			binding ClusterRoleBinding "$clusterrole" "" ClusterRole "$clusterrole"
-		fi
+		granted Role "$role" "$namespace" "$nsrules"
+		granted Role "${namespace}-${role}" "$hsns" "$hsrules"
+		granted Role "${namespace}-${role}" "$lhns" "$lhrules"
+		granted ClusterRole "$clusterrole" "" "$clrules"
 	} | "${host[@]}" apply -f - >&2
 	log "granted $namespace/$sa what it lacked (Role/ClusterRole ${role}, ${clusterrole})"
 	exit 0
