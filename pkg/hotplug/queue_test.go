@@ -23,6 +23,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt/fake"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/testmetrics"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
@@ -639,34 +640,14 @@ func TestPublishedFollowsTheInformers(t *testing.T) {
 
 func histogramCount(t *testing.T, reg *prometheus.Registry, name string) uint64 {
 	t.Helper()
-	n, _ := histogramTotals(t, reg, name)
+	n, _ := testmetrics.Histogram(t, reg, name, nil)
 	return n
 }
 
 func histogramSum(t *testing.T, reg *prometheus.Registry, name string) float64 {
 	t.Helper()
-	_, sum := histogramTotals(t, reg, name)
+	_, sum := testmetrics.Histogram(t, reg, name, nil)
 	return sum
-}
-
-// histogramTotals adds up the sample counts and sums of every series of a
-// histogram; a histogram with no series yet is all zero.
-func histogramTotals(t *testing.T, reg *prometheus.Registry, name string) (count uint64, sum float64) {
-	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != name {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			count += m.GetHistogram().GetSampleCount()
-			sum += m.GetHistogram().GetSampleSum()
-		}
-	}
-	return count, sum
 }
 
 // TestResultCountersStartAtZero: every change result is exported before it

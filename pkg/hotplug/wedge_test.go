@@ -14,6 +14,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/testmetrics"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
@@ -276,23 +277,10 @@ func TestWedgedAttachIsAnsweredCountedAndCleared(t *testing.T) {
 	}
 }
 
-func wedgedGauge(t *testing.T, reg *prometheus.Registry, reason string) float64 {
+func wedgedGauge(t *testing.T, reg prometheus.Gatherer, reason string) float64 {
 	t.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != "harvester_csi_hotplug_wedged_intents" {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "reason" && l.GetValue() == reason {
-					return m.GetGauge().GetValue()
-				}
-			}
-		}
+	if v, ok := testmetrics.Value(t, reg, "harvester_csi_hotplug_wedged_intents", map[string]string{"reason": reason}); ok {
+		return v
 	}
 	return -1
 }

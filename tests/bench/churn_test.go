@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testmetrics"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
@@ -230,21 +231,10 @@ func countAttachmentPods(ctx context.Context, b *testing.B, h *framework.Host) *
 }
 
 // gatherCounter sums a counter's series in reg.
-func gatherCounter(b *testing.B, reg *prometheus.Registry, name string) float64 {
+func gatherCounter(b *testing.B, reg prometheus.Gatherer, name string) float64 {
 	b.Helper()
-	families, err := reg.Gather()
-	if err != nil {
-		b.Fatal(err)
-	}
-	sum := 0.0
-	for _, f := range families {
-		if f.GetName() == name {
-			for _, m := range f.GetMetric() {
-				sum += m.GetCounter().GetValue()
-			}
-		}
-	}
-	return sum
+	v, _ := testmetrics.Value(b, reg, name, nil)
+	return v
 }
 
 // startFleet starts a simulated host of flavor f with vmCount running VMs

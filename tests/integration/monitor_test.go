@@ -14,6 +14,7 @@ import (
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testmetrics"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
 	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
@@ -171,23 +172,8 @@ func waitEvents(ctx context.Context, t *testing.T, g *framework.Guest, node stri
 // its metrics.
 func detachesDone(t *testing.T, c *framework.Controller) uint64 {
 	t.Helper()
-	families, err := c.Metrics.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != "harvester_csi_hotplug_intent_duration_seconds" {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "op" && l.GetValue() == "detach" {
-					return m.GetHistogram().GetSampleCount()
-				}
-			}
-		}
-	}
-	return 0
+	n, _ := testmetrics.Histogram(t, c.Metrics, "harvester_csi_hotplug_intent_duration_seconds", map[string]string{"op": "detach"})
+	return n
 }
 
 // TestNodeMonitorSparesALiveLauncher: a VM whose VMI is gone while a

@@ -17,6 +17,7 @@ import (
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testmetrics"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/guest"
@@ -273,19 +274,9 @@ func (s *suite) expectAttached(ctx context.Context, t *testing.T, vol, vm string
 // counterValue reads a counter the controller registered.
 func counterValue(t *testing.T, c *framework.Controller, name string) float64 {
 	t.Helper()
-	families, err := c.Metrics.Gather()
-	if err != nil {
-		t.Fatal(err)
+	v, ok := testmetrics.Value(t, c.Metrics, name, nil)
+	if !ok {
+		t.Fatalf("no metric %s registered", name)
 	}
-	for _, f := range families {
-		if f.GetName() == name {
-			sum := 0.0
-			for _, m := range f.GetMetric() {
-				sum += m.GetCounter().GetValue()
-			}
-			return sum
-		}
-	}
-	t.Fatalf("no metric %s registered", name)
-	return 0
+	return v
 }

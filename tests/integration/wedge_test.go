@@ -13,6 +13,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testmetrics"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/diagnose"
 	"github.com/harvester-csi/harvester-csi-driver/pkg/driver"
@@ -131,21 +132,8 @@ func TestWedgedVMIsNoticed(t *testing.T) {
 
 func wedgedGauge(t *testing.T, ctrl *framework.Controller, reason string) float64 {
 	t.Helper()
-	families, err := ctrl.Metrics.Gather()
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, f := range families {
-		if f.GetName() != "harvester_csi_hotplug_wedged_intents" {
-			continue
-		}
-		for _, m := range f.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == "reason" && l.GetValue() == reason {
-					return m.GetGauge().GetValue()
-				}
-			}
-		}
+	if v, ok := testmetrics.Value(t, ctrl.Metrics, "harvester_csi_hotplug_wedged_intents", map[string]string{"reason": reason}); ok {
+		return v
 	}
 	return -1
 }
