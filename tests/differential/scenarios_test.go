@@ -133,12 +133,16 @@ type run struct {
 	err  error
 }
 
-func runScenario(ctx context.Context, s *side, sc scenario) (trace, error) {
-	r := &run{ctx: ctx, s: s, vm: "vm-" + sc.name}
+func runScenario(ctx context.Context, s *side, sc scenario, attempt int) (trace, error) {
+	name := sc.name
+	if attempt > 0 {
+		name = fmt.Sprintf("%s-r%d", sc.name, attempt) // a fresh VM and fresh volumes
+	}
+	r := &run{ctx: ctx, s: s, vm: "vm-" + name}
 	if err := s.h.CreateVMs(ctx, r.vm); err != nil {
 		return trace{}, err
 	}
-	vols, err := s.h.CreateVolumes(ctx, sc.name, sc.vols)
+	vols, err := s.h.CreateVolumes(ctx, name, sc.vols)
 	if err != nil {
 		return trace{}, err
 	}
