@@ -144,6 +144,33 @@ func hostOptions(out, kubevirt string, sim kubevirtsim.Options, nodes []string, 
 	return o
 }
 
+// host is the lab's Harvester for this run: hostOptions with the
+// --harvester release's webhooks and, on the real control plane, the
+// release's own virt-handler (a later patch release than the tag, such as
+// 1.7.4 on v1.7.0 for Harvester 1.8.2). gaps are what the tag's
+// virt-controller and virt-api lack of that release (profile.RealGaps).
+func (c *Config) host(sim kubevirtsim.Options, nodes []string) (o simhost.Options, gaps []string, err error) {
+	o = hostOptions(c.Out, c.KubeVirt, sim, nodes, c.HostNodes)
+	if o.Webhooks, err = c.webhooks(); err != nil {
+		return o, nil, err
+	}
+	if o.Real == "" || c.Harvester == "" {
+		return o, nil, nil
+	}
+	p, err := profile.Lookup(c.Harvester)
+	if err != nil {
+		return o, nil, fmt.Errorf("--harvester: %w", err)
+	}
+	// HarvesterKubeVirt refuses a --kubevirt of another tag; a config
+	// written by hand could still pair them, and the release's
+	// virt-handler on a foreign tag would be neither.
+	if p.Real != o.Real {
+		return o, nil, fmt.Errorf("--kubevirt %s and --harvester %s disagree: Harvester %s runs on KubeVirt %s's control plane here", c.KubeVirt, c.Harvester, p.Releases, p.Real)
+	}
+	o.RealRelease = p.KubeVirt
+	return o, p.RealGaps, nil
+}
+
 // webhooks are the Harvester webhooks the host serves: those of the
 // --harvester release, none without one.
 func (c *Config) webhooks() (simharvester.Release, error) {
