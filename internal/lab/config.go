@@ -273,7 +273,7 @@ func (c *Config) realFaults(tag string) error {
 }
 
 // ParseKubeVirt reads --kubevirt: "[legacy-|declarative-]VERSION" with a
-// simulated KubeVirt version (v1.5.3, v1.6.3, v1.7.0, v1.8.2, main), or one
+// simulated KubeVirt version (v1.5.3, v1.6.3, v1.6.6, v1.7.0, v1.7.4, v1.8.2, main), or one
 // of the short names legacy-v1.5, legacy-v1.7 and declarative. Without a
 // mode, a version gets the hotplug Harvester ships it with: legacy up to
 // 1.6.3 (Harvester 1.6 and 1.7), declarative from 1.7.0 (Harvester 1.8).
