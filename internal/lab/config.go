@@ -276,7 +276,7 @@ func (c *Config) realFaults(tag string) error {
 // simulated KubeVirt version (v1.5.3, v1.6.3, v1.6.6, v1.7.0, v1.7.4, v1.8.2, main), or one
 // of the short names legacy-v1.5, legacy-v1.7 and declarative. Without a
 // mode, a version gets the hotplug Harvester ships it with: legacy up to
-// 1.6.3 (Harvester 1.6 and 1.7), declarative from 1.7.0 (Harvester 1.8).
+// 1.6.6 (Harvester 1.6 and 1.7), declarative from 1.7.0 (Harvester 1.8).
 func ParseKubeVirt(name string) (kubevirtsim.Mode, kubevirtsim.Version, error) {
 	switch name {
 	case KubeVirtLegacyV15, "":
@@ -298,7 +298,7 @@ func ParseKubeVirt(name string) (kubevirtsim.Mode, kubevirtsim.Version, error) {
 	}
 	if mode == "" {
 		mode = kubevirtsim.ModeDeclarative
-		if version == kubevirtsim.V1_5_3 || version == kubevirtsim.V1_6_3 {
+		if version == kubevirtsim.V1_5_3 || version == kubevirtsim.V1_6_3 || version == kubevirtsim.V1_6_6 {
 			mode = kubevirtsim.ModeLegacy
 		}
 	}

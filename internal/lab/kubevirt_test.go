@@ -19,6 +19,8 @@ func TestParseKubeVirt(t *testing.T) {
 		"legacy-v1.7":        {kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3},
 		"declarative":        {kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0},
 		"v1.6.3":             {kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3},
+		"v1.6.6":             {kubevirtsim.ModeLegacy, kubevirtsim.V1_6_6},
+		"1.7.4":              {kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_4},
 		"1.7.0":              {kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0},
 		"legacy-v1.7.0":      {kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0},
 		"declarative-v1.8.2": {kubevirtsim.ModeDeclarative, kubevirtsim.V1_8_2},
