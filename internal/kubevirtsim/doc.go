@@ -1,7 +1,7 @@
 // Package kubevirtsim simulates the parts of KubeVirt (and a little of
 // Harvester and Longhorn) that volume hotplug depends on, on top of a real
 // kube-apiserver, for a named KubeVirt release (Version: v1.5.3, v1.6.3,
-// v1.7.0, v1.8.2 or main). It reproduces what KubeVirt's source does at
+// v1.6.6, v1.7.0, v1.7.4, v1.8.2 or main). It reproduces what KubeVirt's source does at
 // that tag, stuck states included; file:line references below are
 // kubevirt/kubevirt paths at the tag named.
 //
@@ -67,7 +67,10 @@
 // (pkg/virt-config/featuregate/active.go:104) and is Beta, on by default,
 // on main (active.go:311); v1.5.3 refuses ModeDeclarative. The hotplug
 // code is the same in v1.6.3 and v1.7.0; Harvester 1.7 runs v1.6.3 with the
-// legacy gate, Harvester 1.8 v1.7.0 with the declarative one.
+// legacy gate, Harvester 1.8 v1.7.0 with the declarative one. v1.6.6
+// (Harvester 1.7.2) and v1.7.4 (Harvester 1.8.2) are v1.6.3 and v1.7.0 with
+// PR 16159 (behaviour 1); nothing else in their hotplug paths differs in
+// what a driver sees.
 //
 // # Behaviours, per version
 //

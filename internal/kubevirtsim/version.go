@@ -12,19 +12,28 @@ import (
 type Version string
 
 // The simulated KubeVirt releases. Harvester 1.6 ships KubeVirt 1.5.x,
-// Harvester 1.7 ships 1.6.3 (legacy hotplug), Harvester 1.8 ships 1.7.0
-// (declarative hotplug).
+// Harvester 1.7.0 ships 1.6.3 and 1.7.2 ships 1.6.6 (legacy hotplug),
+// Harvester 1.8.0 ships 1.7.0 and 1.8.2 ships 1.7.4 (declarative hotplug).
+// A patch release is its own version only where its hotplug paths differ
+// from the previous one in what a driver can see (docs/architecture.md,
+// "KubeVirt patch levels per Harvester release").
 const (
 	V1_5_3 Version = "v1.5.3"
 	V1_6_3 Version = "v1.6.3"
+	// V1_6_6 is v1.6.3 with kubevirt PR 16159 (backported to release-1.6
+	// by PR 16219, first in v1.6.4).
+	V1_6_6 Version = "v1.6.6"
 	V1_7_0 Version = "v1.7.0"
+	// V1_7_4 is v1.7.0 with kubevirt PR 16159 (backported to release-1.7
+	// by PR 16199, first in v1.7.1).
+	V1_7_4 Version = "v1.7.4"
 	V1_8_2 Version = "v1.8.2"
 	// VMain is kubevirt/kubevirt main past v1.9.0-rc.2.
 	VMain Version = "main"
 )
 
 // Versions lists the simulated releases, oldest first.
-func Versions() []Version { return []Version{V1_5_3, V1_6_3, V1_7_0, V1_8_2, VMain} }
+func Versions() []Version { return []Version{V1_5_3, V1_6_3, V1_6_6, V1_7_0, V1_7_4, V1_8_2, VMain} }
 
 // ParseVersion returns the version with this name ("v1.6.3", "1.6.3" or
 // "main").
@@ -67,7 +76,7 @@ type features struct {
 	// terminatingPodIsCurrent: an attachment pod being deleted still counts
 	// as the current pod when its volumes match (v1.5.3 vmi.go:1673,
 	// v1.6.3/v1.7.0 volume-hotplug.go:52); PR 16159 (v1.6.4, v1.7.1,
-	// v1.8.0) skips it (v1.8.2 volume-hotplug.go:59).
+	// v1.8.0) skips it (v1.6.6/v1.7.4/v1.8.2 volume-hotplug.go:60).
 	terminatingPodIsCurrent bool
 	// resetDetachingOnReadd: a Detaching entry of a volume back in the spec
 	// is reset to the PVC phase although a current pod exists (v1.8.2
@@ -111,8 +120,14 @@ func (v Version) features() features {
 		f.harvester = "v1.6.0"
 	case V1_6_3:
 		f.harvester = "v1.7.0"
+	case V1_6_6:
+		f.terminatingPodIsCurrent = false
+		f.harvester = "v1.7.2"
 	case V1_7_0:
 		f.harvester = "v1.8.0"
+	case V1_7_4:
+		f.terminatingPodIsCurrent = false
+		f.harvester = "v1.8.2"
 	case V1_8_2:
 		f.terminatingPodIsCurrent = false
 		f.resetDetachingOnReadd = true

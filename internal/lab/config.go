@@ -144,6 +144,33 @@ func hostOptions(out, kubevirt string, sim kubevirtsim.Options, nodes []string, 
 	return o
 }
 
+// host is the lab's Harvester for this run: hostOptions with the
+// --harvester release's webhooks and, on the real control plane, the
+// release's own virt-handler (a later patch release than the tag, such as
+// 1.7.4 on v1.7.0 for Harvester 1.8.2). gaps are what the tag's
+// virt-controller and virt-api lack of that release (profile.RealGaps).
+func (c *Config) host(sim kubevirtsim.Options, nodes []string) (o simhost.Options, gaps []string, err error) {
+	o = hostOptions(c.Out, c.KubeVirt, sim, nodes, c.HostNodes)
+	if o.Webhooks, err = c.webhooks(); err != nil {
+		return o, nil, err
+	}
+	if o.Real == "" || c.Harvester == "" {
+		return o, nil, nil
+	}
+	p, err := profile.Lookup(c.Harvester)
+	if err != nil {
+		return o, nil, fmt.Errorf("--harvester: %w", err)
+	}
+	// HarvesterKubeVirt refuses a --kubevirt of another tag; a config
+	// written by hand could still pair them, and the release's
+	// virt-handler on a foreign tag would be neither.
+	if p.Real != o.Real {
+		return o, nil, fmt.Errorf("--kubevirt %s and --harvester %s disagree: Harvester %s runs on KubeVirt %s's control plane here", c.KubeVirt, c.Harvester, p.Releases, p.Real)
+	}
+	o.RealRelease = p.KubeVirt
+	return o, p.RealGaps, nil
+}
+
 // webhooks are the Harvester webhooks the host serves: those of the
 // --harvester release, none without one.
 func (c *Config) webhooks() (simharvester.Release, error) {
@@ -246,10 +273,10 @@ func (c *Config) realFaults(tag string) error {
 }
 
 // ParseKubeVirt reads --kubevirt: "[legacy-|declarative-]VERSION" with a
-// simulated KubeVirt version (v1.5.3, v1.6.3, v1.7.0, v1.8.2, main), or one
+// simulated KubeVirt version (v1.5.3, v1.6.3, v1.6.6, v1.7.0, v1.7.4, v1.8.2, main), or one
 // of the short names legacy-v1.5, legacy-v1.7 and declarative. Without a
 // mode, a version gets the hotplug Harvester ships it with: legacy up to
-// 1.6.3 (Harvester 1.6 and 1.7), declarative from 1.7.0 (Harvester 1.8).
+// 1.6.6 (Harvester 1.6 and 1.7), declarative from 1.7.0 (Harvester 1.8).
 func ParseKubeVirt(name string) (kubevirtsim.Mode, kubevirtsim.Version, error) {
 	switch name {
 	case KubeVirtLegacyV15, "":
@@ -271,7 +298,7 @@ func ParseKubeVirt(name string) (kubevirtsim.Mode, kubevirtsim.Version, error) {
 	}
 	if mode == "" {
 		mode = kubevirtsim.ModeDeclarative
-		if version == kubevirtsim.V1_5_3 || version == kubevirtsim.V1_6_3 {
+		if version == kubevirtsim.V1_5_3 || version == kubevirtsim.V1_6_3 || version == kubevirtsim.V1_6_6 {
 			mode = kubevirtsim.ModeLegacy
 		}
 	}

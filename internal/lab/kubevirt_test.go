@@ -19,6 +19,8 @@ func TestParseKubeVirt(t *testing.T) {
 		"legacy-v1.7":        {kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3},
 		"declarative":        {kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0},
 		"v1.6.3":             {kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3},
+		"v1.6.6":             {kubevirtsim.ModeLegacy, kubevirtsim.V1_6_6},
+		"1.7.4":              {kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_4},
 		"1.7.0":              {kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0},
 		"legacy-v1.7.0":      {kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0},
 		"declarative-v1.8.2": {kubevirtsim.ModeDeclarative, kubevirtsim.V1_8_2},
@@ -178,5 +180,49 @@ func TestHostOptionsWithHostNodes(t *testing.T) {
 	}
 	if h := hostOptions("/out", "real-legacy-v1.7.0", sim, nil, 0); h.HostStorage {
 		t.Error("hostOptions without host nodes turns host storage on")
+	}
+}
+
+// On the real control plane --harvester picks the virt-handler its node
+// agents play: the release's own KubeVirt patch level on the nearest tag
+// that builds (Harvester 1.8.2 runs KubeVirt 1.7.4 on v1.7.0's control
+// plane), with the control-plane changes that tag lacks as gaps.
+func TestHostPlaysHarvesterRelease(t *testing.T) {
+	for _, tc := range []struct {
+		harvester string
+		real      bool
+		tag, rel  string
+		gaps      int
+	}{
+		{"1.8.2", true, "v1.7.0", "v1.7.4", 1},
+		{"1.8.0", true, "v1.7.0", "v1.7.0", 0},
+		{"1.7.2", true, "v1.6.0", "v1.6.6", 1},
+		{"1.7.0", true, "v1.6.0", "v1.6.3", 0},
+		{"1.9", true, "v1.8.4", "v1.8.4", 0},
+		{"1.8.2", false, "", "", 0},
+	} {
+		kv, err := HarvesterKubeVirt(tc.harvester, tc.real, "")
+		if err != nil {
+			t.Fatalf("--harvester %s (real %v): %v", tc.harvester, tc.real, err)
+		}
+		c := &Config{Out: "/out", Harvester: tc.harvester, KubeVirt: kv}
+		sim, err := c.simOptions()
+		if err != nil {
+			t.Fatalf("--harvester %s: %v", tc.harvester, err)
+		}
+		h, gaps, err := c.host(sim, []string{"node-0"})
+		if err != nil || h.Real != tc.tag || h.RealRelease != tc.rel || len(gaps) != tc.gaps {
+			t.Errorf("--harvester %s (real %v): host on %q playing %q, gaps %q, %v; want %q playing %q, %d gaps", tc.harvester, tc.real, h.Real, h.RealRelease, gaps, err, tc.tag, tc.rel, tc.gaps)
+		}
+	}
+	// Without --harvester the tag plays its own virt-handler.
+	c := &Config{Out: "/out", KubeVirt: "real-declarative-v1.7.0"}
+	if h, gaps, err := c.host(kubevirtsim.Options{}, nil); err != nil || h.Real != "v1.7.0" || h.RealRelease != "" || gaps != nil {
+		t.Errorf("--kubevirt real-declarative-v1.7.0: host on %q playing %q, gaps %q, %v", h.Real, h.RealRelease, gaps, err)
+	}
+	// A release on a tag its profile does not name is refused.
+	c = &Config{Out: "/out", Harvester: "1.8.2", KubeVirt: "real-declarative-v1.8.2"}
+	if _, _, err := c.host(kubevirtsim.Options{}, nil); err == nil || !strings.Contains(err.Error(), "disagree") {
+		t.Errorf("--harvester 1.8.2 on v1.8.2: %v; want a disagreement", err)
 	}
 }

@@ -135,9 +135,12 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	for i := range c.Nodes {
 		r.nodes = append(r.nodes, fmt.Sprintf("node-%d", i))
 	}
-	ho := hostOptions(c.Out, c.KubeVirt, simOpts, r.nodes, c.HostNodes)
-	if ho.Webhooks, err = c.webhooks(); err != nil {
+	ho, gaps, err := c.host(simOpts, r.nodes)
+	if err != nil {
 		return nil, err
+	}
+	for _, g := range gaps {
+		r.log.Info("Known gap of the real control plane for this Harvester release", "harvester", c.Harvester, "tag", ho.Real, "release", ho.RealRelease, "gap", g)
 	}
 	if r.h, err = simhost.Start(ctx, ho); err != nil {
 		return nil, err

@@ -19,7 +19,10 @@ type Profile struct {
 	Name string
 	// Releases are the Harvester releases it covers, as shown to users.
 	Releases string
-	// KubeVirt is the KubeVirt the release's chart deploys.
+	// KubeVirt is the KubeVirt the release's chart deploys, to the patch
+	// level. On the real control plane it names the virt-handler the node
+	// agents play (realkubevirt.Options.Release), so a release whose patch
+	// level no tag here builds still gets its own node agent.
 	KubeVirt string
 	// Mode is the hotplug feature gate the release's chart turns on.
 	Mode kubevirtsim.Mode
@@ -27,8 +30,14 @@ type Profile struct {
 	// behaviour.
 	Sim kubevirtsim.Version
 	// Real is the nearest KubeVirt tag internal/realkubevirt builds, ""
-	// when none is near enough to stand in for it.
+	// when none is near enough to stand in for it. What the tag's
+	// virt-controller and virt-api lack of KubeVirt is in RealGaps.
 	Real string
+	// RealGaps are the control-plane changes between Real and KubeVirt
+	// that alter what a driver can see and that the real control plane
+	// does not play (docs/architecture.md, "KubeVirt patch levels per
+	// Harvester release").
+	RealGaps []string
 	// Webhooks are the rules and messages of the release's own admission
 	// webhooks (internal/simharvester), read at harvester/harvester's tags.
 	Webhooks simharvester.Release
@@ -47,20 +56,30 @@ var profiles = []Profile{
 	// v1.7.0, v1.7.1: tag 1.6.3-150700.3.13.1, featureGates HotplugVolumes
 	// (v1.7.0 values.yaml:71). v1.6.3 does not build here; v1.6.0 does.
 	{Name: "1.7.0", Releases: "1.7.0, 1.7.1", KubeVirt: "v1.6.3", Mode: kubevirtsim.ModeLegacy, Sim: kubevirtsim.V1_6_3, Real: "v1.6.0", Webhooks: simharvester.V1_7, minor: 7, from: 0, to: 1},
-	// v1.7.2, v1.7.3: tag 1.6.6-150700.15.7.1, HotplugVolumes.
-	{Name: "1.7.2", Releases: "1.7.2 and later 1.7", KubeVirt: "v1.6.6", Mode: kubevirtsim.ModeLegacy, Sim: kubevirtsim.V1_6_3, Real: "v1.6.0", Webhooks: simharvester.V1_7, minor: 7, from: 2, to: -1},
+	// v1.7.2, v1.7.3: tag 1.6.6-150700.15.7.1, HotplugVolumes. 1.6.6 has
+	// kubevirt PR 16159, which v1.6.3 and v1.6.0 lack.
+	{Name: "1.7.2", Releases: "1.7.2 and later 1.7", KubeVirt: "v1.6.6", Mode: kubevirtsim.ModeLegacy, Sim: kubevirtsim.V1_6_6, Real: "v1.6.0", RealGaps: []string{gapPR16159}, Webhooks: simharvester.V1_7, minor: 7, from: 2, to: -1},
 	// v1.8.0: tag 1.7.0-150700.3.16.2, v1.8.1: 1.7.0-150700.3.21.1;
 	// featureGates DeclarativeHotplugVolumes (v1.8.0 values.yaml:73).
 	{Name: "1.8.0", Releases: "1.8.0, 1.8.1", KubeVirt: "v1.7.0", Mode: kubevirtsim.ModeDeclarative, Sim: kubevirtsim.V1_7_0, Real: "v1.7.0", Webhooks: simharvester.V1_8, minor: 8, from: 0, to: 1},
 	// v1.8.2: tag 1.7.4-150700.3.24.2, DeclarativeHotplugVolumes. 1.7.4
 	// lacks the Detaching reset of KubeVirt 1.8.2, so the nearest real
-	// control plane is v1.7.0, not v1.8.2.
-	{Name: "1.8.2", Releases: "1.8.2 and later 1.8", KubeVirt: "v1.7.4", Mode: kubevirtsim.ModeDeclarative, Sim: kubevirtsim.V1_7_0, Real: "v1.7.0", Webhooks: simharvester.V1_8, minor: 8, from: 2, to: -1},
+	// control plane is v1.7.0, not v1.8.2; 1.7.4 has kubevirt PR 16159,
+	// which v1.7.0 lacks.
+	{Name: "1.8.2", Releases: "1.8.2 and later 1.8", KubeVirt: "v1.7.4", Mode: kubevirtsim.ModeDeclarative, Sim: kubevirtsim.V1_7_4, Real: "v1.7.0", RealGaps: []string{gapPR16159}, Webhooks: simharvester.V1_8, minor: 8, from: 2, to: -1},
 	// v1.9.0-rc6: tag 1.8.4-5.2, DeclarativeHotplugVolumes
 	// (values.yaml:75); released 1.9 may differ. Its webhooks are taken to
 	// be 1.8's (not read at a 1.9 tag).
 	{Name: "1.9", Releases: "1.9 (release candidates)", KubeVirt: "v1.8.4", Mode: kubevirtsim.ModeDeclarative, Sim: kubevirtsim.V1_8_2, Real: "v1.8.4", Webhooks: simharvester.V1_8, minor: 9, from: 0, to: -1},
 }
+
+// gapPR16159: from kubevirt PR 16159 on, virt-controller does not take an
+// attachment pod being deleted as the current one although its volumes
+// match (v1.6.6 and v1.7.4 pkg/virt-controller/watch/vmi/volume-hotplug.go:59-62,
+// against :59 at v1.6.0 and v1.7.0). The choice reads the pod's own spec
+// volumes and deletion timestamp, which nothing beside virt-controller can
+// change, so the older tag plays the older choice.
+const gapPR16159 = "kubevirt PR 16159: an attachment pod being deleted still counts as current (a new one is created only once it is gone)"
 
 // All returns every profile, oldest first.
 func All() []Profile { return append([]Profile(nil), profiles...) }

@@ -1,6 +1,8 @@
 package profile
 
 import (
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -15,13 +17,13 @@ func TestLookup(t *testing.T) {
 		{"1.6.1", "1.6", "v1.5.2", "legacy-v1.5.3", ""},
 		{"1.7.0", "1.7.0", "v1.6.3", "legacy-v1.6.3", "real-legacy-v1.6.0"},
 		{"1.7.1", "1.7.0", "v1.6.3", "legacy-v1.6.3", "real-legacy-v1.6.0"},
-		{"1.7.3", "1.7.2", "v1.6.6", "legacy-v1.6.3", "real-legacy-v1.6.0"},
-		{"1.7", "1.7.2", "v1.6.6", "legacy-v1.6.3", "real-legacy-v1.6.0"},
+		{"1.7.3", "1.7.2", "v1.6.6", "legacy-v1.6.6", "real-legacy-v1.6.0"},
+		{"1.7", "1.7.2", "v1.6.6", "legacy-v1.6.6", "real-legacy-v1.6.0"},
 		{"v1.8.0", "1.8.0", "v1.7.0", "declarative-v1.7.0", "real-declarative-v1.7.0"},
 		{"1.8.1", "1.8.0", "v1.7.0", "declarative-v1.7.0", "real-declarative-v1.7.0"},
-		{"1.8.2", "1.8.2", "v1.7.4", "declarative-v1.7.0", "real-declarative-v1.7.0"},
-		{"1.8.5", "1.8.2", "v1.7.4", "declarative-v1.7.0", "real-declarative-v1.7.0"},
-		{"1.8", "1.8.2", "v1.7.4", "declarative-v1.7.0", "real-declarative-v1.7.0"},
+		{"1.8.2", "1.8.2", "v1.7.4", "declarative-v1.7.4", "real-declarative-v1.7.0"},
+		{"1.8.5", "1.8.2", "v1.7.4", "declarative-v1.7.4", "real-declarative-v1.7.0"},
+		{"1.8", "1.8.2", "v1.7.4", "declarative-v1.7.4", "real-declarative-v1.7.0"},
 		{"1.9.0", "1.9", "v1.8.4", "declarative-v1.8.2", "real-declarative-v1.8.4"},
 	} {
 		p, err := Lookup(tc.release)
@@ -66,6 +68,43 @@ func TestProfilesConsistent(t *testing.T) {
 		}
 		if p.Mode == kubevirtsim.ModeDeclarative && p.Sim == kubevirtsim.V1_5_3 {
 			t.Errorf("%s: KubeVirt 1.5 has no declarative hotplug", p.Name)
+		}
+	}
+}
+
+// has16159 says whether KubeVirt version v ("v1.M.P") has kubevirt PR
+// 16159 (an attachment pod being deleted is not the current one): merged
+// for v1.8.0, backported to v1.6.4 (PR 16219) and v1.7.1 (PR 16199).
+func has16159(t *testing.T, v string) bool {
+	t.Helper()
+	var minor, patch int
+	if _, err := fmt.Sscanf(v, "v1.%d.%d", &minor, &patch); err != nil {
+		t.Fatalf("KubeVirt version %q: %v", v, err)
+	}
+	switch minor {
+	case 6:
+		return patch >= 4
+	case 7:
+		return patch >= 1
+	}
+	return minor >= 8
+}
+
+// A profile's simulated KubeVirt plays PR 16159 exactly when the release's
+// KubeVirt has it, and a real tag that lacks it while the release has it
+// names the gap.
+func TestPatchLevelPR16159(t *testing.T) {
+	for _, p := range All() {
+		if got, want := has16159(t, string(p.Sim)), has16159(t, p.KubeVirt); got != want {
+			t.Errorf("Harvester %s: simulated %s has PR 16159 %v, its KubeVirt %s %v", p.Name, p.Sim, got, p.KubeVirt, want)
+		}
+		if p.Real == "" {
+			continue
+		}
+		gap := has16159(t, p.KubeVirt) && !has16159(t, p.Real)
+		named := slices.ContainsFunc(p.RealGaps, func(g string) bool { return strings.Contains(g, "PR 16159") })
+		if gap != named {
+			t.Errorf("Harvester %s: KubeVirt %s on tag %s: gap %v, RealGaps %q", p.Name, p.KubeVirt, p.Real, gap, p.RealGaps)
 		}
 	}
 }

@@ -55,6 +55,11 @@ type Options struct {
 	// runs KubeVirt's own virt-controller and virt-api in the simulator's
 	// place; only the node agents are stand-ins. Host.Sim is nil then.
 	Real string
+	// RealRelease is the KubeVirt release whose virt-handler the node
+	// agents play with Real (realkubevirt.Options.Release): a Harvester
+	// release's own patch level on the nearest tag that builds; "" plays
+	// the tag's.
+	RealRelease string
 	// VMs are the guest nodes whose running VMs (and VMIs) exist when Start
 	// returns.
 	VMs []string
@@ -128,6 +133,11 @@ func Start(ctx context.Context, o Options) (*Host, error) {
 	}
 	if o.HardUnplug && !o.Disks {
 		return nil, errors.New("simhost: HardUnplug needs Disks")
+	}
+	if o.RealRelease != "" && o.Real == "" {
+		// The simulator's virt-handler follows Sim.Version; a release
+		// named here would be silently ignored.
+		return nil, errors.New("simhost: RealRelease needs Real (the simulator plays Sim.Version's virt-handler)")
 	}
 	if o.HostStorage && o.Real == "" {
 		return nil, errors.New("simhost: HostStorage needs Real (the simulator's kubelet stand-in cannot stand aside yet)")

@@ -27,6 +27,7 @@ func TestHostStorageNeedsRealAndHostNodesNeedHostStorage(t *testing.T) {
 		{HostNodes: 2},
 		{Placement: map[string]string{"vm": "harvester-0"}},
 		{Real: "v1.7.0", HostStorage: true, Placement: map[string]string{"vm": "elsewhere"}},
+		{RealRelease: "v1.7.4"},
 	} {
 		if h, err := Start(context.Background(), o); err == nil {
 			_ = h.Stop(context.Background())
@@ -227,4 +228,14 @@ func hostVolumeAttachment(ctx context.Context, h *Host, pv string) (*storagev1.V
 		}
 	}
 	return nil, nil
+}
+
+// The node agents of the real control plane play the release the host
+// names, not the tag's (Harvester 1.8.2 runs KubeVirt 1.7.4 on v1.7.0).
+func TestRealOptionsPlayRealRelease(t *testing.T) {
+	h := &Host{o: Options{Real: "v1.7.0", RealRelease: "v1.7.4", Sim: kubevirtsim.Options{Scale: 0.5, Jitter: 0.2, Seed: 7}}}
+	ro := h.realOptions(realkubevirt.Declarative)
+	if ro.Release != "v1.7.4" || ro.Mode != realkubevirt.Declarative || ro.Scale != 0.5 || ro.Jitter != 0.2 || ro.Seed != 7 {
+		t.Errorf("realOptions = %+v; want release v1.7.4, declarative, scale 0.5, jitter 0.2, seed 7", ro)
+	}
 }

@@ -40,6 +40,13 @@ func (h *Host) realMode() (realkubevirt.Mode, error) {
 	return m, nil
 }
 
+// realOptions are the real control plane's options: the node agents play
+// RealRelease's virt-handler, with stage timings at the simulator's scale
+// and jitter, so a scenario's pace is the same on both hosts.
+func (h *Host) realOptions(mode realkubevirt.Mode) realkubevirt.Options {
+	return realkubevirt.Options{Mode: mode, Release: h.o.RealRelease, Scale: h.o.Sim.Scale, Jitter: h.o.Sim.Jitter, Seed: h.o.Sim.Seed}
+}
+
 // startReal runs KubeVirt's own virt-controller and virt-api (and its node
 // agent stand-ins) where the simulator would run, with Harvester's storage
 // class and a claim binder in the provisioner's place.
@@ -48,9 +55,7 @@ func (h *Host) startReal(ctx, runCtx context.Context) error {
 	if err != nil {
 		return err
 	}
-	// virt-handler's stage timings follow the simulator's scale and jitter,
-	// so a scenario's pace is the same on both hosts.
-	ro := realkubevirt.Options{Mode: mode, Scale: h.o.Sim.Scale, Jitter: h.o.Sim.Jitter, Seed: h.o.Sim.Seed}
+	ro := h.realOptions(mode)
 	h.realKubeVirtNodes(&ro)
 	if h.o.Disks {
 		hook, err := h.newDisks()

@@ -95,7 +95,9 @@ func TestStartAssemblesAHarvester(t *testing.T) {
 // With Real the same builder runs KubeVirt's own control plane: the guest
 // VMs run with a boot disk as Harvester's do, claims of Harvester's class
 // (and classless ones, on a Harvester) bind and grow, and a hot-plugged
-// claim reaches Ready with a target through KubeVirt's controllers.
+// claim reaches Ready with a target through KubeVirt's controllers. The
+// node agents play Harvester 1.8.2's virt-handler (KubeVirt 1.7.4) on the
+// v1.7.0 control plane, as the lab's --harvester 1.8.2 --real does.
 func TestStartOnTheRealControlPlane(t *testing.T) {
 	bin, err := testenv.BinDir()
 	if err != nil {
@@ -110,7 +112,7 @@ func TestStartOnTheRealControlPlane(t *testing.T) {
 	// Loop disks need root; the rest of the test does not.
 	disks := os.Geteuid() == 0
 	h, err := Start(ctx, Options{
-		Real: version, Sim: kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative},
+		Real: version, RealRelease: "v1.7.4", Sim: kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative},
 		VMs: []string{"node-0"}, Harvester: true, Disks: disks,
 	})
 	if err != nil {

@@ -27,6 +27,13 @@
 //	any mount error fails the pass              v1.5.2 vm.go:3111-3113            v1.6.0 (vm.go:1976-1981
 //	  (no HotplugFailed tolerance)                                                  tolerates not-exist)
 //
+// Patch releases of a line do not differ in these paths (v1.6.0, v1.6.3 and
+// v1.6.6; v1.7.0 and v1.7.4; v1.8.2 and v1.8.4: vm.go changes only in
+// migration, shutdown and PCI-topology code, mount.go only in the socket
+// path of filesystem volumes), so ForVersion keys on the minor release;
+// docs/architecture.md, "KubeVirt patch levels per Harvester release", has
+// the diff.
+//
 // The same in every tag: a disk is in the domain only while its entry is
 // MountedToPod or Ready (v1.7.0 pkg/virt-launcher/virtwrap/converter/
 // converter.go:1780, v1.5.2 :1615, v1.9.0 :1174) and the domain sync

@@ -51,15 +51,19 @@ type flavor struct {
 }
 
 // flavors are every KubeVirt version the simulator names, in each hotplug
-// mode it has (declarative from v1.6 on).
+// mode it has (declarative from v1.6 on); a later patch release of a line
+// (v1.6.6, v1.7.4) only in the mode its Harvester release runs, as it
+// differs from the line's first only in kubevirt PR 16159.
 var flavors = []flavor{
 	{"legacy-v1.5.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3},
 	{"legacy-v1.6.3", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_3},
+	{"legacy-v1.6.6", kubevirtsim.ModeLegacy, kubevirtsim.V1_6_6},
 	{"legacy-v1.7.0", kubevirtsim.ModeLegacy, kubevirtsim.V1_7_0},
 	{"legacy-v1.8.2", kubevirtsim.ModeLegacy, kubevirtsim.V1_8_2},
 	{"legacy-main", kubevirtsim.ModeLegacy, kubevirtsim.VMain},
 	{"declarative-v1.6.3", kubevirtsim.ModeDeclarative, kubevirtsim.V1_6_3},
 	{"declarative-v1.7.0", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0},
+	{"declarative-v1.7.4", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_4},
 	{"declarative-v1.8.2", kubevirtsim.ModeDeclarative, kubevirtsim.V1_8_2},
 	{"declarative-main", kubevirtsim.ModeDeclarative, kubevirtsim.VMain},
 }

@@ -47,7 +47,8 @@ func TestFlavorFlag(t *testing.T) {
 		{"1.8.0", "", false, "declarative-v1.7.0", ""},
 		{"1.6", "declarative-v1.7.0", false, "legacy-v1.5.3", ""},
 		{"1.7.1", "legacy-v1.6.3", true, "legacy-v1.6.3", ""},
-		{"1.8.2", "declarative", true, "declarative-v1.7.0", ""},
+		{"1.7.2", "", false, "legacy-v1.6.6", ""},
+		{"1.8.2", "declarative", true, "declarative-v1.7.4", ""},
 		{"1.8.0", "legacy", true, "", "disagree"},
 		{"1.5", "", false, "", "no profile"},
 	} {
