@@ -83,6 +83,9 @@ type Sim struct {
 	faulted map[string]time.Time // by volume: faulted until
 	lag     map[string]*lagging  // by volume: the workloads list on its way
 	ghosts  map[string]WorkloadStatus
+	// slowDetach is Faults.SlowDetach, changed by SetSlowDetach while the
+	// stand-in runs.
+	slowDetach float64
 	view    *view // the informers, once Run has started them
 }
 
@@ -136,6 +139,8 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 		faulted: faulted,
 		lag:     map[string]*lagging{},
 		ghosts:  ghosts,
+
+		slowDetach: opts.Faults.SlowDetach,
 	}, nil
 }
 
@@ -198,10 +203,26 @@ func (s *Sim) CreateVolume(ctx context.Context, spec NewVolume) error {
 // FaultVolume makes a volume faulted for d (real time, scaled here): its
 // engine stops, Longhorn detaches it and attaches nothing until it recovers.
 func (s *Sim) FaultVolume(volume string, d time.Duration) {
+	s.FaultVolumeUntil(volume, time.Now().Add(s.scaled(d)))
+}
+
+// FaultVolumeUntil makes a volume faulted until a wall-clock time: for
+// callers (the lab's faults) whose schedule is not in the stand-in's
+// scaled time.
+func (s *Sim) FaultVolumeUntil(volume string, until time.Time) {
 	s.mu.Lock()
-	s.faulted[volume] = time.Now().Add(s.scaled(d))
+	s.faulted[volume] = until
 	s.mu.Unlock()
 	s.queue(volume)
+}
+
+// SetSlowDetach sets Faults.SlowDetach while the stand-in runs: detach
+// stages that start afterwards take factor times as long (0 or 1: the
+// normal speed). A stage under way keeps its end.
+func (s *Sim) SetSlowDetach(factor float64) {
+	s.mu.Lock()
+	s.slowDetach = factor
+	s.mu.Unlock()
 }
 
 // SetGhostWorkload adds (or, with an empty PodName, removes) a ghost entry
@@ -353,6 +374,17 @@ func usesClaim(p *corev1.Pod, claim string) bool {
 		}
 	}
 	return false
+}
+
+// Volumes lists the Longhorn volumes from the API server.
+func (s *Sim) Volumes(ctx context.Context) ([]*Volume, error) {
+	return s.store.listVolumes(ctx)
+}
+
+// VolumeAttachments lists the Longhorn VolumeAttachments from the API
+// server.
+func (s *Sim) VolumeAttachments(ctx context.Context) ([]*VolumeAttachment, error) {
+	return s.store.listVAs(ctx)
 }
 
 // Volume reads a Longhorn volume from the API server.
