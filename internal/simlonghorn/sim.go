@@ -86,7 +86,7 @@ type Sim struct {
 	// slowDetach is Faults.SlowDetach, changed by SetSlowDetach while the
 	// stand-in runs.
 	slowDetach float64
-	view    *view // the informers, once Run has started them
+	view       *view // the informers, once Run has started them
 }
 
 // stage is a timed transition of a volume's engine.
