@@ -355,3 +355,29 @@ func TestHostNodesFlag(t *testing.T) {
 		}
 	}
 }
+
+// The host faults are flags of their own, refused without --host-nodes.
+func TestHostFaultFlags(t *testing.T) {
+	dir := t.TempDir()
+	driver := filepath.Join(dir, "harvester-csi-driver")
+	if err := os.WriteFile(driver, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out"), "--kubevirt", "real-legacy-v1.7.0"}
+	f, err := parse(append(append([]string{}, base...), "--host-nodes", "3", "--longhorn-faulted", "5s", "--cordon-host", "6s",
+		"--cordon-host-every", "30s", "--slow-host-detach", "7s", "--ghost-workload", "8s"), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := f.cfg
+	if c.LonghornFaulted != 5*time.Second || c.CordonHost != 6*time.Second || c.CordonHostEvery != 30*time.Second ||
+		c.SlowHostDetach != 7*time.Second || c.GhostWorkload != 8*time.Second {
+		t.Errorf("host faults not set as asked: %+v", c)
+	}
+	for _, fl := range []string{"--longhorn-faulted", "--cordon-host", "--slow-host-detach", "--ghost-workload"} {
+		_, err := parse(append(append([]string{}, base...), fl, "5s"), io.Discard)
+		if err == nil || !strings.Contains(err.Error(), fl+" needs host nodes") {
+			t.Errorf("%s without --host-nodes: %v, want a refusal", fl, err)
+		}
+	}
+}

@@ -68,6 +68,8 @@ type run struct {
 	unstarted []string
 	inflight  []InFlight
 	phase     string
+	// faults are the host faults played, in their order.
+	faults []FaultEvent
 }
 
 type tapCounts struct {
@@ -134,6 +136,9 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	r.setPhase("host")
 	for i := range c.Nodes {
 		r.nodes = append(r.nodes, fmt.Sprintf("node-%d", i))
+	}
+	if err := c.CheckHostFaults(); err != nil {
+		return nil, err
 	}
 	ho := hostOptions(c.Out, c.KubeVirt, simOpts, r.nodes, c.HostNodes)
 	if ho.Webhooks, err = c.webhooks(); err != nil {

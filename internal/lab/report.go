@@ -66,6 +66,11 @@ type Report struct {
 	AttachSamples []monitor.Sample `json:"attach_samples,omitempty"`
 	DetachSamples []monitor.Sample `json:"detach_samples,omitempty"`
 	InFlight      []InFlight       `json:"in_flight,omitempty"`
+
+	// HostFaults are the host faults played (--longhorn-faulted,
+	// --cordon-host, --slow-host-detach, --ghost-workload), each with its
+	// target, start and end.
+	HostFaults []FaultEvent `json:"host_faults,omitempty"`
 }
 
 // Operations counts what the workload did.
@@ -300,6 +305,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		MissingTool: r.taps.missingTool, MissingToolError: r.taps.missingToolErr}
 	unstarted := r.unstarted
 	rep.InFlight = append([]InFlight(nil), r.inflight...)
+	rep.HostFaults = append([]FaultEvent(nil), r.faults...)
 	rep.Operations.Expansions = len(r.expansions)
 	rep.ExpandLatency = monitor.Summarize(r.expansions)
 	r.mu.Unlock()
@@ -402,6 +408,7 @@ func (rep *Report) Summary() string {
 			fmt.Fprintf(&b, "    %4dx %s\n", rep.WebhookDenials[k], k)
 		}
 	}
+	writeHostFaults(&b, rep.Started, rep.HostFaults)
 	fmt.Fprintf(&b, "  data checks: %d passed, %d failed; node calls %d (%d failed, %d NodeUnstage skipped by the fault)\n",
 		rep.DataChecks.Passed, rep.DataChecks.Failed, rep.NodeCalls.Total, rep.NodeCalls.Failed, rep.NodeCalls.UnstageSkipped)
 	if len(rep.AttacherErrors) > 0 {
@@ -448,4 +455,24 @@ func (r *run) hostStats() kubevirtsim.Stats {
 		return kubevirtsim.Stats{}
 	}
 	return r.h.Sim.Stats()
+}
+
+// writeHostFaults lists the host faults played, each from its start (time
+// into the run) for as long as it lasted.
+func writeHostFaults(b *strings.Builder, started time.Time, evs []FaultEvent) {
+	if len(evs) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "  host faults played: %d\n", len(evs))
+	for i, e := range evs {
+		if i == 20 {
+			fmt.Fprintf(b, "    ... %d more in report.json\n", len(evs)-20)
+			return
+		}
+		lasted := "until the end of the run"
+		if !e.End.IsZero() {
+			lasted = "for " + e.End.Sub(e.Start).Round(100*time.Millisecond).String()
+		}
+		fmt.Fprintf(b, "    - %s on %s at +%s, %s\n", e.Fault, e.Target, e.Start.Sub(started).Round(time.Second), lasted)
+	}
 }
