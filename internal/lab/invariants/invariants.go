@@ -17,14 +17,15 @@ import (
 const (
 	KindRWOHost    = "rwo-two-vmis"       // a volume Ready in two VMIs
 	KindRWOStaged  = "rwo-two-nodes"      // a volume staged (and attached) on two guest nodes
-	// KindRWOHostNodes: a Longhorn volume attached on two host nodes
-	// outside a Longhorn migration.
-	KindRWOHostNodes = "rwo-two-host-nodes"
 	KindDataLoss   = "data-mismatch"      // a workload verification failed
 	KindStuck      = "stuck"              // a pod or VolumeAttachment stuck beyond the bound
 	KindFinalDrift = "final-disagreement" // after quiescing, two views of attachments differ
 	KindLeak       = "leak"               // after quiescing, something is left behind
 )
+
+// KindRWOHostNodes: a Longhorn volume attached on two host nodes outside a
+// Longhorn migration.
+const KindRWOHostNodes = "rwo-two-host-nodes"
 
 // Violation is one broken invariant.
 type Violation struct {
