@@ -71,6 +71,10 @@ type Report struct {
 	// --cordon-host, --slow-host-detach, --ghost-workload), each with its
 	// target, start and end.
 	HostFaults []FaultEvent `json:"host_faults,omitempty"`
+	// AttachByCase and DetachByCase split the latencies by where the host
+	// had the volume when the operation started (with host nodes).
+	AttachByCase []CaseLatency `json:"attach_latency_by_case,omitempty"`
+	DetachByCase []CaseLatency `json:"detach_latency_by_case,omitempty"`
 }
 
 // Operations counts what the workload did.
@@ -286,6 +290,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		rep.KubeVirtWrites, rep.Conflicts, rep.AttacherErrors = kw, conf, s.AttacherErrors
 		rep.ConflictsByRequest, rep.WebhookDenials = r.conflictsByRequest()
 		rep.AttachSamples, rep.DetachSamples = s.Attach, s.Detach
+		rep.AttachByCase, rep.DetachByCase = byCase(s.Attach), byCase(s.Detach)
 	}
 	if r.wl != nil {
 		rep.Operations.DatabaseMoves = r.wl.Moves()
@@ -323,7 +328,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		if err != nil {
 			r.log.Error(err, "driver's hotplug breakdown")
 		}
-		rep.DriverBreakdown = bd
+		rep.DriverBreakdown = withHost(bd, r.hostPath.breakdown())
 	}
 	rep.Components = components(r.c.KubeVirt)
 	if outcome == "done" {
@@ -383,12 +388,20 @@ func (rep *Report) Summary() string {
 	if rep.Config.ExpandEvery > 0 {
 		pl("claim expansion:", rep.ExpandLatency)
 	}
-	if bd := rep.DriverBreakdown; bd != nil {
+	writeByCase(&b, "attach", rep.AttachByCase)
+	writeByCase(&b, "detach", rep.DetachByCase)
+	if bd := rep.DriverBreakdown; bd != nil && bd.AttachHeld.N+bd.DetachHeld.N > 0 {
 		fmt.Fprintf(&b, "  the controller's time per volume change: held by its queue, then KubeVirt's work after the write\n")
 		pl("  attach held:", bd.AttachHeld)
 		pl("  attach KubeVirt:", bd.AttachHost)
 		pl("  detach held:", bd.DetachHeld)
 		pl("  detach KubeVirt:", bd.DetachHost)
+	}
+	if bd := rep.DriverBreakdown; bd != nil && bd.Host != nil {
+		fmt.Fprintf(&b, "  the host's part, per attachment pod (inside KubeVirt's): created to scheduled, to its volumes attached on that host node, to Running\n")
+		pl("  pod scheduling:", bd.Host.Scheduling)
+		pl("  host attach:", bd.Host.Attach)
+		pl("  pod start:", bd.Host.Start)
 	}
 	kw := rep.KubeVirtWrites
 	if _, _, real, _ := ParseRealKubeVirt(c.KubeVirt); real {
@@ -474,5 +487,17 @@ func writeHostFaults(b *strings.Builder, started time.Time, evs []FaultEvent) {
 			lasted = "for " + e.End.Sub(e.Start).Round(100*time.Millisecond).String()
 		}
 		fmt.Fprintf(b, "    - %s on %s at +%s, %s\n", e.Fault, e.Target, e.Start.Sub(started).Round(time.Second), lasted)
+	}
+}
+
+// writeByCase prints the latency of each case of one operation.
+func writeByCase(b *strings.Builder, op string, cases []CaseLatency) {
+	if len(cases) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "  %s latency by where the host had the volume when it started:\n", op)
+	for _, c := range cases {
+		p := c.Latency
+		fmt.Fprintf(b, "    %-26s %4d (%3.0f%%)  p50 %6.1fs  p95 %6.1fs  p99 %6.1fs\n", c.Title+":", c.Count, 100*c.Share, p.P50, p.P95, p.P99)
 	}
 }
