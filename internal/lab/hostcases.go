@@ -3,6 +3,7 @@ package lab
 import (
 	"context"
 	"slices"
+	"time"
 
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -51,13 +52,20 @@ func hostCase(vmHost string, held []string) string {
 	return CaseFresh
 }
 
+// classifyTimeout bounds the classifier's reads: the monitor's handler waits
+// for them, and a paused host API server (--pause-api-for) must not hold
+// back the guest's latency figures for longer.
+const classifyTimeout = 2 * time.Second
+
 // classifier names the case of each guest attach and detach from the host's
 // state when it starts: guest PV → host claim (its volume handle) → host
 // PV (the Longhorn volume) → where Longhorn runs it and which host nodes
 // have a VolumeAttachment of it; against the host node of the VM (the
 // guest node).
-func (r *run) classifier(ctx context.Context) monitor.Classifier {
+func (r *run) classifier(runCtx context.Context) monitor.Classifier {
 	return func(va *storagev1.VolumeAttachment, _ bool) string {
+		ctx, cancel := context.WithTimeout(runCtx, classifyTimeout)
+		defer cancel()
 		if va.Spec.Source.PersistentVolumeName == nil {
 			return ""
 		}

@@ -165,8 +165,8 @@ func (m *Monitor) classifyVA(va *storagev1.VolumeAttachment, gone bool) {
 }
 
 func (m *Monitor) va(va *storagev1.VolumeAttachment, gone bool) {
+	now := time.Now() // before the classifier's reads
 	m.classifyVA(va, gone)
-	now := time.Now()
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	name := va.Name
