@@ -1,16 +1,19 @@
 package simlonghorn
 
 import (
+	"context"
 	"math/rand"
 	"testing"
 	"time"
+
+	corev1 "k8s.io/api/core/v1"
 )
 
 // bareSim is a stand-in with no API server behind it, for the switches that
 // only change its own state.
 func bareSim(opts Options) *Sim {
 	return &Sim{opts: opts, rng: rand.New(rand.NewSource(1)), stages: map[string]*stage{}, //nolint:gosec // jitter
-		faulted: map[string]time.Time{}, lag: map[string]*lagging{}, ghosts: map[string]WorkloadStatus{},
+		faulted: map[string]time.Time{}, lag: map[string]*lagging{}, ghosts: map[string]WorkloadStatus{}, cleared: map[string]WorkloadStatus{},
 		slowDetach: opts.Faults.SlowDetach}
 }
 
@@ -46,5 +49,38 @@ func TestFaultVolumeUntilIsOnTheWallClock(t *testing.T) {
 	}
 	if d, ok := s.nextDue("vol", now); !ok || d != time.Minute {
 		t.Errorf("next pass in %s (%v), want at the fault's end, in 1m", d, ok)
+	}
+}
+
+// A ghost entry the lab takes away leaves the workloads list (after the
+// list's lag) even while no pod uses the volume, when the stand-in
+// otherwise keeps the old list as Longhorn does: the fault has an end.
+func TestGhostRemovedLeavesTheListWithNoPod(t *testing.T) {
+	s := bareSim(Options{Scale: 1, WorkloadsLag: time.Nanosecond})
+	ghost := WorkloadStatus{PodName: "hp-volume-gone", PodStatus: "Succeeded"}
+	old := WorkloadStatus{PodName: "hp-volume-old", PodStatus: "Running"}
+	v := &Volume{}
+	v.Name = "vol"
+	v.Status.KubernetesStatus = KubernetesStatus{Namespace: "ns", PVCName: "claim"}
+	p := &pass{pods: map[string][]corev1.Pod{"ns": nil}} // no pod uses the claim
+	follow := func(now time.Time) {
+		t.Helper()
+		if err := s.followWorkloads(context.Background(), p, v, now); err != nil {
+			t.Fatal(err)
+		}
+	}
+	now := time.Now()
+	v.Status.KubernetesStatus.WorkloadsStatus = []WorkloadStatus{old}
+	s.SetGhostWorkload("vol", ghost)
+	follow(now)
+	follow(now.Add(time.Second))
+	if got := v.Status.KubernetesStatus.WorkloadsStatus; len(got) != 2 || got[1] != ghost {
+		t.Fatalf("with the ghost: %+v, want the old entry and the ghost", got)
+	}
+	s.SetGhostWorkload("vol", WorkloadStatus{})
+	follow(now.Add(2 * time.Second))
+	follow(now.Add(3 * time.Second))
+	if got := v.Status.KubernetesStatus.WorkloadsStatus; len(got) != 1 || got[0] != old {
+		t.Errorf("ghost taken away: %+v, want the old entry only", got)
 	}
 }

@@ -83,10 +83,14 @@ type Sim struct {
 	faulted map[string]time.Time // by volume: faulted until
 	lag     map[string]*lagging  // by volume: the workloads list on its way
 	ghosts  map[string]WorkloadStatus
+	view    *view // the informers, once Run has started them
+
 	// slowDetach is Faults.SlowDetach, changed by SetSlowDetach while the
 	// stand-in runs.
 	slowDetach float64
-	view       *view // the informers, once Run has started them
+	// cleared are the ghost entries taken away, by volume: the list kept
+	// while no pod uses the volume must lose them too.
+	cleared map[string]WorkloadStatus
 }
 
 // stage is a timed transition of a volume's engine.
@@ -141,6 +145,7 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 		ghosts:  ghosts,
 
 		slowDetach: opts.Faults.SlowDetach,
+		cleared:    map[string]WorkloadStatus{},
 	}, nil
 }
 
@@ -230,9 +235,13 @@ func (s *Sim) SetSlowDetach(factor float64) {
 func (s *Sim) SetGhostWorkload(volume string, w WorkloadStatus) {
 	s.mu.Lock()
 	if w.PodName == "" {
+		if old, ok := s.ghosts[volume]; ok {
+			s.cleared[volume] = old
+		}
 		delete(s.ghosts, volume)
 	} else {
 		s.ghosts[volume] = w
+		delete(s.cleared, volume)
 	}
 	s.mu.Unlock()
 	s.queue(volume)
@@ -303,9 +312,10 @@ func (s *Sim) followWorkloads(ctx context.Context, p *pass, v *Volume, now time.
 	}
 	s.mu.Lock()
 	ghost, hasGhost := s.ghosts[v.Name]
+	cleared, wasCleared := s.cleared[v.Name]
 	s.mu.Unlock()
 	if len(want) == 0 {
-		want = withoutGhost(ks.WorkloadsStatus, ghost, hasGhost)
+		want = withoutGhost(withoutGhost(ks.WorkloadsStatus, ghost, hasGhost), cleared, wasCleared)
 		if len(want) != 0 && ks.LastPodRefAt == "" {
 			ks.LastPodRefAt = now.UTC().Format(time.RFC3339)
 		}
