@@ -399,9 +399,9 @@ func (rep *Report) Summary() string {
 	}
 	if bd := rep.DriverBreakdown; bd != nil && bd.Host != nil {
 		fmt.Fprintf(&b, "  the host's part, per attachment pod (inside KubeVirt's): created to scheduled, to its volumes attached on that host node, to Running\n")
-		pl("  pod scheduling:", bd.Host.Scheduling)
+		pl("  pod scheduled:", bd.Host.Scheduling)
 		pl("  host attach:", bd.Host.Attach)
-		pl("  pod start:", bd.Host.Start)
+		pl("  pod to Running:", bd.Host.Start)
 	}
 	kw := rep.KubeVirtWrites
 	if _, _, real, _ := ParseRealKubeVirt(c.KubeVirt); real {
