@@ -111,6 +111,14 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	fs.Float64Var(&c.DenyHotplug, "deny-hotplug", 0, "fault: fraction of volumes a validating webhook denies hotplug for, a few seconds at a time")
 	fs.DurationVar(&c.WebhookOutage, "webhook-outage", 0, "fault: Harvester's webhook service is away this long (every VM write fails calling it), now and then; needs --harvester")
 	fs.DurationVar(&c.WebhookOutageEvery, "webhook-outage-every", 0, "how often the webhook outage strikes (default 4x its length)")
+	fs.DurationVar(&c.LonghornFaulted, "longhorn-faulted", 0, "host fault: a random attached Longhorn volume is faulted for this long (detached at once, publish answers Aborted), now and then; needs --host-nodes")
+	fs.DurationVar(&c.LonghornFaultedEvery, "longhorn-faulted-every", 0, "how often the Longhorn-faulted fault strikes (default 4x its length)")
+	fs.DurationVar(&c.CordonHost, "cordon-host", 0, "host fault: a random VM's host node is cordoned (spec.unschedulable, as Harvester's maintenance mode starts) for this long, now and then; needs --host-nodes")
+	fs.DurationVar(&c.CordonHostEvery, "cordon-host-every", 0, "how often the cordon fault strikes (default 4x its length)")
+	fs.DurationVar(&c.SlowHostDetach, "slow-host-detach", 0, "host fault: Longhorn's detach takes ten times as long for this long, now and then; needs --host-nodes")
+	fs.DurationVar(&c.SlowHostDetachEvery, "slow-host-detach-every", 0, "how often the slow-teardown fault strikes (default 4x its length)")
+	fs.DurationVar(&c.GhostWorkload, "ghost-workload", 0, "host fault: a random attached Longhorn volume's workloads list keeps an entry of a pod long gone for this long, now and then; needs --host-nodes")
+	fs.DurationVar(&c.GhostWorkloadEvery, "ghost-workload-every", 0, "how often the ghost-workload fault strikes (default 4x its length)")
 	fs.IntVar(&c.HostNodes, "host-nodes", 0, "run the host storage path under each attachment pod on this many host nodes: real kubelets, scheduler, attach/detach controller and csi-attacher, and the Longhorn stand-in (needs --kubevirt "+lab.RealPrefix+"...; 0: none, KubeVirt's pods run on a kubelet stand-in)")
 	fs.IntVar(&f.verbosity, "v", 2, "log verbosity of the lab's own log (logs/lab.log)")
 	if err := fs.Parse(args); err != nil {
@@ -151,6 +159,9 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	}
 	if _, _, isReal, _ := lab.ParseRealKubeVirt(c.KubeVirt); c.HostNodes > 0 && !isReal {
 		return nil, fmt.Errorf("--host-nodes needs KubeVirt's real control plane (--kubevirt %s[legacy-|declarative-]TAG, or --harvester with --real): the simulator's kubelet stand-in cannot stand aside yet", lab.RealPrefix)
+	}
+	if err := c.CheckHostFaults(); err != nil {
+		return nil, err
 	}
 	if c.StuckBound == 0 {
 		c.StuckBound = max(minStuckBound, time.Duration(float64(5*time.Minute)*c.TimeScale))

@@ -18,6 +18,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/checkout"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab"
 	"github.com/harvester-csi/harvester-csi-driver/internal/proc"
+	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
@@ -83,6 +84,57 @@ func TestQuickLab(t *testing.T) {
 	}
 	if mounts, _ := os.ReadFile("/proc/self/mountinfo"); strings.Contains(string(mounts), "hcsi-lab-") {
 		t.Error("mounts of the lab left in the host's mount namespace")
+	}
+}
+
+// The quick lab on the host storage path (KubeVirt v1.7.0's real control
+// plane, three host nodes with Longhorn's stand-in) with a host node
+// cordoned now and then must pass: the VM's next attachment pod waits
+// Pending on the cordoned node, every change of that VM waits behind it,
+// and nothing may end stuck or break an invariant, the host-node one
+// included. Shorter than TestQuickLab and without its driver faults, which
+// that test covers: this one adds a few minutes to make test.
+func TestQuickLabHostFault(t *testing.T) {
+	skipWithoutLab(t, "runs the whole lab on host nodes (a few minutes)")
+	const kubevirt = "v1.7.0"
+	work := t.TempDir()
+	bin, driver, labBin := buildLab(t, work)
+	if !realkubevirt.Built(bin, kubevirt) {
+		t.Skipf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", kubevirt, bin)
+	}
+	out := filepath.Join(work, "run")
+	ctx, cancel := context.WithTimeout(context.Background(), 15*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, labBin, "--quick", "--kubevirt=real-legacy-"+kubevirt, "--host-nodes=3",
+		"--minutes=1.5", "--kill-controller-every=0", "--expand-every=0", "--skip-unstage=0",
+		"--cordon-host=15s", "--cordon-host-every=40s", "--driver-binary="+driver, "--out="+out)
+	cmd.Env = append(os.Environ(), "HCSI_TOOLS_BIN="+bin)
+	var stdout bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stdout
+	runErr := cmd.Run()
+	t.Logf("hcsi-lab output:\n%s", stdout.String())
+	rep := readReport(t, out)
+	if runErr != nil || !rep.Passed {
+		for _, v := range rep.InvariantViolations {
+			t.Errorf("violation: %s", v)
+		}
+		t.Fatalf("the quick lab on host nodes failed (exit %v, outcome %s, stuck %d, workload failures %q); logs in %s",
+			runErr, rep.Outcome, rep.Stuck, rep.WorkloadFailures, filepath.Join(out, "logs"))
+	}
+	var cordons int
+	for _, f := range rep.HostFaults {
+		if f.Fault == "cordon-host" && !f.End.IsZero() {
+			cordons++
+		}
+	}
+	if cordons == 0 {
+		t.Errorf("no host node was cordoned and uncordoned: %+v", rep.HostFaults)
+	}
+	if len(rep.AttachByCase) == 0 || len(rep.DetachByCase) == 0 {
+		t.Errorf("no latency by case: attach %+v, detach %+v", rep.AttachByCase, rep.DetachByCase)
+	}
+	if rep.DriverBreakdown == nil || rep.DriverBreakdown.Host == nil || rep.DriverBreakdown.Host.Scheduling.N == 0 {
+		t.Errorf("no host part in the breakdown: %+v", rep.DriverBreakdown)
 	}
 }
 
@@ -352,6 +404,32 @@ func TestHostNodesFlag(t *testing.T) {
 	for _, args := range [][]string{{"--host-nodes", "3"}, {"--kubevirt", "real-v1.7.0", "--host-nodes", "-1"}} {
 		if _, err := parse(append(append([]string{}, base...), args...), io.Discard); err == nil {
 			t.Errorf("%q: accepted, want a refusal", args)
+		}
+	}
+}
+
+// The host faults are flags of their own, refused without --host-nodes.
+func TestHostFaultFlags(t *testing.T) {
+	dir := t.TempDir()
+	driver := filepath.Join(dir, "harvester-csi-driver")
+	if err := os.WriteFile(driver, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out"), "--kubevirt", "real-legacy-v1.7.0"}
+	f, err := parse(append(append([]string{}, base...), "--host-nodes", "3", "--longhorn-faulted", "5s", "--cordon-host", "6s",
+		"--cordon-host-every", "30s", "--slow-host-detach", "7s", "--ghost-workload", "8s"), io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := f.cfg
+	if c.LonghornFaulted != 5*time.Second || c.CordonHost != 6*time.Second || c.CordonHostEvery != 30*time.Second ||
+		c.SlowHostDetach != 7*time.Second || c.GhostWorkload != 8*time.Second {
+		t.Errorf("host faults not set as asked: %+v", c)
+	}
+	for _, fl := range []string{"--longhorn-faulted", "--cordon-host", "--slow-host-detach", "--ghost-workload"} {
+		_, err := parse(append(append([]string{}, base...), fl, "5s"), io.Discard)
+		if err == nil || !strings.Contains(err.Error(), fl+" needs host nodes") {
+			t.Errorf("%s without --host-nodes: %v, want a refusal", fl, err)
 		}
 	}
 }

@@ -21,6 +21,21 @@ type Breakdown struct {
 	AttachHost monitor.Percentiles `json:"attach_kubevirt_seconds"`
 	DetachHeld monitor.Percentiles `json:"detach_held_seconds"`
 	DetachHost monitor.Percentiles `json:"detach_kubevirt_seconds"`
+	// Host is the host's part inside KubeVirt's, with host nodes.
+	Host *HostBreakdown `json:"host,omitempty"`
+}
+
+// withHost adds the host's part to the controller's split; a controller
+// that logs no split still gets the host's part.
+func withHost(bd *Breakdown, host *HostBreakdown) *Breakdown {
+	if host == nil {
+		return bd
+	}
+	if bd == nil {
+		bd = &Breakdown{}
+	}
+	bd.Host = host
+	return bd
 }
 
 var intentDone = regexp.MustCompile(`"intent done" .*\bop="(attach|detach)" err=null .*\bheld="([^"]+)" host="([^"]+)"`)

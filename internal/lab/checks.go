@@ -34,6 +34,7 @@ func (r *run) checkLoop(ctx context.Context) {
 		if st, err := staged(r.h, r.g.Nodes()); err == nil {
 			r.violate(invariants.RWOStaged(now, st)...)
 		}
+		r.checkHostNodes(ctx, now)
 		if evs, err := agent.ReadEvents(r.results); err == nil && len(evs) > read {
 			r.violate(invariants.Data(dataChecks(evs[read:]))...)
 			read = len(evs)
@@ -48,6 +49,20 @@ func (r *run) checkLoop(ctx context.Context) {
 			r.violate(invariants.Violation{Kind: invariants.KindStuck, At: now, Details: "a lab component died: " + err.Error()})
 		}
 	}
+}
+
+// checkHostNodes checks that no Longhorn volume is attached on two host
+// nodes (with host nodes only).
+func (r *run) checkHostNodes(ctx context.Context, now time.Time) {
+	if r.h.Longhorn == nil {
+		return
+	}
+	vols, err := hostVolumes(ctx, r.h)
+	if err != nil {
+		r.log.V(2).Info("host volumes not read", "err", err)
+		return
+	}
+	r.violate(invariants.RWOHostNodes(now, vols)...)
 }
 
 func dataChecks(evs []agent.Event) []invariants.DataCheck {
@@ -133,6 +148,7 @@ func (r *run) finalChecks(ctx context.Context) {
 		return len(last) == 0, nil
 	})
 	r.violate(last...)
+	r.checkHostNodes(ctx, time.Now())
 	if evs, err := agent.ReadEvents(r.results); err == nil {
 		r.violate(invariants.Data(dataChecks(evs))...)
 	}

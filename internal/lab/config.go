@@ -67,6 +67,22 @@ type Config struct {
 	WebhookOutage      time.Duration `json:"fault_webhook_outage"`
 	WebhookOutageEvery time.Duration `json:"fault_webhook_outage_every"`
 
+	// Host faults, each on for its length every ...Every (default 4x its
+	// length); they need host nodes (CheckHostFaults). LonghornFaulted: a
+	// random attached Longhorn volume is faulted. CordonHost: the host
+	// node of a random VM is cordoned, as Harvester's maintenance mode
+	// does first. SlowHostDetach: Longhorn's detach stage takes
+	// slowHostDetachFactor times as long. GhostWorkload: a random attached
+	// volume's workloads list keeps an entry of a pod long gone.
+	LonghornFaulted      time.Duration `json:"fault_longhorn_faulted,omitempty"`
+	LonghornFaultedEvery time.Duration `json:"fault_longhorn_faulted_every,omitempty"`
+	CordonHost           time.Duration `json:"fault_cordon_host,omitempty"`
+	CordonHostEvery      time.Duration `json:"fault_cordon_host_every,omitempty"`
+	SlowHostDetach       time.Duration `json:"fault_slow_host_detach,omitempty"`
+	SlowHostDetachEvery  time.Duration `json:"fault_slow_host_detach_every,omitempty"`
+	GhostWorkload        time.Duration `json:"fault_ghost_workload,omitempty"`
+	GhostWorkloadEvery   time.Duration `json:"fault_ghost_workload_every,omitempty"`
+
 	// HostNodes, when positive, runs the host storage path under each
 	// attachment pod (simhost.Options.HostStorage) on that many host
 	// nodes; it needs KubeVirt's real control plane.
@@ -267,6 +283,39 @@ func (c *Config) realFaults(tag string) error {
 	} {
 		if on {
 			return fmt.Errorf("%s needs the simulated KubeVirt; KubeVirt %s's real control plane (--kubevirt %s%s) has no such switch", name, tag, RealPrefix, tag)
+		}
+	}
+	return nil
+}
+
+// hostFaultFlags names each host fault's flag with its length and period.
+func (c *Config) hostFaultFlags() []struct {
+	name     string
+	d, every time.Duration
+} {
+	return []struct {
+		name     string
+		d, every time.Duration
+	}{
+		{"--longhorn-faulted", c.LonghornFaulted, c.LonghornFaultedEvery},
+		{"--cordon-host", c.CordonHost, c.CordonHostEvery},
+		{"--slow-host-detach", c.SlowHostDetach, c.SlowHostDetachEvery},
+		{"--ghost-workload", c.GhostWorkload, c.GhostWorkloadEvery},
+	}
+}
+
+// CheckHostFaults refuses a host fault without host nodes (only the host
+// storage path has a Longhorn volume, a host node or a workloads list to
+// act on) and negative lengths or periods.
+func (c *Config) CheckHostFaults() error {
+	for _, f := range c.hostFaultFlags() {
+		switch {
+		case f.d < 0 || f.every < 0:
+			return fmt.Errorf("%s and %s-every must not be negative", f.name, f.name)
+		case f.d == 0 && f.every > 0:
+			return fmt.Errorf("%s-every needs %s: how long the fault lasts", f.name, f.name)
+		case f.d > 0 && c.HostNodes <= 0:
+			return fmt.Errorf("%s needs host nodes (--host-nodes N): without them no Longhorn volume, host node or workloads list exists to act on", f.name)
 		}
 	}
 	return nil

@@ -148,6 +148,7 @@ func (r *run) startFaults(ctx context.Context, wg *sync.WaitGroup) {
 			}
 		})
 	}
+	r.startHostFaults(ctx, every, intn)
 }
 
 // KillLeftovers kills every process whose command line mentions dir (a run

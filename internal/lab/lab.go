@@ -68,6 +68,26 @@ type run struct {
 	unstarted []string
 	inflight  []InFlight
 	phase     string
+	// faults are the host faults played, in their order.
+	faults []FaultEvent
+	// hostPath times the host's part of each hot-plug (with host nodes).
+	hostPath *hostPath
+}
+
+// startMonitor starts the guest's monitor and, with host nodes, the host
+// path's watch and the classification of each attach and detach by where
+// the host had the volume.
+func (r *run) startMonitor(ctx context.Context) error {
+	var err error
+	if r.h.Longhorn == nil {
+		r.mon, err = monitor.Start(ctx, r.g.Kube)
+		return err
+	}
+	if r.hostPath, err = startHostPath(ctx, r.h.Kube); err != nil {
+		return err
+	}
+	r.mon, err = monitor.StartClassified(ctx, r.g.Kube, r.classifier(ctx))
+	return err
 }
 
 type tapCounts struct {
@@ -135,6 +155,9 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	for i := range c.Nodes {
 		r.nodes = append(r.nodes, fmt.Sprintf("node-%d", i))
 	}
+	if err := c.CheckHostFaults(); err != nil {
+		return nil, err
+	}
 	ho, gaps, err := c.host(simOpts, r.nodes)
 	if err != nil {
 		return nil, err
@@ -170,7 +193,7 @@ func (r *run) run(ctx context.Context) (rep *Report, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if r.mon, err = monitor.Start(ctx, r.g.Kube); err != nil {
+	if err := r.startMonitor(ctx); err != nil {
 		return nil, err
 	}
 

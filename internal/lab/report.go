@@ -66,6 +66,15 @@ type Report struct {
 	AttachSamples []monitor.Sample `json:"attach_samples,omitempty"`
 	DetachSamples []monitor.Sample `json:"detach_samples,omitempty"`
 	InFlight      []InFlight       `json:"in_flight,omitempty"`
+
+	// HostFaults are the host faults played (--longhorn-faulted,
+	// --cordon-host, --slow-host-detach, --ghost-workload), each with its
+	// target, start and end.
+	HostFaults []FaultEvent `json:"host_faults,omitempty"`
+	// AttachByCase and DetachByCase split the latencies by where the host
+	// had the volume when the operation started (with host nodes).
+	AttachByCase []CaseLatency `json:"attach_latency_by_case,omitempty"`
+	DetachByCase []CaseLatency `json:"detach_latency_by_case,omitempty"`
 }
 
 // Operations counts what the workload did.
@@ -281,6 +290,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		rep.KubeVirtWrites, rep.Conflicts, rep.AttacherErrors = kw, conf, s.AttacherErrors
 		rep.ConflictsByRequest, rep.WebhookDenials = r.conflictsByRequest()
 		rep.AttachSamples, rep.DetachSamples = s.Attach, s.Detach
+		rep.AttachByCase, rep.DetachByCase = byCase(s.Attach), byCase(s.Detach)
 	}
 	if r.wl != nil {
 		rep.Operations.DatabaseMoves = r.wl.Moves()
@@ -300,6 +310,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		MissingTool: r.taps.missingTool, MissingToolError: r.taps.missingToolErr}
 	unstarted := r.unstarted
 	rep.InFlight = append([]InFlight(nil), r.inflight...)
+	rep.HostFaults = append([]FaultEvent(nil), r.faults...)
 	rep.Operations.Expansions = len(r.expansions)
 	rep.ExpandLatency = monitor.Summarize(r.expansions)
 	r.mu.Unlock()
@@ -317,7 +328,7 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		if err != nil {
 			r.log.Error(err, "driver's hotplug breakdown")
 		}
-		rep.DriverBreakdown = bd
+		rep.DriverBreakdown = withHost(bd, r.hostPath.breakdown())
 	}
 	rep.Components = components(r.c.KubeVirt)
 	if outcome == "done" {
@@ -377,12 +388,20 @@ func (rep *Report) Summary() string {
 	if rep.Config.ExpandEvery > 0 {
 		pl("claim expansion:", rep.ExpandLatency)
 	}
-	if bd := rep.DriverBreakdown; bd != nil {
+	writeByCase(&b, "attach", rep.AttachByCase)
+	writeByCase(&b, "detach", rep.DetachByCase)
+	if bd := rep.DriverBreakdown; bd != nil && bd.AttachHeld.N+bd.DetachHeld.N > 0 {
 		fmt.Fprintf(&b, "  the controller's time per volume change: held by its queue, then KubeVirt's work after the write\n")
 		pl("  attach held:", bd.AttachHeld)
 		pl("  attach KubeVirt:", bd.AttachHost)
 		pl("  detach held:", bd.DetachHeld)
 		pl("  detach KubeVirt:", bd.DetachHost)
+	}
+	if bd := rep.DriverBreakdown; bd != nil && bd.Host != nil {
+		fmt.Fprintf(&b, "  the host's part, per attachment pod (inside KubeVirt's): created to scheduled, to its volumes attached on that host node, to Running\n")
+		pl("  pod scheduled:", bd.Host.Scheduling)
+		pl("  host attach:", bd.Host.Attach)
+		pl("  pod to Running:", bd.Host.Start)
 	}
 	kw := rep.KubeVirtWrites
 	if _, _, real, _ := ParseRealKubeVirt(c.KubeVirt); real {
@@ -402,6 +421,7 @@ func (rep *Report) Summary() string {
 			fmt.Fprintf(&b, "    %4dx %s\n", rep.WebhookDenials[k], k)
 		}
 	}
+	writeHostFaults(&b, rep.Started, rep.HostFaults)
 	fmt.Fprintf(&b, "  data checks: %d passed, %d failed; node calls %d (%d failed, %d NodeUnstage skipped by the fault)\n",
 		rep.DataChecks.Passed, rep.DataChecks.Failed, rep.NodeCalls.Total, rep.NodeCalls.Failed, rep.NodeCalls.UnstageSkipped)
 	if len(rep.AttacherErrors) > 0 {
@@ -448,4 +468,36 @@ func (r *run) hostStats() kubevirtsim.Stats {
 		return kubevirtsim.Stats{}
 	}
 	return r.h.Sim.Stats()
+}
+
+// writeHostFaults lists the host faults played, each from its start (time
+// into the run) for as long as it lasted.
+func writeHostFaults(b *strings.Builder, started time.Time, evs []FaultEvent) {
+	if len(evs) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "  host faults played: %d\n", len(evs))
+	for i, e := range evs {
+		if i == 20 {
+			fmt.Fprintf(b, "    ... %d more in report.json\n", len(evs)-20)
+			return
+		}
+		lasted := "until the end of the run"
+		if !e.End.IsZero() {
+			lasted = "for " + e.End.Sub(e.Start).Round(100*time.Millisecond).String()
+		}
+		fmt.Fprintf(b, "    - %s on %s at +%s, %s\n", e.Fault, e.Target, e.Start.Sub(started).Round(time.Second), lasted)
+	}
+}
+
+// writeByCase prints the latency of each case of one operation.
+func writeByCase(b *strings.Builder, op string, cases []CaseLatency) {
+	if len(cases) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "  %s latency by where the host had the volume when it started:\n", op)
+	for _, c := range cases {
+		p := c.Latency
+		fmt.Fprintf(b, "    %-26s %4d (%3.0f%%)  p50 %6.1fs  p95 %6.1fs  p99 %6.1fs\n", c.Title+":", c.Count, 100*c.Share, p.P50, p.P95, p.P99)
+	}
 }

@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 
@@ -16,6 +17,7 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/loopdisk"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simguest"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simhost"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
 )
 
 // mount is one line of the mount table.
@@ -198,6 +200,72 @@ func loopDevicesOn(dir string) []string {
 		}
 		if strings.HasPrefix(strings.TrimSpace(string(b)), dir+"/") {
 			out = append(out, "/dev/"+e.Name())
+		}
+	}
+	return out
+}
+
+// hostVolumes reads every Longhorn volume with the host nodes each view
+// puts it on. The three lists are not one snapshot; Longhorn's objects are
+// read first. A move between host nodes takes at least a Longhorn detach
+// and attach stage between the views, far longer than the reads, and a
+// paused API server stops Longhorn's stand-in with it.
+func hostVolumes(ctx context.Context, h *simhost.Host) ([]invariants.HostVolume, error) {
+	vols, err := h.Longhorn.Volumes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	lvas, err := h.Longhorn.VolumeAttachments(ctx)
+	if err != nil {
+		return nil, err
+	}
+	hvas, err := h.Kube.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	return hostVolumeViews(vols, lvas, hvas.Items), nil
+}
+
+// hostVolumeViews puts Longhorn's volumes, its VolumeAttachments and the
+// host's VolumeAttachments of driver.longhorn.io together by volume (a
+// Longhorn VolumeAttachment and the host PV are named as the volume).
+func hostVolumeViews(vols []*simlonghorn.Volume, lvas []*simlonghorn.VolumeAttachment, hvas []storagev1.VolumeAttachment) []invariants.HostVolume {
+	byName := map[string]*invariants.HostVolume{}
+	out := make([]invariants.HostVolume, 0, len(vols))
+	for _, v := range vols {
+		hv := invariants.HostVolume{
+			Name:       v.Name,
+			Migratable: v.Spec.Migratable && v.Spec.AccessMode == simlonghorn.AccessModeReadWriteMany,
+			Migrating:  v.Spec.MigrationNodeID != "" || v.Status.CurrentMigrationNodeID != "",
+		}
+		for _, n := range []string{v.Status.CurrentNodeID, v.Status.CurrentMigrationNodeID} {
+			if n != "" {
+				hv.Engines = append(hv.Engines, n)
+			}
+		}
+		out = append(out, hv)
+	}
+	for i := range out {
+		byName[out[i].Name] = &out[i]
+	}
+	for _, va := range lvas {
+		hv := byName[va.Spec.Volume]
+		if hv == nil {
+			continue
+		}
+		for id, t := range va.Spec.AttachmentTickets {
+			if t != nil && va.Satisfied(id) {
+				hv.Tickets = append(hv.Tickets, t.NodeID)
+			}
+		}
+	}
+	for _, va := range hvas {
+		if va.Spec.Attacher != simlonghorn.DriverName || va.Spec.Source.PersistentVolumeName == nil ||
+			!va.Status.Attached || va.DeletionTimestamp != nil {
+			continue
+		}
+		if hv := byName[*va.Spec.Source.PersistentVolumeName]; hv != nil {
+			hv.HostVAs = append(hv.HostVAs, va.Spec.NodeName)
 		}
 	}
 	return out

@@ -88,7 +88,10 @@ func (s *Sim) progressMigration(ctx context.Context, v *Volume, now time.Time) {
 }
 
 func (s *Sim) detachTime() time.Duration {
-	if f := s.opts.Faults.SlowDetach; f > 1 {
+	s.mu.Lock()
+	f := s.slowDetach
+	s.mu.Unlock()
+	if f > 1 {
 		return time.Duration(float64(realDetach) * f)
 	}
 	return realDetach

@@ -84,6 +84,13 @@ type Sim struct {
 	lag     map[string]*lagging  // by volume: the workloads list on its way
 	ghosts  map[string]WorkloadStatus
 	view    *view // the informers, once Run has started them
+
+	// slowDetach is Faults.SlowDetach, changed by SetSlowDetach while the
+	// stand-in runs.
+	slowDetach float64
+	// cleared are the ghost entries taken away, by volume: the list kept
+	// while no pod uses the volume must lose them too.
+	cleared map[string]WorkloadStatus
 }
 
 // stage is a timed transition of a volume's engine.
@@ -136,6 +143,9 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 		faulted: faulted,
 		lag:     map[string]*lagging{},
 		ghosts:  ghosts,
+
+		slowDetach: opts.Faults.SlowDetach,
+		cleared:    map[string]WorkloadStatus{},
 	}, nil
 }
 
@@ -198,10 +208,26 @@ func (s *Sim) CreateVolume(ctx context.Context, spec NewVolume) error {
 // FaultVolume makes a volume faulted for d (real time, scaled here): its
 // engine stops, Longhorn detaches it and attaches nothing until it recovers.
 func (s *Sim) FaultVolume(volume string, d time.Duration) {
+	s.FaultVolumeUntil(volume, time.Now().Add(s.scaled(d)))
+}
+
+// FaultVolumeUntil makes a volume faulted until a wall-clock time: for
+// callers (the lab's faults) whose schedule is not in the stand-in's
+// scaled time.
+func (s *Sim) FaultVolumeUntil(volume string, until time.Time) {
 	s.mu.Lock()
-	s.faulted[volume] = time.Now().Add(s.scaled(d))
+	s.faulted[volume] = until
 	s.mu.Unlock()
 	s.queue(volume)
+}
+
+// SetSlowDetach sets Faults.SlowDetach while the stand-in runs: detach
+// stages that start afterwards take factor times as long (0 or 1: the
+// normal speed). A stage under way keeps its end.
+func (s *Sim) SetSlowDetach(factor float64) {
+	s.mu.Lock()
+	s.slowDetach = factor
+	s.mu.Unlock()
 }
 
 // SetGhostWorkload adds (or, with an empty PodName, removes) a ghost entry
@@ -209,9 +235,13 @@ func (s *Sim) FaultVolume(volume string, d time.Duration) {
 func (s *Sim) SetGhostWorkload(volume string, w WorkloadStatus) {
 	s.mu.Lock()
 	if w.PodName == "" {
+		if old, ok := s.ghosts[volume]; ok {
+			s.cleared[volume] = old
+		}
 		delete(s.ghosts, volume)
 	} else {
 		s.ghosts[volume] = w
+		delete(s.cleared, volume)
 	}
 	s.mu.Unlock()
 	s.queue(volume)
@@ -282,9 +312,10 @@ func (s *Sim) followWorkloads(ctx context.Context, p *pass, v *Volume, now time.
 	}
 	s.mu.Lock()
 	ghost, hasGhost := s.ghosts[v.Name]
+	cleared, wasCleared := s.cleared[v.Name]
 	s.mu.Unlock()
 	if len(want) == 0 {
-		want = withoutGhost(ks.WorkloadsStatus, ghost, hasGhost)
+		want = withoutGhost(withoutGhost(ks.WorkloadsStatus, ghost, hasGhost), cleared, wasCleared)
 		if len(want) != 0 && ks.LastPodRefAt == "" {
 			ks.LastPodRefAt = now.UTC().Format(time.RFC3339)
 		}
@@ -353,6 +384,17 @@ func usesClaim(p *corev1.Pod, claim string) bool {
 		}
 	}
 	return false
+}
+
+// Volumes lists the Longhorn volumes from the API server.
+func (s *Sim) Volumes(ctx context.Context) ([]*Volume, error) {
+	return s.store.listVolumes(ctx)
+}
+
+// VolumeAttachments lists the Longhorn VolumeAttachments from the API
+// server.
+func (s *Sim) VolumeAttachments(ctx context.Context) ([]*VolumeAttachment, error) {
+	return s.store.listVAs(ctx)
 }
 
 // Volume reads a Longhorn volume from the API server.

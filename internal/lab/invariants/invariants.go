@@ -23,6 +23,10 @@ const (
 	KindLeak       = "leak"               // after quiescing, something is left behind
 )
 
+// KindRWOHostNodes: a Longhorn volume attached on two host nodes outside a
+// Longhorn migration.
+const KindRWOHostNodes = "rwo-two-host-nodes"
+
 // Violation is one broken invariant.
 type Violation struct {
 	Kind    string    `json:"kind"`
@@ -97,6 +101,68 @@ func multi(now time.Time, kind string, where map[string][]string, what string) [
 		out = append(out, Violation{Kind: kind, Volume: vol, Nodes: nodes, At: now,
 			Details: fmt.Sprintf("ReadWriteOnce volume %s %s %s at once", vol, what, strings.Join(nodes, ", "))})
 	}
+	return out
+}
+
+// HostVolume is a Longhorn volume on the host as Longhorn's objects and the
+// host's VolumeAttachments show it, each list naming host nodes.
+type HostVolume struct {
+	Name string
+	// Migratable: Longhorn may run it on two host nodes while it migrates
+	// (a migratable RWX volume); Migrating: a migration is under way
+	// (spec.migrationNodeID or status.currentMigrationNodeID set).
+	Migratable, Migrating bool
+	// Engines: where its engines run (status.currentNodeID, attached or
+	// still detaching, and status.currentMigrationNodeID).
+	Engines []string
+	// Tickets: the nodes of its satisfied attachment tickets.
+	Tickets []string
+	// HostVAs: the nodes of its host VolumeAttachments that say attached
+	// and are not being deleted (a deleted one is being detached: its
+	// ticket may be gone already while the attacher has not yet written
+	// attached=false).
+	HostVAs []string
+}
+
+// RWOHostNodes reports every Longhorn volume attached on more than one host
+// node by any of the views, except a migratable volume during its
+// migration, which Longhorn runs on the old and the new node until it
+// confirms or rolls back (longhorn-manager v1.10.1
+// controller/volume_attachment_controller.go). A guest move between VMs on
+// two host nodes must wait for the old host node to let go: otherwise the
+// guest data could be written through both.
+func RWOHostNodes(now time.Time, vols []HostVolume) []Violation {
+	var out []Violation
+	for _, v := range vols {
+		nodes := union(v.Engines, v.Tickets, v.HostVAs)
+		if len(nodes) < 2 || (v.Migratable && v.Migrating && len(nodes) == 2) {
+			continue
+		}
+		what := "RWO"
+		if v.Migratable {
+			what = "migratable, outside a migration,"
+			if v.Migrating {
+				what = "migrating, on more than two nodes,"
+			}
+		}
+		out = append(out, Violation{Kind: KindRWOHostNodes, Volume: v.Name, Nodes: nodes, At: now,
+			Details: fmt.Sprintf("Longhorn volume %s (%s) attached on host nodes %s at once: engines on %v, satisfied tickets on %v, host VolumeAttachments attached on %v",
+				v.Name, what, strings.Join(nodes, ", "), v.Engines, v.Tickets, v.HostVAs)})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Volume < out[j].Volume })
+	return out
+}
+
+func union(lists ...[]string) []string {
+	var out []string
+	for _, l := range lists {
+		for _, n := range l {
+			if n != "" && !slices.Contains(out, n) {
+				out = append(out, n)
+			}
+		}
+	}
+	sort.Strings(out)
 	return out
 }
 

@@ -100,3 +100,35 @@ func TestFinalAgreementFiresOnGhostsAndLeaks(t *testing.T) {
 		})
 	}
 }
+
+func TestRWOHostNodesFiresOnAVolumeOnTwoHostNodes(t *testing.T) {
+	vols := []HostVolume{
+		// The old host node's engine still detaching while the new one's
+		// host VolumeAttachment says attached: the move did not wait.
+		{Name: "pvc-rwo", Engines: []string{"harvester-0"}, HostVAs: []string{"harvester-1"}},
+		// A migratable volume on two nodes with no migration under way.
+		{Name: "pvc-mig-idle", Migratable: true, Engines: []string{"harvester-0"}, Tickets: []string{"harvester-0", "harvester-2"}},
+		// A migration: old and new node at once is Longhorn's rule.
+		{Name: "pvc-migrating", Migratable: true, Migrating: true, Engines: []string{"harvester-0", "harvester-1"},
+			Tickets: []string{"harvester-0", "harvester-1"}, HostVAs: []string{"harvester-0", "harvester-1"}},
+		// One node in every view.
+		{Name: "pvc-ok", Engines: []string{"harvester-2"}, Tickets: []string{"harvester-2"}, HostVAs: []string{"harvester-2"}},
+		// An RWO volume that is not migratable gets no migration pass.
+		{Name: "pvc-rwo-migrating", Migrating: true, Engines: []string{"harvester-0", "harvester-1"}},
+	}
+	got := RWOHostNodes(t0, vols)
+	var names []string
+	for _, v := range got {
+		if v.Kind != KindRWOHostNodes {
+			t.Errorf("kind %s, want %s", v.Kind, KindRWOHostNodes)
+		}
+		names = append(names, v.Volume+"@"+strings.Join(v.Nodes, ","))
+	}
+	want := "pvc-mig-idle@harvester-0,harvester-2 pvc-rwo@harvester-0,harvester-1 pvc-rwo-migrating@harvester-0,harvester-1"
+	if strings.Join(names, " ") != want {
+		t.Fatalf("got %v, want %s", got, want)
+	}
+	if !strings.Contains(got[1].Details, "engines on [harvester-0]") || !strings.Contains(got[1].Details, "host VolumeAttachments attached on [harvester-1]") {
+		t.Errorf("details do not say which view saw which node: %s", got[1].Details)
+	}
+}

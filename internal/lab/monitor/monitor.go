@@ -37,7 +37,15 @@ type Sample struct {
 	At      time.Time     `json:"at"`
 	Seconds float64       `json:"seconds"`
 	D       time.Duration `json:"-"`
+	// Case is what the Classifier named the operation when it started.
+	Case string `json:"case,omitempty"`
 }
+
+// Classifier names the case of a VolumeAttachment's attach (detach false)
+// when it is first seen, or of its detach when its deletion is first seen;
+// "" leaves it unnamed. It may read an API server: the monitor calls it
+// outside its lock.
+type Classifier func(va *storagev1.VolumeAttachment, detach bool) string
 
 // Monitor is a running monitor.
 type Monitor struct {
@@ -48,6 +56,10 @@ type Monitor struct {
 	vaDeleting map[string]time.Time
 	vaInfo     map[string]invariants.Pair
 	vaErr      map[string]string
+	// vaCase and vaDetachCase: the Classifier's case of each
+	// VolumeAttachment's attach and detach.
+	vaCase, vaDetachCase map[string]string
+	classify             Classifier
 
 	podCreated   map[string]time.Time
 	podScheduled map[string]time.Time
@@ -72,9 +84,16 @@ type podInfo struct {
 
 // Start starts watching.
 func Start(ctx context.Context, kube kubernetes.Interface) (*Monitor, error) {
+	return StartClassified(ctx, kube, nil)
+}
+
+// StartClassified starts watching, each attach and detach sample carrying
+// the case classify names when the operation starts.
+func StartClassified(ctx context.Context, kube kubernetes.Interface, classify Classifier) (*Monitor, error) {
 	m := &Monitor{
 		vaCreated: map[string]time.Time{}, vaAttached: map[string]bool{}, vaDeleting: map[string]time.Time{},
 		vaInfo: map[string]invariants.Pair{}, vaErr: map[string]string{},
+		vaCase: map[string]string{}, vaDetachCase: map[string]string{}, classify: classify,
 		podCreated: map[string]time.Time{}, podScheduled: map[string]time.Time{}, podRunning: map[string]bool{},
 		podInfo: map[string]podInfo{}, jobsDone: map[string]bool{}, AttacherErrors: map[string]int{},
 	}
@@ -119,8 +138,35 @@ func Start(ctx context.Context, kube kubernetes.Interface) (*Monitor, error) {
 	return m, nil
 }
 
+// classifyVA names the case of an attach when its VolumeAttachment first
+// appears and of a detach when its deletion is first seen. The informer
+// calls its handlers one at a time, so no other event of the same
+// VolumeAttachment comes between the look and the store.
+func (m *Monitor) classifyVA(va *storagev1.VolumeAttachment, gone bool) {
+	if m.classify == nil || gone {
+		return
+	}
+	m.mu.Lock()
+	_, seen := m.vaCreated[va.Name]
+	_, deleting := m.vaDeleting[va.Name]
+	m.mu.Unlock()
+	detach := va.DeletionTimestamp != nil
+	if (detach && deleting) || (!detach && seen) {
+		return
+	}
+	c := m.classify(va, detach)
+	m.mu.Lock()
+	if detach {
+		m.vaDetachCase[va.Name] = c
+	} else {
+		m.vaCase[va.Name] = c
+	}
+	m.mu.Unlock()
+}
+
 func (m *Monitor) va(va *storagev1.VolumeAttachment, gone bool) {
-	now := time.Now()
+	now := time.Now() // before the classifier's reads
+	m.classifyVA(va, gone)
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	name := va.Name
@@ -139,7 +185,7 @@ func (m *Monitor) va(va *storagev1.VolumeAttachment, gone bool) {
 		m.vaAttached[name] = true
 		m.Attaches++
 		d := now.Sub(m.vaCreated[name])
-		m.Attach = append(m.Attach, Sample{At: now, D: d, Seconds: d.Seconds()})
+		m.Attach = append(m.Attach, Sample{At: now, D: d, Seconds: d.Seconds(), Case: m.vaCase[name]})
 	}
 	for _, e := range []*storagev1.VolumeError{va.Status.AttachError, va.Status.DetachError} {
 		if e != nil && e.Message != "" && m.vaErr[name] != e.Message {
@@ -156,9 +202,11 @@ func (m *Monitor) va(va *storagev1.VolumeAttachment, gone bool) {
 		if since, ok := m.vaDeleting[name]; ok {
 			m.Detaches++
 			d := now.Sub(since)
-			m.Detach = append(m.Detach, Sample{At: now, D: d, Seconds: d.Seconds()})
+			m.Detach = append(m.Detach, Sample{At: now, D: d, Seconds: d.Seconds(), Case: m.vaDetachCase[name]})
 		}
 		delete(m.vaCreated, name)
+		delete(m.vaCase, name)
+		delete(m.vaDetachCase, name)
 		delete(m.vaAttached, name)
 		delete(m.vaDeleting, name)
 		delete(m.vaInfo, name)

@@ -87,3 +87,40 @@ func TestSummarizeIsNearestRank(t *testing.T) {
 		t.Fatalf("%+v, want p50 5 (five of ten samples are at or below it), p95 and p99 10", p)
 	}
 }
+
+// Each attach and detach carries the case named when it started, not when
+// it ended, and the classifier is asked once per operation.
+func TestAttachAndDetachCarryTheCaseOfTheirStart(t *testing.T) {
+	m := newMonitor()
+	m.vaCase, m.vaDetachCase = map[string]string{}, map[string]string{}
+	state, calls := "moved", 0
+	m.classify = func(_ *storagev1.VolumeAttachment, detach bool) string {
+		calls++
+		if detach {
+			return "detach-" + state
+		}
+		return state
+	}
+	a := va("csi-a", "pvc-a", time.Now())
+	m.va(a, false)
+	state = "on-host-node" // the host let go meanwhile: the attach stays a move
+	m.va(a, false)
+	a.Status.Attached = true
+	m.va(a, false)
+	now := metav1.Now()
+	a.DeletionTimestamp = &now
+	m.va(a, false)
+	state = "fresh"
+	m.va(a, false)
+	m.va(a, true)
+	s := m.Snapshot()
+	if len(s.Attach) != 1 || s.Attach[0].Case != "moved" {
+		t.Errorf("attach samples %+v, want one of case moved", s.Attach)
+	}
+	if len(s.Detach) != 1 || s.Detach[0].Case != "detach-on-host-node" {
+		t.Errorf("detach samples %+v, want one of case detach-on-host-node", s.Detach)
+	}
+	if calls != 2 {
+		t.Errorf("classifier asked %d times, want once per operation", calls)
+	}
+}
