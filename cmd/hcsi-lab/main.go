@@ -111,6 +111,7 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	fs.Float64Var(&c.DenyHotplug, "deny-hotplug", 0, "fault: fraction of volumes a validating webhook denies hotplug for, a few seconds at a time")
 	fs.DurationVar(&c.WebhookOutage, "webhook-outage", 0, "fault: Harvester's webhook service is away this long (every VM write fails calling it), now and then; needs --harvester")
 	fs.DurationVar(&c.WebhookOutageEvery, "webhook-outage-every", 0, "how often the webhook outage strikes (default 4x its length)")
+	fs.DurationVar(&c.MigrateVMsEvery, "migrate-vms", 0, "fault: live-migrate every guest VM to another host node in turn, one at a time, this often (what a Harvester upgrade does)")
 	fs.IntVar(&c.HostNodes, "host-nodes", 0, "run the host storage path under each attachment pod on this many host nodes: real kubelets, scheduler, attach/detach controller and csi-attacher, and the Longhorn stand-in (needs --kubevirt "+lab.RealPrefix+"...; 0: none, KubeVirt's pods run on a kubelet stand-in)")
 	fs.IntVar(&f.verbosity, "v", 2, "log verbosity of the lab's own log (logs/lab.log)")
 	if err := fs.Parse(args); err != nil {
