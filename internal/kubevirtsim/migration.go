@@ -8,7 +8,7 @@ package kubevirtsim
 //
 //   - The migration controller walks Pending → Scheduling → Scheduled →
 //     PreparingTarget → TargetReady → Running → Succeeded
-//     (pkg/virt-controller/watch/migration/migration.go:700-790). Once the
+//     (pkg/virt-controller/watch/migration/migration.go:692-825 processMigrationPhase). Once the
 //     target virt-launcher pod is Ready it creates one attachment pod for
 //     the VMI's hotplug volumes of that moment, on the target node
 //     (:1641-1651 createAttachmentPod at :1383, rendered for the target pod
@@ -28,7 +28,7 @@ package kubevirtsim
 //     CurrentVMIPod takes the pods of status.nodeName), so the target's
 //     attachment pod is the one its hotplug handling and volumeStatus look
 //     at: entries already Ready stay Ready and name that pod
-//     (pkg/virt-controller/watch/vmi/storage.go:185-205).
+//     (pkg/virt-controller/watch/vmi/storage.go:187-210).
 //   - Legacy hotplug: every VM write that carries status.volumeRequests is
 //     denied while the VMI is migrating, "Cannot handle volume requests
 //     while VMI migration is in progress" (v1.7.0
