@@ -92,12 +92,16 @@ type migrationController struct {
 	// held VMs keep transferring until released (Faults.HoldMigration): a
 	// guest dirtying memory faster than the link copies it.
 	held map[string]bool
+	// created holds the target pods created and not yet seen in the cache,
+	// per migration key, so a pass on a cache without one does not create
+	// another (KubeVirt's pod expectations, migration.go:1415-1416).
+	created map[string]time.Time
 }
 
 func newMigrationController(c *cluster) *migrationController {
 	return &migrationController{
 		c: c, queue: newWorkQueue("migration", c.t.BackoffBase, c.t.HandlerPoll),
-		due: deadlines{}, held: map[string]bool{},
+		due: deadlines{}, held: map[string]bool{}, created: map[string]time.Time{},
 	}
 }
 
@@ -132,6 +136,7 @@ func (m *migrationController) wait(key, step string, d time.Duration) time.Durat
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	now := time.Now()
+	d = time.Duration(float64(d) * m.c.opts.Scale)
 	if at := m.due.at(key+"/"+step, now, d, m.c.jit); now.Before(at) {
 		return at.Sub(now)
 	}
@@ -174,10 +179,16 @@ func (m *migrationController) sync(ctx context.Context, key string) (time.Durati
 		}
 		pod := m.targetPod(mig)
 		if pod == nil {
+			if m.awaitingPod(key) {
+				return 10 * time.Millisecond, nil
+			}
 			p, err := m.createTargetPod(ctx, mig, vmi)
 			if err != nil {
 				return 0, fmt.Errorf("failed to create attachment pod: %w", err)
 			}
+			m.mu.Lock()
+			m.created[key] = time.Now()
+			m.mu.Unlock()
 			log.V(2).Info("target attachment pod created", "pod", p.Name, "node", p.Spec.NodeName, "volumes", podVolumes(p))
 			return 0, nil
 		}
@@ -221,9 +232,19 @@ func (m *migrationController) sync(ctx context.Context, key string) (time.Durati
 	return 0, nil
 }
 
+// awaitingPod reports whether a target pod this controller created for the
+// migration is not in the cache yet (given up on after 10 s).
+func (m *migrationController) awaitingPod(key string) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	at, ok := m.created[key]
+	return ok && time.Since(at) < 10*time.Second
+}
+
 func (m *migrationController) forget(key string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	delete(m.created, key)
 	for k := range m.due {
 		if strings.HasPrefix(k, key+"/") {
 			delete(m.due, k)
