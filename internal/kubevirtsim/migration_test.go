@@ -93,11 +93,34 @@ func TestMigrationMovesHotplugVolumes(t *testing.T) {
 		ready(t, s, ns, "vm1", "pvc-b", 60*time.Second)
 		entries := recordPhases(s, ns, "vm1")
 		migs := recordMigrations(s)
+		_, before := s.VM(ns, "vm1")
+		source, _ := FindVolumeStatus(before, "pvc-a")
 
+		s.Faults().HoldMigration(ns, "vm1", true)
 		name, err := s.Migrate(ctx, ns, "vm1", "")
 		if err != nil {
 			t.Fatal(err)
 		}
+		waitVMI(t, s, ns, "vm1", IsMigrating)
+		// Until the hand-off the source's virt-launcher pod is the current
+		// one: its attachment pod serves the entries and stays, while the
+		// target's runs beside it on the target node.
+		_, during := s.VM(ns, "vm1")
+		target := attachmentPodsOn(s, ns, "vm1", "harvester-node-1")
+		if len(target) != 1 || target[0].UID != during.Status.MigrationState.TargetAttachmentPodUID || !containerReady(target[0]) {
+			t.Fatalf("target attachment pods %v, migrationState %+v", target, during.Status.MigrationState)
+		}
+		handlerIdle(t, s, ns, 3)
+		_, during = s.VM(ns, "vm1")
+		for _, vol := range []string{"pvc-a", "pvc-b"} {
+			if e, _ := FindVolumeStatus(during, vol); e.HotplugVolume.AttachPodUID != source.HotplugVolume.AttachPodUID {
+				t.Errorf("%s served by pod %s during the migration, want the source's %s", vol, e.HotplugVolume.AttachPodUID, source.HotplugVolume.AttachPodUID)
+			}
+		}
+		if len(attachmentPodsOn(s, ns, "vm1", "harvester-node-0")) != 1 {
+			t.Errorf("source attachment pods during the migration: %v", attachmentPodsOn(s, ns, "vm1", "harvester-node-0"))
+		}
+		s.Faults().HoldMigration(ns, "vm1", false)
 		waitMigration(t, s, ns, name, kubevirtv1.MigrationSucceeded)
 		want := []string{"", "Pending", "Scheduling", "Scheduled", "PreparingTarget", "TargetReady", "Running", "Succeeded"}
 		if got := migs.get(name); !slices.Equal(got, want) && !slices.Equal(got, want[1:]) {
@@ -203,6 +226,12 @@ func TestMigrationDoesNotGuardDeclarativeHotplug(t *testing.T) {
 	}
 	if !s.handler.isMounted(vmi, "pvc-a") {
 		t.Error("pvc-a unmounted during the migration")
+	}
+	// The target's attachment pod is the migration's, with the set of its
+	// creation: the VMI controller, working on the source, leaves it be.
+	if target := attachmentPodsOn(s, ns, "vm1", "harvester-node-1"); len(target) != 1 || target[0].UID != vmi.Status.MigrationState.TargetAttachmentPodUID ||
+		!slices.Equal(podVolumes(target[0]), []string{"pvc-a"}) {
+		t.Errorf("target attachment pods during the migration %v, want the migration's holding pvc-a", target)
 	}
 
 	s.Faults().HoldMigration(ns, "vm1", false)
