@@ -178,12 +178,13 @@ func (c *cluster) pvc(ns, name string) *corev1.PersistentVolumeClaim {
 // its node, as KubeVirt's are those of the virt-launcher pod on
 // status.nodeName (v1.7.0 pkg/controller/controller.go:321-357
 // CurrentVMIPod): during a migration the target's are not yet the VMI's,
-// after it the source's no longer are (migration.go).
+// after it the source's no longer are (migration.go). A pod no scheduler
+// has placed yet counts, as it is bound for the VMI's node.
 func (c *cluster) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []*corev1.Pod {
 	all, _ := c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: vmi.Name}))
 	var out []*corev1.Pod
 	for _, p := range all {
-		if metav1.IsControlledBy(p, vmi) && (vmi.Status.NodeName == "" || p.Spec.NodeName == vmi.Status.NodeName) {
+		if metav1.IsControlledBy(p, vmi) && (vmi.Status.NodeName == "" || p.Spec.NodeName == "" || p.Spec.NodeName == vmi.Status.NodeName) {
 			out = append(out, p)
 		}
 	}
