@@ -39,6 +39,7 @@ type cluster struct {
 	log  klog.Logger // set by Start, before any worker runs
 
 	vmInf, vmiInf, kvInf cache.SharedIndexInformer
+	migInf               cache.SharedIndexInformer // VirtualMachineInstanceMigrations (migration.go)
 	podInf, pvcInf       cache.SharedIndexInformer
 	snapInf              cache.SharedIndexInformer // VolumeSnapshots (unstructured)
 	vrbInf, vrrInf       cache.SharedIndexInformer // Harvester's VolumeRemoteBackups and -Restores (unstructured)
@@ -87,6 +88,7 @@ func (c *cluster) setupInformers() {
 	ns := c.opts.Namespace
 	c.vmInf = c.kv.informer(resVMs, ns, &kubevirtv1.VirtualMachine{}, &kubevirtv1.VirtualMachineList{})
 	c.vmiInf = c.kv.informer(resVMIs, ns, &kubevirtv1.VirtualMachineInstance{}, &kubevirtv1.VirtualMachineInstanceList{})
+	c.migInf = c.kv.informer(resMigrations, ns, &kubevirtv1.VirtualMachineInstanceMigration{}, &kubevirtv1.VirtualMachineInstanceMigrationList{})
 	c.kvInf = c.kv.informer(resKubeVirts, c.opts.KubeVirtNamespace, &kubevirtv1.KubeVirt{}, &kubevirtv1.KubeVirtList{})
 	podFactory := informers.NewSharedInformerFactoryWithOptions(c.kube, 0, informers.WithNamespace(ns),
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = labelAttachmentPod + "=" + valueAttachmentPod }))
@@ -102,13 +104,13 @@ func (c *cluster) setupInformers() {
 	c.vrrInf = dynamicinformer.NewFilteredDynamicInformer(c.dyn, volumeRemoteRestoreGVR, ns, 0,
 		cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc}, nil).Informer()
 	// Waiters re-check on every change they may wait for.
-	for _, inf := range []cache.SharedIndexInformer{c.vmInf, c.vmiInf, c.kvInf, c.pvcInf, c.snapInf} {
+	for _, inf := range []cache.SharedIndexInformer{c.vmInf, c.vmiInf, c.kvInf, c.pvcInf, c.snapInf, c.migInf} {
 		_, _ = inf.AddEventHandler(onEvent(func(any) { c.changed.notify() }))
 	}
 }
 
 func (c *cluster) informers() []cache.SharedIndexInformer {
-	return []cache.SharedIndexInformer{c.vmInf, c.vmiInf, c.kvInf, c.podInf, c.pvcInf, c.snapInf, c.vrbInf, c.vrrInf}
+	return []cache.SharedIndexInformer{c.vmInf, c.vmiInf, c.kvInf, c.podInf, c.pvcInf, c.snapInf, c.vrbInf, c.vrrInf, c.migInf}
 }
 
 func (c *cluster) hasSynced() []cache.InformerSynced {
@@ -172,17 +174,34 @@ func (c *cluster) pvc(ns, name string) *corev1.PersistentVolumeClaim {
 	return p
 }
 
-// attachmentPods lists the VMI's attachment pods, newest first.
+// attachmentPods lists the VMI's attachment pods, newest first: those on
+// its node, as KubeVirt's are those of the virt-launcher pod on
+// status.nodeName (v1.7.0 pkg/controller/controller.go:321-357
+// CurrentVMIPod): during a migration the target's are not yet the VMI's,
+// after it the source's no longer are (migration.go). A pod no scheduler
+// has placed yet counts, as it is bound for the VMI's node.
 func (c *cluster) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []*corev1.Pod {
 	all, _ := c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: vmi.Name}))
 	var out []*corev1.Pod
 	for _, p := range all {
-		if metav1.IsControlledBy(p, vmi) {
+		if metav1.IsControlledBy(p, vmi) && (vmi.Status.NodeName == "" || p.Spec.NodeName == "" || p.Spec.NodeName == vmi.Status.NodeName) {
 			out = append(out, p)
 		}
 	}
 	sortNewestFirst(out)
 	return out
+}
+
+// eachMigrationOf calls f with the key of every cached migration of the VM
+// (namespace/name key).
+func (c *cluster) eachMigrationOf(vmKey string, f func(key string)) {
+	ns, name, _ := cache.SplitMetaNamespaceKey(vmKey)
+	objs, _ := c.migInf.GetIndexer().ByIndex(cache.NamespaceIndex, ns)
+	for _, o := range objs {
+		if m := o.(*kubevirtv1.VirtualMachineInstanceMigration); m.Spec.VMIName == name {
+			f(m.Namespace + "/" + m.Name)
+		}
+	}
 }
 
 // eachVMIIn calls f with the key of every cached VMI in namespace ns.

@@ -48,6 +48,9 @@
 //     with virt-api's checks in its order, codes and messages, after a
 //     SelfSubjectAccessReview for the caller; everything else is proxied
 //     (watches stream) and counted (Stats).
+//   - migrationController (migration.go): virt-controller's migration
+//     controller and virt-handler's source and target sides of a live
+//     migration, for VirtualMachineInstanceMigrations (Sim.Migrate).
 //   - webhooks (webhook.go, webhook_vmi.go): real validating webhooks on
 //     127.0.0.1: the VM status validator (WebhookVMStatus), the VM
 //     validator's snapshot rule (WebhookVM), the VMI update validator's
@@ -210,6 +213,7 @@
 // webhooks for backups (a restore of a missing backup is refused there; here
 // its controller reports the error), DataVolumes (a DataVolume source
 // is a claim of the same name), the VMI update validator's service-account
-// rule and CPU/memory checks, live migration itself, virt-launcher pods and
-// memory dumps.
+// rule and CPU/memory checks, virt-launcher pods (a live migration,
+// migration.go, plays its phases and what they do to hotplug, not the
+// transfer) and memory dumps.
 package kubevirtsim

@@ -32,6 +32,8 @@ type Faults struct {
 	requeueVMs  func()
 	requeueVMI  func(key string)
 	requeuePods func(namespace, vm string)
+	// holdMigration is the migration controller's (migration.go).
+	holdMigration func(vmKey string, on bool)
 }
 
 func newFaults(c *cluster) *Faults {

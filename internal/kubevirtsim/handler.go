@@ -134,6 +134,12 @@ func (h *virtHandler) sync(ctx context.Context, key string) (time.Duration, erro
 	if paused {
 		return 0, nil
 	}
+	if isMigrating(vmi) {
+		// virt-handler ignores a VMI while it migrates (v1.7.0
+		// pkg/virt-handler/vm.go:391-394, controller.go:308-315): no
+		// hotplug is mounted or unplugged until it runs on the target.
+		return 0, nil
+	}
 
 	res := h.vh.Sync(ctx, vmi, handlerPods(h.c.attachmentPods(vmi)), time.Now())
 	if err := virthandler.RecordEvents(ctx, h.c.kube, vmi, res.Events); err != nil {

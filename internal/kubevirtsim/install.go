@@ -76,6 +76,7 @@ func crds() []*apiextv1.CustomResourceDefinition {
 		crdDef("kubevirt.io", "v1", "virtualmachineinstances", "virtualmachineinstance", "VirtualMachineInstance", true, []string{"vmi", "vmis"},
 			diskLimitSchema("spec")),
 		crdDef("kubevirt.io", "v1", "kubevirts", "kubevirt", "KubeVirt", true, []string{"kv", "kvs"}, nil),
+		crdDef("kubevirt.io", "v1", "virtualmachineinstancemigrations", "virtualmachineinstancemigration", "VirtualMachineInstanceMigration", true, []string{"vmim", "vmims"}, nil),
 		crdDef("harvesterhci.io", "v1beta1", "settings", "setting", "Setting", false, nil, settingSchema),
 		// Stand-ins for external-snapshotter's CRDs (names, kinds, short
 		// names, scopes and status subresources as there; open schemas).

@@ -26,6 +26,7 @@ type Sim struct {
 	snaps     *snapshotter
 	backups   *backupper
 	netfs     *networkFSManager
+	migs      *migrationController
 	api       *virtAPI
 	hooks     *webhooks
 	proxy     *proxy
@@ -67,8 +68,10 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 	s.hooks = newWebhooks(c, s.faults)
 	s.prov.snapshots = s.snaps
 	s.snaps.prov = s.prov
+	s.migs = newMigrationController(c)
 	s.faults.wire(s.vms, s.vmis, s.handler, s.kubelet)
-	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.kubelet, s.prov, s.snaps, s.backups, s.netfs}
+	s.faults.holdMigration = s.migs.hold
+	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.kubelet, s.prov, s.snaps, s.backups, s.netfs, s.migs}
 	return s, nil
 }
 

@@ -66,6 +66,9 @@ type Config struct {
 	// does; needs Harvester (its webhooks are served then).
 	WebhookOutage      time.Duration `json:"fault_webhook_outage"`
 	WebhookOutageEvery time.Duration `json:"fault_webhook_outage_every"`
+	// MigrateVMsEvery live-migrates every guest VM in turn this often, as a
+	// Harvester upgrade does (migrate.go).
+	MigrateVMsEvery time.Duration `json:"fault_migrate_vms_every,omitempty"`
 
 	// Host faults, each on for its length every ...Every (default 4x its
 	// length); they need host nodes (CheckHostFaults). LonghornFaulted: a
@@ -280,6 +283,7 @@ func (c *Config) realFaults(tag string) error {
 		"--attachment-pod-stuck":  c.AttachPodStuck > 0,
 		"--deny-hotplug":          c.DenyHotplug > 0,
 		"--stuck-detach-on-readd": c.StuckDetachOnReadd,
+		"--migrate-vms":           c.MigrateVMsEvery > 0,
 	} {
 		if on {
 			return fmt.Errorf("%s needs the simulated KubeVirt; KubeVirt %s's real control plane (--kubevirt %s%s) has no such switch", name, tag, RealPrefix, tag)

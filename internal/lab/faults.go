@@ -65,6 +65,7 @@ func (r *run) startFaults(ctx context.Context, wg *sync.WaitGroup) {
 			return true
 		}
 	}
+	r.startMigrations(ctx, wg)
 	if c.ControllerKillEvery > 0 {
 		every(c.ControllerKillEvery, func() {
 			p := r.g.Controller()

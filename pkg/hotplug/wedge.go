@@ -135,6 +135,13 @@ func (o observed) onKubeVirt(vol, reason, why string) waitFor {
 	if o.vmi == nil || o.vmi.Status.Phase != kubevirtv1.Running {
 		return waitFor{why: why}
 	}
+	if ms := o.migration(); ms != nil {
+		// A live migration holds every hotplug of the VM, however long it
+		// takes (KubeVirt allows 150 s per GiB): the VM's state, not a
+		// stuck hotplug. Its end starts the bound again.
+		return waitFor{why: fmt.Sprintf("%s; the VMI is in a live migration from host node %s to %s, and KubeVirt carries out no hotplug until it ends",
+			why, ms.SourceNode, ms.TargetNode)}
+	}
 	w := Wedge{Reason: reason, State: why}
 	if s := o.status(vol); s != nil && s.HotplugVolume != nil {
 		w.AttachmentPod = s.HotplugVolume.AttachPodName
@@ -266,4 +273,19 @@ func (q *Queue) wedgedLocked() map[string]int {
 		}
 	}
 	return out
+}
+
+// migration is the VMI's live migration while it runs, else nil: started and
+// not ended, the test virt-handler makes before it leaves a VMI alone
+// (kubevirt v1.7.0 pkg/virt-handler/controller.go:308-315, used at
+// vm.go:391-394). Only the timestamps are read, so the answer does not
+// depend on the clock.
+func (o observed) migration() *kubevirtv1.VirtualMachineInstanceMigrationState {
+	if o.vmi == nil {
+		return nil
+	}
+	if ms := o.vmi.Status.MigrationState; ms != nil && ms.StartTimestamp != nil && ms.EndTimestamp == nil {
+		return ms
+	}
+	return nil
 }

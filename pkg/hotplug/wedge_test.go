@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -319,5 +320,46 @@ func TestWedgeEndsWhenItsIntentIsAnsweredElsewhere(t *testing.T) {
 	p.q.mu.Unlock()
 	if kept {
 		t.Error("the VM's work outlived the wedge's end")
+	}
+}
+
+// A change waiting on a VMI that live-migrates is no wedge, however long
+// the migration takes (KubeVirt's own bound is 150 s per GiB, kubevirt
+// v1.7.0 pkg/virt-config/virt-config.go:44 MigrationCompletionTimeoutPerGiB):
+// virt-handler carries out no hotplug until the VMI runs on the target
+// node. The wait says so. Once the migration ends, the bound runs again.
+func TestMigratingVMIIsNoWedge(t *testing.T) {
+	bound := time.Minute
+	t0 := time.Unix(10_000, 0)
+	p := newPasses(t, Config{WedgedAfter: bound, SlowAfter: time.Hour, MaxHold: time.Hour})
+	p.w.intents["a"] = newIntent("vm1", "a", Attach, t0)
+	vmi := vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeAttachedToNode})
+	start := metav1.NewTime(t0)
+	vmi.Status.MigrationState = &kubevirtv1.VirtualMachineInstanceMigrationState{StartTimestamp: &start, SourceNode: "host-a", TargetNode: "host-b"}
+	o := observed{vm: vmWith([]string{"a"}), vmi: vmi}
+	for i := range 10 {
+		if got := p.at(t0.Add(time.Duration(i)*bound), o); len(got) != 0 {
+			t.Fatalf("pass %d during the migration: %+v", i, got)
+		}
+	}
+	if n := p.wedged()[WedgePlug]; n != 0 {
+		t.Fatalf("counted wedged during the migration: %v", p.wedged())
+	}
+	st := p.q.State()
+	if len(st) != 1 || st[0].Intents[0].Wedged != nil || !strings.Contains(st[0].Intents[0].WaitingFor, "live migration from host node host-a to host-b") {
+		t.Fatalf("state %+v, want a wait naming the migration", st)
+	}
+
+	// The migration ended at t0+10 bounds; nothing moves after it.
+	ended := vmi.DeepCopy()
+	end := metav1.NewTime(t0.Add(10 * bound))
+	ended.Status.MigrationState.EndTimestamp, ended.Status.MigrationState.Completed = &end, true
+	ended.Status.NodeName = "host-b"
+	after := observed{vm: vmWith([]string{"a"}), vmi: ended}
+	if got := p.at(t0.Add(10*bound), after); len(got) != 0 {
+		t.Fatalf("wedged right as the migration ended: %+v", got)
+	}
+	if got := p.at(t0.Add(11*bound+time.Second), after); len(got) != 1 || got[0].Cleared {
+		t.Fatalf("notices a bound after the migration %+v, want the wedge", got)
 	}
 }

@@ -194,6 +194,7 @@ func runScenarios(t *testing.T, s *suite) {
 	t.Run("BurstsAPodStartApart", s.burstsAPodStartApart)
 	t.Run("ReattachWhileDetaching", s.reattachWhileDetaching)
 	t.Run("DeclarativeReadsTheSpecOnlyWhenItMoved", s.specReadOnlyWhenMoved)
+	t.Run("LiveMigrationMidChurn", s.migrationMidChurn)
 }
 
 // simOnly skips a scenario on the real control plane: it needs one of the

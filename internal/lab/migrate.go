@@ -1,0 +1,88 @@
+package lab
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// migrator live-migrates one VM and waits for the migration to end.
+type migrator interface {
+	migrate(ctx context.Context, vm string) (string, error)
+	finished(vm, migration string) (phase kubevirtv1.VirtualMachineInstanceMigrationPhase, done bool)
+}
+
+// startMigrations is the --migrate-vms fault: every period the guest VMs
+// live-migrate to another host node one after another, each waited for
+// before the next, as a Harvester upgrade drains host node after host node
+// (each VM there moves by a VirtualMachineInstanceMigration).
+func (r *run) startMigrations(ctx context.Context, wg *sync.WaitGroup) {
+	if r.c.MigrateVMsEvery <= 0 || r.h == nil || r.h.Sim == nil {
+		return
+	}
+	m := simMigrator{r: r}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(r.c.MigrateVMsEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				r.log.Info("fault: live-migrating every guest VM in turn", "vms", len(r.nodes))
+				migrateInTurn(ctx, m, r.nodes, r.c.scaled(time.Second), func(vm string, err error) {
+					r.log.Error(err, "fault: live migration failed", "vm", vm)
+				})
+			}
+		}
+	}()
+}
+
+// migrateInTurn migrates each VM and waits for its migration to end before
+// the next; a VM whose migration cannot start or fails is reported and
+// skipped. It returns early when ctx ends.
+func migrateInTurn(ctx context.Context, m migrator, vms []string, poll time.Duration, report func(vm string, err error)) {
+	for _, vm := range vms {
+		name, err := m.migrate(ctx, vm)
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			report(vm, err)
+			continue
+		}
+		var phase kubevirtv1.VirtualMachineInstanceMigrationPhase
+		err = wait.PollUntilContextCancel(ctx, poll, true, func(context.Context) (bool, error) {
+			p, done := m.finished(vm, name)
+			phase = p
+			return done, nil
+		})
+		if err != nil {
+			return // ctx ended
+		}
+		if phase != kubevirtv1.MigrationSucceeded {
+			report(vm, fmt.Errorf("migration %s ended %s", name, phase))
+		}
+	}
+}
+
+// simMigrator migrates through the simulated KubeVirt.
+type simMigrator struct{ r *run }
+
+func (m simMigrator) migrate(ctx context.Context, vm string) (string, error) {
+	return m.r.h.Sim.Migrate(ctx, m.r.h.Namespace, vm, "")
+}
+
+func (m simMigrator) finished(_, migration string) (kubevirtv1.VirtualMachineInstanceMigrationPhase, bool) {
+	mig, ok := m.r.h.Sim.Migration(m.r.h.Namespace, migration)
+	if !ok {
+		return "", false
+	}
+	return mig.Status.Phase, mig.IsFinal()
+}

@@ -1,0 +1,96 @@
+package lab
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// fakeMigrator ends each migration after `polls` looks, in the phase given
+// per VM (default Succeeded), and records what overlapped.
+type fakeMigrator struct {
+	mu       sync.Mutex
+	polls    int
+	refuse   map[string]bool
+	end      map[string]kubevirtv1.VirtualMachineInstanceMigrationPhase
+	started  []string
+	running  map[string]int // migration -> looks so far
+	overlaps int
+}
+
+func (f *fakeMigrator) migrate(_ context.Context, vm string) (string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.refuse[vm] {
+		return "", errors.New("VMI is not running")
+	}
+	if len(f.running) > 0 {
+		f.overlaps++
+	}
+	f.started = append(f.started, vm)
+	name := fmt.Sprintf("%s-%d", vm, len(f.started))
+	f.running[name] = 0
+	return name, nil
+}
+
+func (f *fakeMigrator) finished(vm, name string) (kubevirtv1.VirtualMachineInstanceMigrationPhase, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.running[name]++
+	if f.running[name] < f.polls {
+		return kubevirtv1.MigrationRunning, false
+	}
+	delete(f.running, name)
+	if p, ok := f.end[vm]; ok {
+		return p, true
+	}
+	return kubevirtv1.MigrationSucceeded, true
+}
+
+func newFake() *fakeMigrator {
+	return &fakeMigrator{polls: 3, refuse: map[string]bool{}, end: map[string]kubevirtv1.VirtualMachineInstanceMigrationPhase{}, running: map[string]int{}}
+}
+
+func TestMigrateInTurnOneAtATime(t *testing.T) {
+	f := newFake()
+	f.refuse["node-1"] = true
+	f.end["node-2"] = kubevirtv1.MigrationFailed
+	var reported []string
+	migrateInTurn(context.Background(), f, []string{"node-0", "node-1", "node-2", "node-3"}, time.Millisecond, func(vm string, err error) {
+		reported = append(reported, vm+": "+err.Error())
+	})
+	if want := []string{"node-0", "node-2", "node-3"}; !slices.Equal(f.started, want) {
+		t.Errorf("migrated %v, want %v", f.started, want)
+	}
+	if f.overlaps != 0 {
+		t.Errorf("%d migrations started while another ran", f.overlaps)
+	}
+	want := []string{"node-1: VMI is not running", "node-2: migration node-2-2 ended Failed"}
+	if !slices.Equal(reported, want) {
+		t.Errorf("reported %q, want %q", reported, want)
+	}
+}
+
+func TestMigrateInTurnStopsWithTheRun(t *testing.T) {
+	f := newFake()
+	f.polls = 1 << 30 // never ends
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		migrateInTurn(ctx, f, []string{"node-0", "node-1"}, time.Millisecond, func(vm string, err error) {
+			t.Errorf("reported %s: %v", vm, err)
+		})
+	}()
+	cancel()
+	<-done
+	if len(f.started) > 1 {
+		t.Errorf("started %v after the run ended", f.started)
+	}
+}
