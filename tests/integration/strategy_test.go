@@ -1,0 +1,119 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+	"kubevirt.io/client-go/kubevirt"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
+	kvbackend "github.com/harvester-csi/harvester-csi-driver/pkg/kubevirt"
+	"github.com/harvester-csi/harvester-csi-driver/tests/framework"
+)
+
+// stuckBound is how long a removal may take before the scenario counts it
+// stuck: many times what the split removal takes at this scale, I/O-error
+// pauses of the domain included (3 min at most, 9 s here).
+const stuckBound = time.Minute
+
+// TestStrategyOneRemovalPerPod: two volumes of one attachment pod are
+// unpublished at once from a VM while the second's device has vanished.
+// Written together, every virt-handler that mounts removed volumes again
+// (v1.7.0 here, Harvester 1.8) deadlocks (kubevirt PR 18044): the first is
+// mounted again from the old pod, the pass fails on the second before
+// Unmount, and the first stays Ready for good. OneRemovalPerPod writes the
+// second only once the first has left the VMI, and both detach. KubeVirt
+// main skips removed volumes, so there the rule is not needed.
+func TestStrategyOneRemovalPerPod(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		version  kubevirtsim.Version
+		strategy hotplug.Strategy
+		stuck    bool
+	}{
+		{"v1.7.0-rule-on", kubevirtsim.V1_7_0, hotplug.StrategyFor("v1.7.0"), false},
+		{"v1.7.0-rule-off", kubevirtsim.V1_7_0, hotplug.Strategy{Name: "off"}, true},
+		{"main-rule-off", kubevirtsim.VMain, hotplug.Strategy{Name: "off"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Version: tc.version, Scale: scale, BindClasslessPVCs: true})
+			qcfg := queueConfig()
+			qcfg.Strategy = tc.strategy
+			ctrl := h.StartController(t, framework.ControllerOptions{Backend: kvbackend.BackendAuto, Queue: qcfg})
+			kv := kubevirt.NewForConfigOrDie(h.Env.Config)
+			vm := "rm-vm"
+			h.CreateVMs(t, vm)
+			vols := h.CreateVolumes(t, "rm", 2)
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+			defer cancel()
+			a := newAttacher(func() csiClient { return ctrl.Client })
+			if errs := both(vols, func(vol string) error { return a.publish(ctx, vm, vol) }); errs != nil {
+				t.Fatalf("publish: %v", errs)
+			}
+			testwait.Until(ctx, t, "both volumes on one attachment pod", func() (bool, string) {
+				vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+				if err != nil {
+					return false, err.Error()
+				}
+				pods := map[string]string{}
+				for _, vol := range vols {
+					if e, ok := kubevirtsim.FindVolumeStatus(vmi, vol); ok && e.HotplugVolume != nil && e.Phase == kubevirtv1.VolumeReady {
+						pods[vol] = string(e.HotplugVolume.AttachPodUID)
+					}
+				}
+				return len(pods) == 2 && pods[vols[0]] == pods[vols[1]], fmt.Sprint(pods)
+			})
+			h.Sim.Faults().SetDeviceVanished(h.Namespace, vm, vols[1], true)
+
+			bounded, stop := context.WithTimeout(ctx, stuckBound)
+			defer stop()
+			errs := both(vols, func(vol string) error { return a.unpublish(bounded, vm, vol) })
+			if !tc.stuck {
+				if errs != nil {
+					t.Fatalf("unpublish on %s with strategy %q: %v", tc.version, tc.strategy.Name, errs)
+				}
+				return
+			}
+			if errs[vols[0]] == nil {
+				t.Fatalf("the removal of %s finished on %s with both removals written at once: no deadlock to show", vols[0], tc.version)
+			}
+			vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if e, ok := kubevirtsim.FindVolumeStatus(vmi, vols[0]); !ok || e.Phase != kubevirtv1.VolumeReady || kubevirtsim.HasVolume(vmi.Spec.Volumes, vols[0]) {
+				t.Errorf("%s stuck, but not in the remount deadlock: entry %+v (listed %v)", vols[0], e, ok)
+			}
+		})
+	}
+}
+
+// both runs call for each volume at once and returns the errors by volume,
+// nil when every call succeeded.
+func both(vols []string, call func(vol string) error) map[string]error {
+	var mu sync.Mutex
+	errs := map[string]error{}
+	var wg sync.WaitGroup
+	for _, vol := range vols {
+		wg.Go(func() {
+			if err := call(vol); err != nil {
+				mu.Lock()
+				errs[vol] = err
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	if len(errs) == 0 {
+		return nil
+	}
+	return errs
+}
