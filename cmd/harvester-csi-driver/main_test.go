@@ -102,8 +102,9 @@ func TestWedgedAfterFlag(t *testing.T) {
 	}
 }
 
-// --one-removal-per-attachment-pod is on by default (the strategy safe for
-// every shipped KubeVirt) and an operator can turn it off.
+// --one-removal-per-attachment-pod and --adds-apart-from-removals are on by
+// default (the strategy safe for every shipped KubeVirt) and an operator can
+// turn each off.
 func TestOneRemovalPerAttachmentPodFlag(t *testing.T) {
 	o, err := parseFlags(nil)
 	if err != nil {
@@ -112,8 +113,11 @@ func TestOneRemovalPerAttachmentPodFlag(t *testing.T) {
 	if o.queue.Strategy != hotplug.SafeStrategy() {
 		t.Errorf("default strategy %+v, want %+v", o.queue.Strategy, hotplug.SafeStrategy())
 	}
-	if o, err = parseFlags([]string{"--one-removal-per-attachment-pod=false"}); err != nil || o.queue.Strategy.OneRemovalPerPod || o.queue.Strategy.Name == "" {
+	if o, err = parseFlags([]string{"--one-removal-per-attachment-pod=false"}); err != nil || o.queue.Strategy.OneRemovalPerPod || !o.queue.Strategy.AddsApartFromRemovals || o.queue.Strategy.Name != "operator" {
 		t.Errorf("--one-removal-per-attachment-pod=false: %v, %+v", err, o)
+	}
+	if o, err = parseFlags([]string{"--adds-apart-from-removals=false"}); err != nil || !o.queue.Strategy.OneRemovalPerPod || o.queue.Strategy.AddsApartFromRemovals || o.queue.Strategy.Name != "operator" {
+		t.Errorf("--adds-apart-from-removals=false: %v, %+v", err, o)
 	}
 }
 
