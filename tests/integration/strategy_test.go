@@ -96,6 +96,74 @@ func TestStrategyOneRemovalPerPod(t *testing.T) {
 	}
 }
 
+// TestStrategyAddsApartFromRemovals: a volume is unpublished from a VM while
+// another, whose status entry sorts after it, is published to it. Written
+// together on KubeVirt 1.5 (Harvester 1.6, legacy hotplug), virt-handler
+// looks the new volume up in the removed one's old attachment pod (first-UID
+// reuse), fails the whole pass before unplugging the removed one, and both
+// stay so for good. AddsApartFromRemovals writes the add once the removal
+// has left the VMI. From 1.6 the miss only delays the add, so the scenario
+// ends with the rule off as well.
+func TestStrategyAddsApartFromRemovals(t *testing.T) {
+	v15 := hotplug.StrategyFor("v1.5.3")
+	v15off := v15
+	v15off.Name, v15off.AddsApartFromRemovals = "off", false
+	for _, tc := range []struct {
+		name     string
+		mode     kubevirtsim.Mode
+		version  kubevirtsim.Version
+		strategy hotplug.Strategy
+		stuck    bool
+	}{
+		{"v1.5.3-rule-on", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, v15, false},
+		{"v1.5.3-rule-off", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, v15off, true},
+		{"v1.7.0-rule-off", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, hotplug.Strategy{Name: "off"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			h := framework.StartHost(t, kubevirtsim.Options{Mode: tc.mode, Version: tc.version, Scale: scale, BindClasslessPVCs: true})
+			qcfg := queueConfig()
+			qcfg.Strategy = tc.strategy
+			ctrl := h.StartController(t, framework.ControllerOptions{Backend: kvbackend.BackendAuto, Queue: qcfg})
+			kv := kubevirt.NewForConfigOrDie(h.Env.Config)
+			vm := "mix-vm"
+			h.CreateVMs(t, vm)
+			vols := h.CreateVolumes(t, "mix", 2) // mix-00 sorts before mix-01
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+			defer cancel()
+			a := newAttacher(func() csiClient { return ctrl.Client })
+			if err := a.publish(ctx, vm, vols[0]); err != nil {
+				t.Fatalf("publish %s: %v", vols[0], err)
+			}
+			bounded, stop := context.WithTimeout(ctx, stuckBound)
+			defer stop()
+			errs := both(vols, func(vol string) error {
+				if vol == vols[0] {
+					return a.unpublish(bounded, vm, vol)
+				}
+				return a.publish(bounded, vm, vol)
+			})
+			if !tc.stuck {
+				if errs != nil {
+					t.Fatalf("unpublish %s and publish %s on %s with strategy %q: %v", vols[0], vols[1], tc.version, tc.strategy.Name, errs)
+				}
+				return
+			}
+			if errs[vols[0]] == nil || errs[vols[1]] == nil {
+				t.Fatalf("written together on %s, the removal and the add ended (%v): no wedge to show", tc.version, errs)
+			}
+			vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			e, ok := kubevirtsim.FindVolumeStatus(vmi, vols[0])
+			if !ok || e.Phase != kubevirtv1.VolumeReady || kubevirtsim.HasVolume(vmi.Spec.Volumes, vols[0]) {
+				t.Errorf("%s stuck, but not behind the first-UID miss: entry %+v (listed %v)", vols[0], e, ok)
+			}
+		})
+	}
+}
+
 // both runs call for each volume at once and returns the errors by volume,
 // nil when every call succeeded.
 func both(vols []string, call func(vol string) error) map[string]error {
