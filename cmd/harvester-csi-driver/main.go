@@ -142,7 +142,7 @@ func parseFlags(args []string) (*options, error) {
 	if o.orphanGrace <= 0 {
 		return nil, fmt.Errorf("invalid --orphan-grace %s: want more than 0 (turn the reconciler off with --orphan-reconciler=false)", o.orphanGrace)
 	}
-	if o.queue.Strategy != hotplug.SafeStrategy() {
+	if o.queue.Strategy != hotplug.AutoStrategy() {
 		o.queue.Strategy.Name = "operator"
 	}
 	if o.queue.WedgedAfter <= 0 {

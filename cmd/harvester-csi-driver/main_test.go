@@ -110,8 +110,8 @@ func TestOneRemovalPerAttachmentPodFlag(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if o.queue.Strategy != hotplug.SafeStrategy() {
-		t.Errorf("default strategy %+v, want %+v", o.queue.Strategy, hotplug.SafeStrategy())
+	if o.queue.Strategy != hotplug.AutoStrategy() {
+		t.Errorf("default strategy %+v, want %+v", o.queue.Strategy, hotplug.AutoStrategy())
 	}
 	if o, err = parseFlags([]string{"--one-removal-per-attachment-pod=false"}); err != nil || o.queue.Strategy.OneRemovalPerPod || !o.queue.Strategy.AddsApartFromRemovals || o.queue.Strategy.Name != "operator" {
 		t.Errorf("--one-removal-per-attachment-pod=false: %v, %+v", err, o)

@@ -54,7 +54,7 @@ type Config struct {
 	// is answered ErrVMFull without a write (MaxVMDisks by default).
 	MaxDisks int
 	// Strategy orders and groups the writes to one VM around the bugs of
-	// the KubeVirt release that runs. One without a Name is SafeStrategy:
+	// the KubeVirt release that runs. One without a Name is AutoStrategy:
 	// turning rules off takes a named strategy, so a Config that never
 	// mentions it does not lose them.
 	Strategy Strategy
@@ -94,7 +94,7 @@ func DefaultConfig() Config {
 		Identity:           defaultIdentity(),
 		ReservationFresh:   5 * time.Second,
 		MaxDisks:           MaxVMDisks,
-		Strategy:           SafeStrategy(),
+		Strategy:           AutoStrategy(),
 	}
 }
 

@@ -1,11 +1,13 @@
 package hotplug
 
 import (
+	"context"
 	"fmt"
 	"strconv"
 	"strings"
 
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/klog/v2"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
@@ -43,6 +45,42 @@ type Strategy struct {
 	// up there for good. From 1.6 the miss is only a HotplugFailed event and
 	// the add waits for the removal inside KubeVirt instead of in the queue.
 	AddsApartFromRemovals bool
+}
+
+// StrategyAuto names the strategy the queue picks itself: SafeStrategy's
+// rules until the backend reports the host's KubeVirt version, then
+// StrategyFor that version.
+const StrategyAuto = "auto"
+
+// AutoStrategy is the default: see StrategyAuto.
+func AutoStrategy() Strategy {
+	s := SafeStrategy()
+	s.Name = StrategyAuto
+	return s
+}
+
+// kubeVirtVersioner is a backend that learned the host's KubeVirt version
+// in Start ("" when it could not).
+type kubeVirtVersioner interface {
+	KubeVirtVersion() string
+}
+
+// pickStrategy replaces an automatic strategy by the one of the KubeVirt
+// release the backend found. It runs before the workers start, the only
+// readers of the strategy.
+func (q *Queue) pickStrategy(ctx context.Context) {
+	if q.cfg.Strategy.Name != StrategyAuto {
+		return
+	}
+	version := ""
+	if v, ok := q.backend.(kubeVirtVersioner); ok {
+		version = v.KubeVirtVersion()
+	}
+	if version != "" {
+		q.cfg.Strategy = StrategyFor(version)
+	}
+	klog.FromContext(ctx).Info("hotplug strategy", "kubevirtVersion", version, "strategy", q.cfg.Strategy.Name,
+		"oneRemovalPerPod", q.cfg.Strategy.OneRemovalPerPod, "addsApartFromRemovals", q.cfg.Strategy.AddsApartFromRemovals)
 }
 
 // SafeStrategy is every rule on: right for every shipped KubeVirt release

@@ -1,6 +1,7 @@
 package hotplug
 
 import (
+	"context"
 	"slices"
 	"strings"
 	"testing"
@@ -178,7 +179,43 @@ func TestStrategyFor(t *testing.T) {
 			t.Errorf("StrategyFor(%q) = %+v, want OneRemovalPerPod, AddsApartFromRemovals %v and a name", version, got, want)
 		}
 	}
-	if got := (Config{}).withDefaults().Strategy; got != SafeStrategy() {
-		t.Errorf("a Config without a strategy gets %+v, want the safe one", got)
+	if got := (Config{}).withDefaults().Strategy; got != AutoStrategy() {
+		t.Errorf("a Config without a strategy gets %+v, want the automatic one", got)
 	}
 }
+
+// versioned is a backend that learned the host's KubeVirt version.
+type versioned struct {
+	Backend
+	version string
+}
+
+func (v versioned) KubeVirtVersion() string { return v.version }
+
+// The automatic strategy becomes the found release's; an operator's
+// strategy, or an unknown release, keeps what was configured.
+func TestPickStrategy(t *testing.T) {
+	operator := Strategy{Name: "operator", OneRemovalPerPod: true}
+	for _, tc := range []struct {
+		name       string
+		configured Strategy
+		backend    Backend
+		want       Strategy
+	}{
+		{"auto on v1.7.0", Strategy{}, versioned{version: "v1.7.0"}, StrategyFor("v1.7.0")},
+		{"auto on main", Strategy{}, versioned{version: "main"}, StrategyFor("main")},
+		{"auto, version unknown", Strategy{}, versioned{}, AutoStrategy()},
+		{"auto, backend without a version", Strategy{}, versionless{}, AutoStrategy()},
+		{"operator's on main", operator, versioned{version: "main"}, operator},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			q := &Queue{cfg: Config{Strategy: tc.configured}.withDefaults(), backend: tc.backend}
+			q.pickStrategy(context.Background())
+			if q.cfg.Strategy != tc.want {
+				t.Errorf("strategy %+v, want %+v", q.cfg.Strategy, tc.want)
+			}
+		})
+	}
+}
+
+type versionless struct{ Backend }
