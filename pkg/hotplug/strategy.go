@@ -112,7 +112,8 @@ func StrategyFor(version string) Strategy {
 
 // limitRemovalsPerPod keeps, of the removals decided for a VM, only those
 // whose attachment pod has no other removal in flight or earlier in the
-// list, and marks the rest as queued behind it. A removal of a volume the
+// list, and marks the rest as queued behind it. A removal is in flight from
+// our write until the VMI no longer lists the volume. A removal of a volume the
 // VMI has no pod for (a withdrawn add request, an entry not mounted yet)
 // is never held: only a pod's mounted volumes can be mounted again.
 func (p *plan) limitRemovalsPerPod(o observed, pending map[string]bool, w *vmWork, removes []Change) []Change {
@@ -124,8 +125,11 @@ func (p *plan) limitRemovalsPerPod(o observed, pending map[string]bool, w *vmWor
 			}
 			addReq, removeReq := o.requested(e.Name)
 			writing := pending[e.Name] && w.expect[e.Name].op == Detach
-			written := o.vm != nil && !o.inVMSpec(e.Name) && !addReq
-			if removeReq || writing || written {
+			// KubeVirt has taken the removal once the VMI spec lacks the
+			// volume; a volume only the VMI has (hot-plugged into the VMI
+			// alone) is not being removed.
+			taken := !o.inVMISpec(e.Name) && !addReq
+			if removeReq || writing || taken {
 				busy[e.HotplugVolume.AttachPodUID] = e.Name
 			}
 		}
@@ -205,7 +209,7 @@ func inFlight(o observed, pending map[string]bool, w *vmWork) (removing, adding 
 			}
 			addReq, removeReq := o.requested(e.Name)
 			switch {
-			case removeReq || (!o.inVMSpec(e.Name) && !addReq):
+			case removeReq || (!o.inVMISpec(e.Name) && !addReq):
 				if e.HotplugVolume.AttachPodUID != "" {
 					removing = append(removing, e.Name)
 				}

@@ -76,6 +76,11 @@ func TestDecideOneRemovalPerPod(t *testing.T) {
 		obs:     observed{vm: vmWith([]string{"a", "b"}, removeReq("a")), vmi: onPods(vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady, "b": kubevirtv1.VolumeReady}), pods)},
 		intents: []string{"b"},
 		wait:    map[string]string{"b": "behind a"},
+	}, {
+		name: "safe: a volume only the VMI has is no removal in flight", strategy: SafeStrategy(),
+		obs:     observed{vm: vmWith([]string{"b"}), vmi: onPods(vmiWith(map[string]kubevirtv1.VolumePhase{"b": kubevirtv1.VolumeReady, "d": kubevirtv1.VolumeReady}), map[string]types.UID{"b": "pod-1", "d": "pod-1"})},
+		intents: []string{"b"},
+		want:    []Change{{"b", Detach}},
 	}} {
 		t.Run(tc.name, func(t *testing.T) {
 			w := detachAll()
