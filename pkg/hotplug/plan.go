@@ -143,8 +143,8 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 			}
 		}
 	}
-	if cfg.Strategy.OneRemovalPerPod {
-		removes = p.limitRemovalsPerPod(o, pending, w, removes)
+	if cfg.Strategy.OneRemovalAtATime {
+		removes = p.limitRemovals(o, pending, w, removes)
 	}
 	if cfg.Strategy.AddsApartFromRemovals {
 		removes, adds = p.separateAddsFromRemovals(o, pending, w, removes, adds)

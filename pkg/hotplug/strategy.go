@@ -2,11 +2,9 @@ package hotplug
 
 import (
 	"context"
-	"fmt"
 	"strconv"
 	"strings"
 
-	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/klog/v2"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
@@ -20,18 +18,18 @@ type Strategy struct {
 	// Name says which release the strategy was picked for, for logs and
 	// docs ("safe" when the release is unknown).
 	Name string
-	// OneRemovalPerPod writes at most one removal per attachment pod of a VM
-	// at a time, and the next only once the VMI no longer lists the previous
-	// one. Every tag up to v1.9.0 mounts removed volumes again from their old
+	// OneRemovalAtATime writes at most one removal of a mounted volume of a
+	// VM at a time, and the next only once the VMI no longer lists the
+	// previous one. Every tag up to v1.9.0 mounts removed volumes again from their old
 	// attachment pod on each pass (v1.7.0 pkg/virt-handler/hotplug-disk/
 	// mount.go:330-352, fixed on main by kubevirt PR 18044): with two
-	// removals of one pod in flight and the second's device gone, the first
+	// removals of one VM in flight and the second's device gone, the first
 	// is mounted again and the pass fails on the second before Unmount, on
 	// every pass, so the first stays Ready and the pod stays for good. The
 	// same split keeps v1.5-v1.8's Unmount, which stops at its first failing
 	// path (v1.7.0 mount.go:696-712, fixed in v1.9.0 by PR 16742), from
 	// holding every later removal behind one that fails.
-	OneRemovalPerPod bool
+	OneRemovalAtATime bool
 	// AddsApartFromRemovals never has an add and a removal of one VM in
 	// flight at once when the add's status entry would sort after the
 	// removed one's. KubeVirt's mountFromPod looks every entry up in the
@@ -80,14 +78,14 @@ func (q *Queue) pickStrategy(ctx context.Context) {
 		q.cfg.Strategy = StrategyFor(version)
 	}
 	klog.FromContext(ctx).Info("hotplug strategy", "kubevirtVersion", version, "strategy", q.cfg.Strategy.Name,
-		"oneRemovalPerPod", q.cfg.Strategy.OneRemovalPerPod, "addsApartFromRemovals", q.cfg.Strategy.AddsApartFromRemovals)
+		"oneRemovalAtATime", q.cfg.Strategy.OneRemovalAtATime, "addsApartFromRemovals", q.cfg.Strategy.AddsApartFromRemovals)
 }
 
 // SafeStrategy is every rule on: right for every shipped KubeVirt release
 // and Harvester 1.6 to 1.9, and what the queue uses when it does not know
 // the release.
 func SafeStrategy() Strategy {
-	return Strategy{Name: "safe", OneRemovalPerPod: true, AddsApartFromRemovals: true}
+	return Strategy{Name: "safe", OneRemovalAtATime: true, AddsApartFromRemovals: true}
 }
 
 // StrategyFor picks the rules a KubeVirt version needs: "v1.7.0", "1.8.4",
@@ -107,17 +105,20 @@ func StrategyFor(version string) Strategy {
 	}
 	// Every 1.x release up to v1.9.0 remounts removed volumes; only 1.5
 	// fails the whole pass on the first-UID miss.
-	return Strategy{Name: "kubevirt-" + version, OneRemovalPerPod: true, AddsApartFromRemovals: minor == 5}
+	return Strategy{Name: "kubevirt-" + version, OneRemovalAtATime: true, AddsApartFromRemovals: minor == 5}
 }
 
-// limitRemovalsPerPod keeps, of the removals decided for a VM, only those
+// limitRemovals keeps, of the removals decided for a VM, only those
 // whose attachment pod has no other removal in flight or earlier in the
 // list, and marks the rest as queued behind it. A removal is in flight from
 // our write until the VMI no longer lists the volume. A removal of a volume the
 // VMI has no pod for (a withdrawn add request, an entry not mounted yet)
 // is never held: only a pod's mounted volumes can be mounted again.
-func (p *plan) limitRemovalsPerPod(o observed, pending map[string]bool, w *vmWork, removes []Change) []Change {
-	busy := map[types.UID]string{} // pod -> volume whose removal is in flight
+func (p *plan) limitRemovals(o observed, pending map[string]bool, w *vmWork, removes []Change) []Change {
+	// With first-UID reuse a removed entry is looked up in the first
+	// entry's pod, not its own, so two removed entries of different pods
+	// can deadlock the same way: one at a time per VM.
+	busy := ""
 	if o.vmi != nil {
 		for _, e := range o.vmi.Status.VolumeStatus {
 			if e.HotplugVolume == nil || e.HotplugVolume.AttachPodUID == "" {
@@ -129,24 +130,22 @@ func (p *plan) limitRemovalsPerPod(o observed, pending map[string]bool, w *vmWor
 			// volume; a volume only the VMI has (hot-plugged into the VMI
 			// alone) is not being removed.
 			taken := !o.inVMISpec(e.Name) && !addReq
-			if removeReq || writing || taken {
-				busy[e.HotplugVolume.AttachPodUID] = e.Name
+			if (removeReq || writing || taken) && busy == "" {
+				busy = e.Name
 			}
 		}
 	}
 	kept := removes[:0:0]
 	for _, c := range removes {
-		s := o.status(c.Volume)
-		if s == nil || s.HotplugVolume == nil || s.HotplugVolume.AttachPodUID == "" {
+		if !onPod(o, c.Volume) {
 			kept = append(kept, c)
 			continue
 		}
-		pod := s.HotplugVolume.AttachPodUID
-		if first, ok := busy[pod]; ok {
-			p.waits[c.Volume] = waitFor{why: fmt.Sprintf("queued: removing one volume at a time from attachment pod %s, behind %s (KubeVirt mounts removed volumes again from their old pod: kubevirt PR 18044)", pod, first)}
+		if busy != "" {
+			p.waits[c.Volume] = waitFor{why: "queued: removing one mounted volume of the VM at a time, behind " + busy + " (KubeVirt mounts removed volumes again: kubevirt PR 18044)"}
 			continue
 		}
-		busy[pod] = c.Volume
+		busy = c.Volume
 		kept = append(kept, c)
 	}
 	return kept

@@ -27,12 +27,13 @@ func withoutSpec(vmi *kubevirtv1.VirtualMachineInstance, vols ...string) *kubevi
 	return vmi
 }
 
-// The removals of one VM are written one per attachment pod while
-// OneRemovalPerPod is on: a and b share pod-1, so b waits for a's entry to
-// leave the VMI, while c on pod-2 goes with a. With the rule off all three
+// The removals of one VM's mounted volumes are written one at a time while
+// OneRemovalAtATime is on: b and c wait for a's entry to leave the VMI, c
+// too although it is on another pod (first-UID reuse looks removed entries
+// up in the first entry's pod). With the rule off all three
 // go in one write, the grouping that deadlocks virt-handler (kubevirt PR
 // 18044). A removal whose volume has no pod yet is never held.
-func TestDecideOneRemovalPerPod(t *testing.T) {
+func TestDecideOneRemovalAtATime(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	pods := map[string]types.UID{"a": "pod-1", "b": "pod-1", "c": "pod-2"}
 	ready := map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady, "b": kubevirtv1.VolumeReady, "c": kubevirtv1.VolumeReady}
@@ -53,10 +54,10 @@ func TestDecideOneRemovalPerPod(t *testing.T) {
 		want     []Change
 		wait     map[string]string
 	}{{
-		name: "safe: one per pod", strategy: SafeStrategy(),
+		name: "safe: one at a time, whatever the pod", strategy: SafeStrategy(),
 		obs:  observed{vm: vmWith([]string{"a", "b", "c"}), vmi: onPods(vmiWith(ready), pods)},
-		want: []Change{{"a", Detach}, {"c", Detach}},
-		wait: map[string]string{"b": "removing one volume at a time from attachment pod pod-1, behind a"},
+		want: []Change{{"a", Detach}},
+		wait: map[string]string{"b": "removing one mounted volume of the VM at a time, behind a", "c": "behind a"},
 	}, {
 		name: "rule off: all at once", strategy: StrategyFor("main"),
 		obs:  observed{vm: vmWith([]string{"a", "b", "c"}), vmi: onPods(vmiWith(ready), pods)},
@@ -180,8 +181,8 @@ func TestStrategyFor(t *testing.T) {
 		"main": {false, false}, "": {true, true}, "garbage": {true, true}, "v1.4.0": {true, true},
 	} {
 		got := StrategyFor(version)
-		if [2]bool{got.OneRemovalPerPod, got.AddsApartFromRemovals} != want || got.Name == "" {
-			t.Errorf("StrategyFor(%q) = %+v, want OneRemovalPerPod, AddsApartFromRemovals %v and a name", version, got, want)
+		if [2]bool{got.OneRemovalAtATime, got.AddsApartFromRemovals} != want || got.Name == "" {
+			t.Errorf("StrategyFor(%q) = %+v, want OneRemovalAtATime, AddsApartFromRemovals %v and a name", version, got, want)
 		}
 	}
 	if got := (Config{}).withDefaults().Strategy; got != AutoStrategy() {
@@ -200,7 +201,7 @@ func (v versioned) KubeVirtVersion() string { return v.version }
 // The automatic strategy becomes the found release's; an operator's
 // strategy, or an unknown release, keeps what was configured.
 func TestPickStrategy(t *testing.T) {
-	operator := Strategy{Name: "operator", OneRemovalPerPod: true}
+	operator := Strategy{Name: "operator", OneRemovalAtATime: true}
 	for _, tc := range []struct {
 		name       string
 		configured Strategy
