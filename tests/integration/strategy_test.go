@@ -120,8 +120,8 @@ func TestStrategyAddsApartFromRemovals(t *testing.T) {
 		// With the rule off on v1.5.3 the simulated legacy host does not
 		// stick: the two requests reach the VMI apart, and virt-handler
 		// unplugs the removal before the add's entry is listed. The wedge
-		// needs both in one VMI update (internal/virthandler TestFirstUIDReuse
-		// plays the lookup); this case is kept to show it once it does.
+		// needs both in one VMI update; the case is kept to show the rule off
+		// finishes here.
 		{"v1.5.3-rule-off", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, v15off, false},
 		{"v1.7.0-rule-off", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, hotplug.Strategy{Name: "off"}, false},
 	} {
