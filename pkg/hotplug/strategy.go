@@ -1,0 +1,267 @@
+package hotplug
+
+import (
+	"context"
+	"strconv"
+	"strings"
+
+	"k8s.io/klog/v2"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+)
+
+// Strategy is how the queue orders and groups its writes to one VM so as not
+// to lead a KubeVirt release into a wedge of its own making. Each rule
+// answers a bug of virt-handler's hotplug mount loop; a rule that is off
+// writes as if every release were fixed. docs/architecture.md ("Strategy
+// per KubeVirt release") has the table.
+type Strategy struct {
+	// Name says which release the strategy was picked for, for logs and
+	// docs ("safe" when the release is unknown).
+	Name string
+	// OneRemovalAtATime writes at most one removal of a mounted volume of a
+	// VM at a time, and the next only once the VMI no longer lists the
+	// previous one. Every tag up to v1.9.0 mounts removed volumes again from their old
+	// attachment pod on each pass (v1.7.0 pkg/virt-handler/hotplug-disk/
+	// mount.go:330-352, fixed on main by kubevirt PR 18044): with two
+	// removals of one VM in flight and the second's device gone, the first
+	// is mounted again and the pass fails on the second before Unmount, on
+	// every pass, so the first stays Ready and the pod stays for good. The
+	// same split keeps v1.5-v1.8's Unmount, which stops at its first failing
+	// path (v1.7.0 mount.go:696-712, fixed in v1.9.0 by PR 16742), from
+	// holding every later removal behind one that fails.
+	OneRemovalAtATime bool
+	// AddsApartFromRemovals never has an add and a removal of one VM in
+	// flight at once when the add's status entry would sort after the
+	// removed one's. KubeVirt's mountFromPod looks every entry up in the
+	// attachment pod of the first entry that has one, removed entries
+	// included (v1.5.2 pkg/virt-handler/hotplug-disk/mount.go:330, up to
+	// v1.8.4 :349; fixed in v1.9.0 by kubevirt PR 18105), so such an add is
+	// looked up in the removed volume's old pod, where it is not. KubeVirt
+	// 1.5 fails the whole pass on that (v1.5.2 pkg/virt-handler/vm.go:
+	// 3111-3113) before the domain sync and Unmount: the removed volume is
+	// never unplugged, stays Ready, keeps its old pod, and the add is looked
+	// up there for good. From 1.6 the miss is only a HotplugFailed event and
+	// the add waits for the removal inside KubeVirt instead of in the queue.
+	AddsApartFromRemovals bool
+}
+
+// StrategyAuto names the strategy the queue picks itself: SafeStrategy's
+// rules until the backend reports the host's KubeVirt version, then
+// StrategyFor that version.
+const StrategyAuto = "auto"
+
+// AutoStrategy is the default: see StrategyAuto.
+func AutoStrategy() Strategy {
+	s := SafeStrategy()
+	s.Name = StrategyAuto
+	return s
+}
+
+// kubeVirtVersioner is a backend that learned the host's KubeVirt version
+// in Start ("" when it could not).
+type kubeVirtVersioner interface {
+	KubeVirtVersion() string
+}
+
+// pickStrategy replaces an automatic strategy by the one of the KubeVirt
+// release the backend found. It runs before the workers start, the only
+// readers of the strategy.
+func (q *Queue) pickStrategy(ctx context.Context) {
+	if q.cfg.Strategy.Name != StrategyAuto {
+		return
+	}
+	version := ""
+	if v, ok := q.backend.(kubeVirtVersioner); ok {
+		version = v.KubeVirtVersion()
+	}
+	if version != "" {
+		q.cfg.Strategy = StrategyFor(version)
+	}
+	klog.FromContext(ctx).Info("hotplug strategy", "kubevirtVersion", version, "strategy", q.cfg.Strategy.Name,
+		"oneRemovalAtATime", q.cfg.Strategy.OneRemovalAtATime, "addsApartFromRemovals", q.cfg.Strategy.AddsApartFromRemovals)
+}
+
+// SafeStrategy is every rule on: right for every shipped KubeVirt release
+// and Harvester 1.6 to 1.9, and what the queue uses when it does not know
+// the release.
+func SafeStrategy() Strategy {
+	return Strategy{Name: "safe", OneRemovalAtATime: true, AddsApartFromRemovals: true}
+}
+
+// StrategyFor picks the rules a KubeVirt version needs: "v1.7.0", "1.8.4",
+// or "main" (kubevirt main with PR 18044). An empty or unparsable version
+// gets SafeStrategy.
+func StrategyFor(version string) Strategy {
+	if version == "main" {
+		return Strategy{Name: "kubevirt-main"}
+	}
+	parts := strings.SplitN(strings.TrimPrefix(version, "v"), ".", 3)
+	if len(parts) < 2 || parts[0] != "1" {
+		return SafeStrategy()
+	}
+	minor, err := strconv.Atoi(parts[1])
+	if err != nil || minor < 5 {
+		return SafeStrategy()
+	}
+	// Every 1.x release up to v1.9.0 remounts removed volumes; only 1.5
+	// fails the whole pass on the first-UID miss.
+	return Strategy{Name: "kubevirt-" + version, OneRemovalAtATime: true, AddsApartFromRemovals: minor == 5}
+}
+
+// limitRemovals keeps, of the removals decided for a VM, only those
+// whose attachment pod has no other removal in flight or earlier in the
+// list, and marks the rest as queued behind it. A removal is in flight from
+// our write until the VMI no longer lists the volume. A removal of a volume the
+// VMI has no pod for (a withdrawn add request, an entry not mounted yet)
+// is never held: only a pod's mounted volumes can be mounted again.
+func (p *plan) limitRemovals(o observed, pending map[string]bool, w *vmWork, removes []Change) []Change {
+	// With first-UID reuse a removed entry is looked up in the first
+	// entry's pod, not its own, so two removed entries of different pods
+	// can deadlock the same way: one at a time per VM.
+	busy := ""
+	if o.vmi != nil {
+		for _, e := range o.vmi.Status.VolumeStatus {
+			if e.HotplugVolume == nil || e.HotplugVolume.AttachPodUID == "" {
+				continue
+			}
+			addReq, removeReq := o.requested(e.Name)
+			writing := pending[e.Name] && w.expect[e.Name].op == Detach
+			// KubeVirt has taken the removal once the VMI spec lacks the
+			// volume; a volume only the VMI has (hot-plugged into the VMI
+			// alone) is not being removed.
+			taken := !o.inVMISpec(e.Name) && !addReq
+			if (removeReq || writing || taken) && busy == "" {
+				busy = e.Name
+			}
+		}
+	}
+	kept := removes[:0:0]
+	for _, c := range removes {
+		if !onPod(o, c.Volume) {
+			kept = append(kept, c)
+			continue
+		}
+		if busy != "" {
+			p.waits[c.Volume] = waitFor{why: "queued: removing one mounted volume of the VM at a time, behind " + busy + " (KubeVirt mounts removed volumes again: kubevirt PR 18044)"}
+			continue
+		}
+		busy = c.Volume
+		kept = append(kept, c)
+	}
+	return kept
+}
+
+// separateAddsFromRemovals holds the removals that would be in flight with
+// an add sorting after them, and the adds that would be in flight with a
+// removal sorting before them. Removals go first, as in every batch: an add
+// held here waits for them to leave the VMI; a removal held here waits for
+// the adds already written to be mounted. Nothing held here waits on the
+// queue itself, so the two cannot hold each other for good.
+func (p *plan) separateAddsFromRemovals(o observed, pending map[string]bool, w *vmWork, removes, adds []Change) ([]Change, []Change) {
+	removing, adding := inFlight(o, pending, w)
+	keptRemoves := removes[:0:0]
+	for _, c := range removes {
+		if !onPod(o, c.Volume) {
+			keptRemoves = append(keptRemoves, c) // nothing to mount again
+			continue
+		}
+		if first := firstAbove(adding, c.Volume); first != "" {
+			p.waits[c.Volume] = waitFor{why: "queued: waiting for the add of " + first + " to be mounted before removing " + c.Volume + " (KubeVirt 1.5 would look the add up in the removed volume's old attachment pod and never unplug it)"}
+			continue
+		}
+		keptRemoves = append(keptRemoves, c)
+		removing = append(removing, c.Volume)
+	}
+	keptAdds := adds[:0:0]
+	for _, c := range adds {
+		if first := firstBelow(removing, c.Volume); first != "" {
+			p.waits[c.Volume] = waitFor{why: "queued: waiting for the removal of " + first + " to leave the VMI before adding " + c.Volume + " (KubeVirt before 1.9 looks the add up in the removed volume's old attachment pod)"}
+			continue
+		}
+		keptAdds = append(keptAdds, c)
+	}
+	return keptRemoves, keptAdds
+}
+
+// inFlight names the VM's removals KubeVirt still lists (written, entry
+// still in the VMI) and its adds not yet mounted (written, entry missing or
+// before MountedToPod).
+func inFlight(o observed, pending map[string]bool, w *vmWork) (removing, adding []string) {
+	for vol := range pending {
+		if w.expect[vol].op == Detach {
+			if onPod(o, vol) {
+				removing = append(removing, vol)
+			}
+		} else {
+			adding = append(adding, vol)
+		}
+	}
+	if o.vm == nil {
+		return removing, adding
+	}
+	listed := map[string]bool{}
+	if o.vmi != nil {
+		for _, e := range o.vmi.Status.VolumeStatus {
+			listed[e.Name] = true
+			if e.HotplugVolume == nil {
+				continue
+			}
+			addReq, removeReq := o.requested(e.Name)
+			switch {
+			case removeReq || (!o.inVMISpec(e.Name) && !addReq):
+				if e.HotplugVolume.AttachPodUID != "" {
+					removing = append(removing, e.Name)
+				}
+			case e.Phase != kubevirtv1.HotplugVolumeMounted && e.Phase != kubevirtv1.VolumeReady:
+				adding = append(adding, e.Name)
+			}
+		}
+	}
+	for _, r := range o.vm.Status.VolumeRequests {
+		if r.AddVolumeOptions != nil && !listed[r.AddVolumeOptions.Name] {
+			adding = append(adding, r.AddVolumeOptions.Name)
+		}
+	}
+	if o.vm.Spec.Template != nil {
+		for _, v := range o.vm.Spec.Template.Spec.Volumes {
+			if hotpluggable(v) && !listed[v.Name] {
+				adding = append(adding, v.Name)
+			}
+		}
+	}
+	return removing, adding
+}
+
+// onPod reports whether the VMI names an attachment pod for the volume: only
+// then can a removal of it be mounted again or lead a lookup astray.
+func onPod(o observed, vol string) bool {
+	e := o.status(vol)
+	return e != nil && e.HotplugVolume != nil && e.HotplugVolume.AttachPodUID != ""
+}
+
+func hotpluggable(v kubevirtv1.Volume) bool {
+	return (v.PersistentVolumeClaim != nil && v.PersistentVolumeClaim.Hotpluggable) || (v.DataVolume != nil && v.DataVolume.Hotpluggable)
+}
+
+// firstAbove is the smallest name in names after vol ("" if none); the
+// VMI lists its entries in name order.
+func firstAbove(names []string, vol string) string {
+	best := ""
+	for _, n := range names {
+		if n > vol && (best == "" || n < best) {
+			best = n
+		}
+	}
+	return best
+}
+
+// firstBelow is the smallest name in names before vol ("" if none).
+func firstBelow(names []string, vol string) string {
+	best := ""
+	for _, n := range names {
+		if n < vol && (best == "" || n < best) {
+			best = n
+		}
+	}
+	return best
+}
