@@ -108,12 +108,12 @@ func StrategyFor(version string) Strategy {
 	return Strategy{Name: "kubevirt-" + version, OneRemovalAtATime: true, AddsApartFromRemovals: minor == 5}
 }
 
-// limitRemovals keeps, of the removals decided for a VM, only those
-// whose attachment pod has no other removal in flight or earlier in the
-// list, and marks the rest as queued behind it. A removal is in flight from
-// our write until the VMI no longer lists the volume. A removal of a volume the
-// VMI has no pod for (a withdrawn add request, an entry not mounted yet)
-// is never held: only a pod's mounted volumes can be mounted again.
+// limitRemovals keeps, of the removals decided for a VM, the first of a
+// volume mounted from a pod, and none while another such removal is in
+// flight, and marks the rest as queued behind it. A removal is in flight from
+// our write until the VMI no longer lists the volume. A removal of a volume
+// not mounted from a pod (a withdrawn add request, an entry not mounted yet:
+// mountedFromPod) is never held: only mounted volumes can be mounted again.
 func (p *plan) limitRemovals(o observed, pending map[string]bool, w *vmWork, removes []Change) []Change {
 	// With first-UID reuse a removed entry is looked up in the first
 	// entry's pod, not its own, so two removed entries of different pods
@@ -121,7 +121,7 @@ func (p *plan) limitRemovals(o observed, pending map[string]bool, w *vmWork, rem
 	busy := ""
 	if o.vmi != nil {
 		for _, e := range o.vmi.Status.VolumeStatus {
-			if e.HotplugVolume == nil || e.HotplugVolume.AttachPodUID == "" {
+			if !mountedFromPod(&e) {
 				continue
 			}
 			addReq, removeReq := o.requested(e.Name)
@@ -209,7 +209,7 @@ func inFlight(o observed, pending map[string]bool, w *vmWork) (removing, adding 
 			addReq, removeReq := o.requested(e.Name)
 			switch {
 			case removeReq || (!o.inVMISpec(e.Name) && !addReq):
-				if e.HotplugVolume.AttachPodUID != "" {
+				if mountedFromPod(&e) {
 					removing = append(removing, e.Name)
 				}
 			case e.Phase != kubevirtv1.HotplugVolumeMounted && e.Phase != kubevirtv1.VolumeReady:
@@ -232,11 +232,26 @@ func inFlight(o observed, pending map[string]bool, w *vmWork) (removing, adding 
 	return removing, adding
 }
 
-// onPod reports whether the VMI names an attachment pod for the volume: only
-// then can a removal of it be mounted again or lead a lookup astray.
+// onPod reports whether the volume is, or may be, mounted from an
+// attachment pod: only then can a removal of it be mounted again or lead a
+// lookup astray.
 func onPod(o observed, vol string) bool {
 	e := o.status(vol)
-	return e != nil && e.HotplugVolume != nil && e.HotplugVolume.AttachPodUID != ""
+	return e != nil && mountedFromPod(e)
+}
+
+// mountedFromPod reports whether a hotplug entry names an attachment pod or
+// says its device is in virt-launcher (MountedToPod, Ready). The pod UID
+// alone does not tell: while the pod that replaces a VM's attachment pod
+// starts, virt-controller clears the UID of every entry in the spec, mounted
+// ones included (kubevirt v1.7.0 pkg/virt-controller/watch/vmi/
+// storage.go:202, v1.5.3 vmi/vmi.go:2068, v1.8.2 storage.go:189), and a
+// removal written then still finds the device mounted from the old pod.
+func mountedFromPod(e *kubevirtv1.VolumeStatus) bool {
+	if e.HotplugVolume == nil {
+		return false
+	}
+	return e.HotplugVolume.AttachPodUID != "" || e.Phase == kubevirtv1.HotplugVolumeMounted || e.Phase == kubevirtv1.VolumeReady
 }
 
 func hotpluggable(v kubevirtv1.Volume) bool {

@@ -44,6 +44,7 @@ func TestDecideOneRemovalAtATime(t *testing.T) {
 		}
 		return w
 	}
+	abReady := map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady, "b": kubevirtv1.VolumeReady}
 	aGoing := withoutSpec(onPods(vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeUnMounted, "b": kubevirtv1.VolumeReady}), pods), "a")
 	aGone := onPods(vmiWith(map[string]kubevirtv1.VolumePhase{"b": kubevirtv1.VolumeReady}), map[string]types.UID{"b": "pod-3"})
 	for _, tc := range []struct {
@@ -51,6 +52,7 @@ func TestDecideOneRemovalAtATime(t *testing.T) {
 		strategy Strategy
 		obs      observed
 		intents  []string // detach intents left (default all)
+		pending  []string // removals written and not shown yet
 		want     []Change
 		wait     map[string]string
 	}{{
@@ -82,9 +84,26 @@ func TestDecideOneRemovalAtATime(t *testing.T) {
 		obs:     observed{vm: vmWith([]string{"b"}), vmi: onPods(vmiWith(map[string]kubevirtv1.VolumePhase{"b": kubevirtv1.VolumeReady, "d": kubevirtv1.VolumeReady}), map[string]types.UID{"b": "pod-1", "d": "pod-1"})},
 		intents: []string{"b"},
 		want:    []Change{{"b", Detach}},
+	}, {
+		// virt-controller clears the pod UID of the entries in the spec
+		// while the pod replacing their attachment pod starts; b is still
+		// mounted from pod-1 beside the removed a.
+		name: "safe: a mounted volume whose new attachment pod is starting is held", strategy: SafeStrategy(),
+		obs:     observed{vm: vmWith([]string{"b"}), vmi: withoutSpec(onPods(vmiWith(abReady), map[string]types.UID{"a": "pod-1"}), "a")},
+		intents: []string{"b"},
+		wait:    map[string]string{"b": "behind a"},
+	}, {
+		name: "safe: our removal not yet in the VMI holds the next while their new pod starts", strategy: SafeStrategy(),
+		obs:     observed{vm: vmWith([]string{"b"}), vmi: vmiWith(abReady)},
+		intents: []string{"a", "b"},
+		pending: []string{"a"},
+		wait:    map[string]string{"b": "behind a"},
 	}} {
 		t.Run(tc.name, func(t *testing.T) {
 			w := detachAll()
+			for _, v := range tc.pending {
+				w.expect[v] = expectation{op: Detach, since: t0}
+			}
 			if tc.intents != nil {
 				for v := range w.intents {
 					if !slices.Contains(tc.intents, v) {

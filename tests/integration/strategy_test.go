@@ -44,12 +44,6 @@ func TestStrategyOneRemovalAtATime(t *testing.T) {
 		{"main-rule-off", kubevirtsim.VMain, hotplug.Strategy{Name: "off"}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			if !tc.stuck && tc.version == kubevirtsim.V1_7_0 {
-				// Open: on the simulated v1.7.0 host both removals are still
-				// found in flight within a second and stick with the rule on;
-				// the path that writes the second is not found yet.
-				t.Skip("OneRemovalAtATime does not yet keep this scenario from sticking on v1.7.0")
-			}
 			t.Parallel()
 			h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Version: tc.version, Scale: scale, BindClasslessPVCs: true})
 			qcfg := queueConfig()
