@@ -102,9 +102,8 @@ func TestWedgedAfterFlag(t *testing.T) {
 	}
 }
 
-// --one-removal-at-a-time and --adds-apart-from-removals are on by
-// default (the strategy safe for every shipped KubeVirt) and an operator can
-// turn each off.
+// --one-removal-at-a-time is on by default (the strategy safe for every
+// shipped KubeVirt) and an operator can turn it off.
 func TestOneRemovalPerAttachmentPodFlag(t *testing.T) {
 	o, err := parseFlags(nil)
 	if err != nil {
@@ -113,11 +112,8 @@ func TestOneRemovalPerAttachmentPodFlag(t *testing.T) {
 	if o.queue.Strategy != hotplug.AutoStrategy() {
 		t.Errorf("default strategy %+v, want %+v", o.queue.Strategy, hotplug.AutoStrategy())
 	}
-	if o, err = parseFlags([]string{"--one-removal-at-a-time=false"}); err != nil || o.queue.Strategy.OneRemovalAtATime || !o.queue.Strategy.AddsApartFromRemovals || o.queue.Strategy.Name != "operator" {
+	if o, err = parseFlags([]string{"--one-removal-at-a-time=false"}); err != nil || o.queue.Strategy.OneRemovalAtATime || o.queue.Strategy.Name != "operator" {
 		t.Errorf("--one-removal-at-a-time=false: %v, %+v", err, o)
-	}
-	if o, err = parseFlags([]string{"--adds-apart-from-removals=false"}); err != nil || !o.queue.Strategy.OneRemovalAtATime || o.queue.Strategy.AddsApartFromRemovals || o.queue.Strategy.Name != "operator" {
-		t.Errorf("--adds-apart-from-removals=false: %v, %+v", err, o)
 	}
 }
 

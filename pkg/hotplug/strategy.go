@@ -30,19 +30,6 @@ type Strategy struct {
 	// path (v1.7.0 mount.go:696-712, fixed in v1.9.0 by PR 16742), from
 	// holding every later removal behind one that fails.
 	OneRemovalAtATime bool
-	// AddsApartFromRemovals never has an add and a removal of one VM in
-	// flight at once when the add's status entry would sort after the
-	// removed one's. KubeVirt's mountFromPod looks every entry up in the
-	// attachment pod of the first entry that has one, removed entries
-	// included (v1.5.2 pkg/virt-handler/hotplug-disk/mount.go:330, up to
-	// v1.8.4 :349; fixed in v1.9.0 by kubevirt PR 18105), so such an add is
-	// looked up in the removed volume's old pod, where it is not. KubeVirt
-	// 1.5 fails the whole pass on that (v1.5.2 pkg/virt-handler/vm.go:
-	// 3111-3113) before the domain sync and Unmount: the removed volume is
-	// never unplugged, stays Ready, keeps its old pod, and the add is looked
-	// up there for good. From 1.6 the miss is only a HotplugFailed event and
-	// the add waits for the removal inside KubeVirt instead of in the queue.
-	AddsApartFromRemovals bool
 }
 
 // StrategyAuto names the strategy the queue picks itself: SafeStrategy's
@@ -78,14 +65,14 @@ func (q *Queue) pickStrategy(ctx context.Context) {
 		q.cfg.Strategy = StrategyFor(version)
 	}
 	klog.FromContext(ctx).Info("hotplug strategy", "kubevirtVersion", version, "strategy", q.cfg.Strategy.Name,
-		"oneRemovalAtATime", q.cfg.Strategy.OneRemovalAtATime, "addsApartFromRemovals", q.cfg.Strategy.AddsApartFromRemovals)
+		"oneRemovalAtATime", q.cfg.Strategy.OneRemovalAtATime)
 }
 
 // SafeStrategy is every rule on: right for every shipped KubeVirt release
 // and Harvester 1.6 to 1.9, and what the queue uses when it does not know
 // the release.
 func SafeStrategy() Strategy {
-	return Strategy{Name: "safe", OneRemovalAtATime: true, AddsApartFromRemovals: true}
+	return Strategy{Name: "safe", OneRemovalAtATime: true}
 }
 
 // StrategyFor picks the rules a KubeVirt version needs: "v1.7.0", "1.8.4",
@@ -103,9 +90,11 @@ func StrategyFor(version string) Strategy {
 	if err != nil || minor < 5 {
 		return SafeStrategy()
 	}
-	// Every 1.x release up to v1.9.0 remounts removed volumes; only 1.5
-	// fails the whole pass on the first-UID miss.
-	return Strategy{Name: "kubevirt-" + version, OneRemovalAtATime: true, AddsApartFromRemovals: minor == 5}
+	// Every 1.x release up to v1.9.0 remounts removed volumes. First-UID
+	// reuse (up to 1.8) needs no rule: an add looked up in a removed
+	// volume's old attachment pod misses only until virt-controller deletes
+	// that pod, and with it the entry (docs/architecture.md).
+	return Strategy{Name: "kubevirt-" + version, OneRemovalAtATime: true}
 }
 
 // limitRemovals keeps, of the removals decided for a VM, the first of a
@@ -151,90 +140,8 @@ func (p *plan) limitRemovals(o observed, pending map[string]bool, w *vmWork, rem
 	return kept
 }
 
-// separateAddsFromRemovals holds the removals that would be in flight with
-// an add sorting after them, and the adds that would be in flight with a
-// removal sorting before them. Removals go first, as in every batch: an add
-// held here waits for them to leave the VMI; a removal held here waits for
-// the adds already written to be mounted. Nothing held here waits on the
-// queue itself, so the two cannot hold each other for good.
-func (p *plan) separateAddsFromRemovals(o observed, pending map[string]bool, w *vmWork, removes, adds []Change) ([]Change, []Change) {
-	removing, adding := inFlight(o, pending, w)
-	keptRemoves := removes[:0:0]
-	for _, c := range removes {
-		if !onPod(o, c.Volume) {
-			keptRemoves = append(keptRemoves, c) // nothing to mount again
-			continue
-		}
-		if first := firstAbove(adding, c.Volume); first != "" {
-			p.waits[c.Volume] = waitFor{why: "queued: waiting for the add of " + first + " to be mounted before removing " + c.Volume + " (KubeVirt 1.5 would look the add up in the removed volume's old attachment pod and never unplug it)"}
-			continue
-		}
-		keptRemoves = append(keptRemoves, c)
-		removing = append(removing, c.Volume)
-	}
-	keptAdds := adds[:0:0]
-	for _, c := range adds {
-		if first := firstBelow(removing, c.Volume); first != "" {
-			p.waits[c.Volume] = waitFor{why: "queued: waiting for the removal of " + first + " to leave the VMI before adding " + c.Volume + " (KubeVirt before 1.9 looks the add up in the removed volume's old attachment pod)"}
-			continue
-		}
-		keptAdds = append(keptAdds, c)
-	}
-	return keptRemoves, keptAdds
-}
-
-// inFlight names the VM's removals KubeVirt still lists (written, entry
-// still in the VMI) and its adds not yet mounted (written, entry missing or
-// before MountedToPod).
-func inFlight(o observed, pending map[string]bool, w *vmWork) (removing, adding []string) {
-	for vol := range pending {
-		if w.expect[vol].op == Detach {
-			if onPod(o, vol) {
-				removing = append(removing, vol)
-			}
-		} else {
-			adding = append(adding, vol)
-		}
-	}
-	if o.vm == nil {
-		return removing, adding
-	}
-	listed := map[string]bool{}
-	if o.vmi != nil {
-		for _, e := range o.vmi.Status.VolumeStatus {
-			listed[e.Name] = true
-			if e.HotplugVolume == nil {
-				continue
-			}
-			addReq, removeReq := o.requested(e.Name)
-			switch {
-			case removeReq || (!o.inVMISpec(e.Name) && !addReq):
-				if mountedFromPod(&e) {
-					removing = append(removing, e.Name)
-				}
-			case e.Phase != kubevirtv1.HotplugVolumeMounted && e.Phase != kubevirtv1.VolumeReady:
-				adding = append(adding, e.Name)
-			}
-		}
-	}
-	for _, r := range o.vm.Status.VolumeRequests {
-		if r.AddVolumeOptions != nil && !listed[r.AddVolumeOptions.Name] {
-			adding = append(adding, r.AddVolumeOptions.Name)
-		}
-	}
-	if o.vm.Spec.Template != nil {
-		for _, v := range o.vm.Spec.Template.Spec.Volumes {
-			if hotpluggable(v) && !listed[v.Name] {
-				adding = append(adding, v.Name)
-			}
-		}
-	}
-	return removing, adding
-}
-
 // onPod reports whether the volume is, or may be, mounted from an
-// attachment pod: only then can a removal of it be mounted again or lead a
-// lookup astray.
+// attachment pod: only then can a removal of it be mounted again.
 func onPod(o observed, vol string) bool {
 	e := o.status(vol)
 	return e != nil && mountedFromPod(e)
@@ -252,31 +159,4 @@ func mountedFromPod(e *kubevirtv1.VolumeStatus) bool {
 		return false
 	}
 	return e.HotplugVolume.AttachPodUID != "" || e.Phase == kubevirtv1.HotplugVolumeMounted || e.Phase == kubevirtv1.VolumeReady
-}
-
-func hotpluggable(v kubevirtv1.Volume) bool {
-	return (v.PersistentVolumeClaim != nil && v.PersistentVolumeClaim.Hotpluggable) || (v.DataVolume != nil && v.DataVolume.Hotpluggable)
-}
-
-// firstAbove is the smallest name in names after vol ("" if none); the
-// VMI lists its entries in name order.
-func firstAbove(names []string, vol string) string {
-	best := ""
-	for _, n := range names {
-		if n > vol && (best == "" || n < best) {
-			best = n
-		}
-	}
-	return best
-}
-
-// firstBelow is the smallest name in names before vol ("" if none).
-func firstBelow(names []string, vol string) string {
-	best := ""
-	for _, n := range names {
-		if n < vol && (best == "" || n < best) {
-			best = n
-		}
-	}
-	return best
 }

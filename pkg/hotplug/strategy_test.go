@@ -125,83 +125,16 @@ func TestDecideOneRemovalAtATime(t *testing.T) {
 	}
 }
 
-// An add whose entry would sort after a removal's is not written with it
-// while AddsApartFromRemovals is on, nor while the removal is still listed;
-// an add sorting before it goes along. A removal waits for an add after it
-// that is written but not mounted yet. With the rule off (KubeVirt 1.6 on)
-// the batch goes as one write.
-func TestDecideAddsApartFromRemovals(t *testing.T) {
-	t0 := time.Unix(1000, 0)
-	rule := Strategy{Name: "adds-apart", AddsApartFromRemovals: true}
-	work := func(ops map[string]Op) *vmWork {
-		w := &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}}
-		for v, op := range ops {
-			w.intents[v] = &intent{vm: "vm1", volume: v, op: op, created: t0}
-		}
-		return w
-	}
-	bOnPod := onPods(vmiWith(map[string]kubevirtv1.VolumePhase{"b": kubevirtv1.VolumeReady}), map[string]types.UID{"b": "pod-1"})
-	bLeaving := withoutSpec(onPods(vmiWith(map[string]kubevirtv1.VolumePhase{"b": kubevirtv1.HotplugVolumeUnMounted}), map[string]types.UID{"b": "pod-1"}), "b")
-	cAdding := onPods(vmiWith(map[string]kubevirtv1.VolumePhase{"b": kubevirtv1.VolumeReady, "c": kubevirtv1.HotplugVolumeAttachedToNode}), map[string]types.UID{"b": "pod-1", "c": "pod-2"})
-	for _, tc := range []struct {
-		name     string
-		strategy Strategy
-		ops      map[string]Op
-		obs      observed
-		want     []Change
-		wait     map[string]string
-	}{{
-		name: "on: the add after the removal waits, the one before goes", strategy: rule,
-		ops:  map[string]Op{"a": Attach, "b": Detach, "c": Attach},
-		obs:  observed{vm: vmWith([]string{"b"}), vmi: bOnPod},
-		want: []Change{{"b", Detach}, {"a", Attach}},
-		wait: map[string]string{"c": "waiting for the removal of b to leave the VMI"},
-	}, {
-		name: "off: one write", strategy: StrategyFor("v1.7.0"),
-		ops:  map[string]Op{"a": Attach, "b": Detach, "c": Attach},
-		obs:  observed{vm: vmWith([]string{"b"}), vmi: bOnPod},
-		want: []Change{{"b", Detach}, {"a", Attach}, {"c", Attach}},
-	}, {
-		name: "on: the add waits while the removed entry is listed", strategy: rule,
-		ops:  map[string]Op{"c": Attach},
-		obs:  observed{vm: vmWith(nil), vmi: bLeaving},
-		wait: map[string]string{"c": "removal of b"},
-	}, {
-		name: "on: the add goes once the removed entry left", strategy: rule,
-		ops:  map[string]Op{"c": Attach},
-		obs:  observed{vm: vmWith(nil), vmi: vmiWith(nil)},
-		want: []Change{{"c", Attach}},
-	}, {
-		name: "on: a removal waits for an add after it not mounted yet", strategy: rule,
-		ops:  map[string]Op{"b": Detach},
-		obs:  observed{vm: vmWith([]string{"b", "c"}), vmi: cAdding},
-		wait: map[string]string{"b": "waiting for the add of c to be mounted"},
-	}} {
-		t.Run(tc.name, func(t *testing.T) {
-			cfg := Config{MaxHold: time.Nanosecond, Strategy: tc.strategy}
-			p := decide(t0, cfg, work(tc.ops), facts{o: tc.obs})
-			if !slices.Equal(p.changes, tc.want) {
-				t.Errorf("changes %v, want %v", p.changes, tc.want)
-			}
-			for v, want := range tc.wait {
-				if got := p.waits[v]; !strings.Contains(got.why, want) || got.reason != "" {
-					t.Errorf("%s waits %+v, want the queue's own wait mentioning %q", v, got, want)
-				}
-			}
-		})
-	}
-}
-
-// StrategyFor keeps every rule for the releases that have the bugs and an
-// unknown release, and drops them only for KubeVirt main.
+// StrategyFor keeps the rule for the releases that have the bug and an
+// unknown release, and drops it only for KubeVirt main.
 func TestStrategyFor(t *testing.T) {
-	for version, want := range map[string][2]bool{
-		"v1.5.3": {true, true}, "1.6.6": {true, false}, "v1.7.0": {true, false}, "v1.8.4": {true, false}, "v1.9.0": {true, false},
-		"main": {false, false}, "": {true, true}, "garbage": {true, true}, "v1.4.0": {true, true},
+	for version, want := range map[string]bool{
+		"v1.5.3": true, "1.6.6": true, "v1.7.0": true, "v1.8.4": true, "v1.9.0": true,
+		"main": false, "": true, "garbage": true, "v1.4.0": true,
 	} {
 		got := StrategyFor(version)
-		if [2]bool{got.OneRemovalAtATime, got.AddsApartFromRemovals} != want || got.Name == "" {
-			t.Errorf("StrategyFor(%q) = %+v, want OneRemovalAtATime, AddsApartFromRemovals %v and a name", version, got, want)
+		if got.OneRemovalAtATime != want || got.Name == "" {
+			t.Errorf("StrategyFor(%q) = %+v, want OneRemovalAtATime %v and a name", version, got, want)
 		}
 	}
 	if got := (Config{}).withDefaults().Strategy; got != AutoStrategy() {
