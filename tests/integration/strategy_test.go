@@ -102,21 +102,23 @@ func TestStrategyOneRemovalAtATime(t *testing.T) {
 // TestRemovalWithALaterAddNeedsNoRule: a volume is unpublished from a VM
 // while another, whose status entry sorts after it, is published to it.
 // Up to KubeVirt 1.8 virt-handler looks the new volume up in the removed
-// one's old attachment pod (first-UID reuse) and misses: a HotplugFailed
-// Event from 1.6 (v1.7.0 here, one declarative write carries both), a
-// failed pass on 1.5 (v1.5.3 legacy, the VM controller replays the two
-// requests on the VMI one subresource call each). The miss lasts only until
-// virt-controller deletes the old pod, and the removed entry with it, so
-// both changes finish with the release's own strategy, which has no rule
-// for it.
+// one's old attachment pod (first-UID reuse) and misses, a HotplugFailed
+// Event from 1.6 (v1.7.0 here, where one declarative write carries both).
+// The miss lasts only until virt-controller deletes the old pod, and the
+// removed entry with it, so both changes finish with the release's own
+// strategy, which has no rule for it. On 1.5 a miss would fail the whole
+// pass, but legacy hotplug, the only mode of 1.5, hands the VMI the two
+// changes apart (the VM controller replays each queued request with its own
+// VMI subresource call); the v1.5.3 case shows both finish there too, and
+// does not ask for a miss, which its runs did not show.
 func TestRemovalWithALaterAddNeedsNoRule(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		mode    kubevirtsim.Mode
 		version kubevirtsim.Version
-		miss    string // the virt-handler Event of the first-UID miss
+		miss    string // the virt-handler Event of the first-UID miss ("": not asked for)
 	}{
-		{"v1.5.3-legacy", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, "SyncFailed"},
+		{"v1.5.3-legacy", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, ""},
 		{"v1.7.0-declarative", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, "HotplugFailed"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -144,6 +146,9 @@ func TestRemovalWithALaterAddNeedsNoRule(t *testing.T) {
 			})
 			if errs != nil {
 				t.Fatalf("unpublish %s and publish %s on %s: %v", vols[0], vols[1], tc.version, errs)
+			}
+			if tc.miss == "" {
+				return
 			}
 			kube := kubernetes.NewForConfigOrDie(h.Env.Config)
 			evs, err := kube.CoreV1().Events(h.Namespace).List(ctx, metav1.ListOptions{})
