@@ -32,7 +32,8 @@ func withoutSpec(vmi *kubevirtv1.VirtualMachineInstance, vols ...string) *kubevi
 // too although it is on another pod (first-UID reuse looks removed entries
 // up in the first entry's pod). With the rule off all three
 // go in one write, the grouping that deadlocks virt-handler (kubevirt PR
-// 18044). A removal whose volume has no pod yet is never held.
+// 18044). An entry still Ready counts as mounted although virt-controller
+// cleared its pod UID while the pod replacing its attachment pod starts.
 func TestDecideOneRemovalAtATime(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	pods := map[string]types.UID{"a": "pod-1", "b": "pod-1", "c": "pod-2"}
