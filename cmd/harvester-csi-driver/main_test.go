@@ -102,6 +102,21 @@ func TestWedgedAfterFlag(t *testing.T) {
 	}
 }
 
+// --one-removal-at-a-time is on by default (the strategy safe for every
+// shipped KubeVirt) and an operator can turn it off.
+func TestOneRemovalPerAttachmentPodFlag(t *testing.T) {
+	o, err := parseFlags(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.queue.Strategy != hotplug.AutoStrategy() {
+		t.Errorf("default strategy %+v, want %+v", o.queue.Strategy, hotplug.AutoStrategy())
+	}
+	if o, err = parseFlags([]string{"--one-removal-at-a-time=false"}); err != nil || o.queue.Strategy.OneRemovalAtATime || o.queue.Strategy.Name != "operator" {
+		t.Errorf("--one-removal-at-a-time=false: %v, %+v", err, o)
+	}
+}
+
 func TestGuestFlags(t *testing.T) {
 	o, err := parseFlags([]string{"--guest-kubeconfig=/etc/guest.yaml", "--detach-guard-timeout=0", "--node-monitor=false",
 		"--orphan-reconciler=false", "--orphan-grace=5m"})

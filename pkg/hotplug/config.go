@@ -53,6 +53,11 @@ type Config struct {
 	// own disks (root, cloud-init) included: an attach that would pass it
 	// is answered ErrVMFull without a write (MaxVMDisks by default).
 	MaxDisks int
+	// Strategy orders and groups the writes to one VM around the bugs of
+	// the KubeVirt release that runs. One without a Name is AutoStrategy:
+	// turning rules off takes a named strategy, so a Config that never
+	// mentions it does not lose them.
+	Strategy Strategy
 }
 
 // DefaultWedgedAfter outlasts the slowest step of a hotplug on Harvester
@@ -89,6 +94,7 @@ func DefaultConfig() Config {
 		Identity:           defaultIdentity(),
 		ReservationFresh:   5 * time.Second,
 		MaxDisks:           MaxVMDisks,
+		Strategy:           AutoStrategy(),
 	}
 }
 
@@ -123,6 +129,9 @@ func (c Config) withDefaults() Config {
 	orDefault(&c.ReservationFresh, d.ReservationFresh)
 	orDefault(&c.MaxDisks, d.MaxDisks)
 	orDefault(&c.ReservationTTL, c.ReservationFresh+c.RequestTimeout+clockAllowance)
+	if c.Strategy.Name == "" {
+		c.Strategy = d.Strategy
+	}
 	if c.Identity == "" {
 		c.Identity = d.Identity
 	}

@@ -143,6 +143,9 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 			}
 		}
 	}
+	if cfg.Strategy.OneRemovalAtATime {
+		removes = p.limitRemovals(o, pending, w, removes)
+	}
 	adds = p.refuseOverLimit(cfg, w, o, pending, removes, adds)
 	p.changes = append(removes, adds...)
 	if len(p.changes) == 0 {

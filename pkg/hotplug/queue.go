@@ -222,6 +222,7 @@ func (q *Queue) Run(ctx context.Context) error {
 		return fmt.Errorf("hotplug: start the backend: %w", err)
 	}
 	q.metrics.bind(q.backend.Name())
+	q.pickStrategy(ctx)
 	q.setWaiting("waiting for the host's VM and VMI caches to sync")
 	if !cache.WaitForCacheSync(ctx.Done(), q.synced...) {
 		return errors.New("hotplug: VM/VMI informers did not sync")

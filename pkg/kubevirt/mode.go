@@ -43,6 +43,9 @@ type Backend struct {
 	// path is the backend in use once known; Start sets it before the
 	// queue's workers (the only callers of Apply) start.
 	path atomic.Pointer[writer]
+	// version is the KubeVirt CR's status.observedKubeVirtVersion as Start
+	// read it; empty when the CR could not be read.
+	version atomic.Pointer[string]
 }
 
 // writer is one hotplug path: Declarative or Subresource.
@@ -79,6 +82,7 @@ func (b *Backend) use(name string) {
 // answer it asks again (every retryMax at most) until it does or ctx ends,
 // and progress reports each failed attempt.
 func (b *Backend) Start(ctx context.Context, progress func(reason string)) error {
+	defer b.readVersion(ctx)
 	if b.path.Load() != nil {
 		return nil
 	}
@@ -103,6 +107,41 @@ func (b *Backend) Start(ctx context.Context, progress func(reason string)) error
 	logger.Info("hotplug backend detected", "backend", name, "reason", why)
 	b.use(name)
 	return nil
+}
+
+// KubeVirtVersion is the host's KubeVirt release as its CR reports it, once
+// Start returned; empty when the CR cannot be read (the read is optional:
+// docs/host-rbac.md). The queue picks its strategy per release from it.
+func (b *Backend) KubeVirtVersion() string {
+	if v := b.version.Load(); v != nil {
+		return *v
+	}
+	return ""
+}
+
+// readVersion is best effort: without it the queue keeps the strategy safe
+// for every release, so a refusal or a timeout is only logged.
+func (b *Backend) readVersion(ctx context.Context) {
+	rctx, cancel := context.WithTimeout(ctx, detectTimeout)
+	defer cancel()
+	v, err := ObservedKubeVirtVersion(rctx, b.c)
+	if err != nil {
+		klog.FromContext(ctx).V(2).Info("KubeVirt version unknown: the hotplug queue keeps the strategy safe for every release", "err", err)
+	}
+	b.version.Store(&v)
+}
+
+// ObservedKubeVirtVersion reads the version the KubeVirt CR reports as
+// deployed (status.observedKubeVirtVersion).
+func ObservedKubeVirtVersion(ctx context.Context, c *host.Client) (string, error) {
+	kvs, err := c.KubeVirt.KubevirtV1().KubeVirts("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return "", err
+	}
+	if len(kvs.Items) == 0 {
+		return "", errors.New("no KubeVirt CR")
+	}
+	return kvs.Items[0].Status.ObservedKubeVirtVersion, nil
 }
 
 // Name implements hotplug.Backend; it is empty until the path is known.

@@ -40,6 +40,7 @@ var (
 	pubWait   = flag.Duration("churn.publish-wait", driver.DefaultPublishWait, "the driver's --publish-wait (simulated; 0: up to the call's deadline)")
 	pubCrowd  = flag.Int("churn.publish-wait-crowd", driver.DefaultPublishWaitCrowd, "the driver's --publish-wait-crowd")
 	only      = flag.String("churn.flavor", "", "run only flavors whose name contains this")
+	oneRemove = flag.Bool("churn.one-removal-at-a-time", true, "the driver's --one-removal-at-a-time (false: the queue's strategy has no rule, to measure what the rule costs)")
 	resultDir = flag.String("churn.results", "../../bench/results", "where the JSON results go")
 )
 
@@ -137,6 +138,9 @@ func BenchmarkChurn(b *testing.B) {
 					if *pubWait != driver.DefaultPublishWait || *pubCrowd != driver.DefaultPublishWaitCrowd {
 						res.Name += fmt.Sprintf("-wait%s-crowd%d", pubWait, *pubCrowd)
 					}
+					if !*oneRemove {
+						res.Name += "-one-removal-off"
+					}
 					path, err := res.Write(*resultDir)
 					if err != nil {
 						b.Fatal(err)
@@ -157,8 +161,12 @@ func BenchmarkChurn(b *testing.B) {
 func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 	b.Helper()
 	h, vms, vols := startFleet(b, f, cfg.Scale, cfg.Seed, "node-%d", cfg.VMs, "churn", cfg.Volumes)
+	queue := scaledQueue(cfg.Scale)
+	if !*oneRemove {
+		queue.Strategy = hotplug.Strategy{Name: "one-removal-off"}
+	}
 	ctrl := h.StartController(b, framework.ControllerOptions{Backend: kubevirt.BackendAuto,
-		Queue: scaledQueue(cfg.Scale), Driver: scaledDriver(cfg.Scale, cfg.PublishWait, cfg.PublishWaitCrowd)})
+		Queue: queue, Driver: scaledDriver(cfg.Scale, cfg.PublishWait, cfg.PublishWaitCrowd)})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Hour)
 	defer cancel()
 	pods := countAttachmentPods(ctx, b, h)

@@ -267,6 +267,7 @@ func TestControllerDeployment(t *testing.T) {
 				"hotplug-backend": "hotplug.backend", "batch-window": "hotplug.batchWindow", "max-hold": "hotplug.maxHold",
 				"hotplug-workers": "hotplug.workers", "hotplug-qps": "hotplug.qps", "hotplug-burst": "hotplug.burst",
 				"publish-margin": "hotplug.publishMargin", "wedged-after": "hotplug.wedgedAfter",
+				"one-removal-at-a-time": "hotplug.oneRemovalAtATime",
 			} {
 				v, ok := argValue(drv.Args, flag)
 				if want := sprint(nested(t, r.eff, strings.Split(key, ".")...)); !ok || v != want {
