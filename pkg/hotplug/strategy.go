@@ -90,10 +90,18 @@ func StrategyFor(version string) Strategy {
 	if err != nil || minor < 5 {
 		return SafeStrategy()
 	}
-	// Every 1.x release up to v1.9.0 remounts removed volumes. First-UID
+	// Every 1.x release up to v1.9.0 remounts removed volumes, but only
+	// from 1.6 does virt-controller keep an old attachment pod until its
+	// volumes are unmounted (v1.7.0 pkg/virt-controller/watch/vmi/
+	// volume-hotplug.go:74-122), which the remount then holds for good; 1.5
+	// deletes it once the new pod runs (v1.5.3 pkg/virt-controller/watch/
+	// vmi/vmi.go:1695, :2107), so the deadlock cannot form there. First-UID
 	// reuse (up to 1.8) needs no rule: an add looked up in a removed
 	// volume's old attachment pod misses only until virt-controller deletes
 	// that pod, and with it the entry (docs/architecture.md).
+	if minor == 5 {
+		return Strategy{Name: "kubevirt-" + version}
+	}
 	return Strategy{Name: "kubevirt-" + version, OneRemovalAtATime: true}
 }
 

@@ -126,11 +126,12 @@ func TestDecideOneRemovalAtATime(t *testing.T) {
 	}
 }
 
-// StrategyFor keeps the rule for the releases that have the bug and an
-// unknown release, and drops it only for KubeVirt main.
+// StrategyFor keeps the rule for the releases whose virt-controller keeps an
+// old attachment pod the remount can hold (1.6 and later) and an unknown
+// release, and drops it for KubeVirt 1.5 and main.
 func TestStrategyFor(t *testing.T) {
 	for version, want := range map[string]bool{
-		"v1.5.3": true, "1.6.6": true, "v1.7.0": true, "v1.8.4": true, "v1.9.0": true,
+		"v1.5.3": false, "1.6.6": true, "v1.7.0": true, "v1.8.4": true, "v1.9.0": true,
 		"main": false, "": true, "garbage": true, "v1.4.0": true,
 	} {
 		got := StrategyFor(version)

@@ -37,17 +37,21 @@ const stuckBound = 2 * time.Minute
 func TestStrategyOneRemovalAtATime(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
+		mode     kubevirtsim.Mode
 		version  kubevirtsim.Version
 		strategy hotplug.Strategy
 		stuck    bool
 	}{
-		{"v1.7.0-rule-on", kubevirtsim.V1_7_0, hotplug.StrategyFor("v1.7.0"), false},
-		{"v1.7.0-rule-off", kubevirtsim.V1_7_0, hotplug.Strategy{Name: "off"}, true},
-		{"main-rule-off", kubevirtsim.VMain, hotplug.Strategy{Name: "off"}, false},
+		{"v1.7.0-rule-on", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, hotplug.StrategyFor("v1.7.0"), false},
+		{"v1.7.0-rule-off", kubevirtsim.ModeDeclarative, kubevirtsim.V1_7_0, hotplug.Strategy{Name: "off"}, true},
+		{"main-rule-off", kubevirtsim.ModeDeclarative, kubevirtsim.VMain, hotplug.Strategy{Name: "off"}, false},
+		// virt-controller 1.5 deletes the old attachment pod once the new one
+		// runs, unmounted volumes or not, so the remount cannot hold it.
+		{"v1.5.3-legacy-rule-off", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, hotplug.Strategy{Name: "off"}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			h := framework.StartHost(t, kubevirtsim.Options{Mode: kubevirtsim.ModeDeclarative, Version: tc.version, Scale: scale, BindClasslessPVCs: true})
+			h := framework.StartHost(t, kubevirtsim.Options{Mode: tc.mode, Version: tc.version, Scale: scale, BindClasslessPVCs: true})
 			qcfg := queueConfig()
 			qcfg.Strategy = tc.strategy
 			ctrl := h.StartController(t, framework.ControllerOptions{Backend: kvbackend.BackendAuto, Queue: qcfg})
