@@ -89,7 +89,7 @@ func (c *cluster) setupInformers() {
 	c.vmiInf = c.kv.informer(resVMIs, ns, &kubevirtv1.VirtualMachineInstance{}, &kubevirtv1.VirtualMachineInstanceList{})
 	c.kvInf = c.kv.informer(resKubeVirts, c.opts.KubeVirtNamespace, &kubevirtv1.KubeVirt{}, &kubevirtv1.KubeVirtList{})
 	podFactory := informers.NewSharedInformerFactoryWithOptions(c.kube, 0, informers.WithNamespace(ns),
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = labelAttachmentPod + "=" + valueAttachmentPod }))
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = c.podSelector() }))
 	c.podInf = podFactory.Core().V1().Pods().Informer()
 	c.podLister = podFactory.Core().V1().Pods().Lister()
 	factory := informers.NewSharedInformerFactoryWithOptions(c.kube, 0, informers.WithNamespace(ns))
@@ -177,7 +177,7 @@ func (c *cluster) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []*core
 	all, _ := c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: vmi.Name}))
 	var out []*corev1.Pod
 	for _, p := range all {
-		if metav1.IsControlledBy(p, vmi) {
+		if p.Labels[labelAttachmentPod] == valueAttachmentPod && (metav1.IsControlledBy(p, vmi) || c.ownedByLauncherOf(p, vmi)) {
 			out = append(out, p)
 		}
 	}

@@ -68,7 +68,11 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 	s.prov.snapshots = s.snaps
 	s.snaps.prov = s.prov
 	s.faults.wire(s.vms, s.vmis, s.handler, s.kubelet)
-	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.kubelet, s.prov, s.snaps, s.backups, s.netfs}
+	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.prov, s.snaps, s.backups, s.netfs}
+	if !c.opts.Kubelets {
+		// With real kubelets the simulator's stands aside.
+		s.runnables = append(s.runnables, s.kubelet)
+	}
 	return s, nil
 }
 
