@@ -111,7 +111,7 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	fs.Float64Var(&c.DenyHotplug, "deny-hotplug", 0, "fault: fraction of volumes a validating webhook denies hotplug for, a few seconds at a time")
 	fs.DurationVar(&c.WebhookOutage, "webhook-outage", 0, "fault: Harvester's webhook service is away this long (every VM write fails calling it), now and then; needs --harvester")
 	fs.DurationVar(&c.WebhookOutageEvery, "webhook-outage-every", 0, "how often the webhook outage strikes (default 4x its length)")
-	fs.IntVar(&c.HostNodes, "host-nodes", 0, "run the host storage path under each attachment pod on this many host nodes: real kubelets, scheduler, attach/detach controller and csi-attacher, and the Longhorn stand-in (needs --kubevirt "+lab.RealPrefix+"...; 0: none, KubeVirt's pods run on a kubelet stand-in)")
+	fs.IntVar(&c.HostNodes, "host-nodes", 0, "run the host storage path under each attachment pod on this many host nodes: real kubelets, scheduler, attach/detach controller and csi-attacher, and the Longhorn stand-in (on the simulated and the real control plane alike; 0: none, KubeVirt's pods run on a kubelet stand-in)")
 	fs.IntVar(&f.verbosity, "v", 2, "log verbosity of the lab's own log (logs/lab.log)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -148,9 +148,6 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	}
 	if c.HostNodes < 0 {
 		return nil, errors.New("--host-nodes must not be negative")
-	}
-	if _, _, isReal, _ := lab.ParseRealKubeVirt(c.KubeVirt); c.HostNodes > 0 && !isReal {
-		return nil, fmt.Errorf("--host-nodes needs KubeVirt's real control plane (--kubevirt %s[legacy-|declarative-]TAG, or --harvester with --real): the simulator's kubelet stand-in cannot stand aside yet", lab.RealPrefix)
 	}
 	if c.StuckBound == 0 {
 		c.StuckBound = max(minStuckBound, time.Duration(float64(5*time.Minute)*c.TimeScale))
