@@ -149,6 +149,11 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	if c.HostNodes < 0 {
 		return nil, errors.New("--host-nodes must not be negative")
 	}
+	if c.HostNodes > 0 && c.AttachPodStuck > 0 {
+		// The switch holds the simulator's kubelet stand-in, which stands
+		// aside for the host nodes' real kubelets.
+		return nil, errors.New("--attachment-pod-stuck needs the simulator's kubelet stand-in; with --host-nodes real kubelets run the attachment pods")
+	}
 	if c.StuckBound == 0 {
 		c.StuckBound = max(minStuckBound, time.Duration(float64(5*time.Minute)*c.TimeScale))
 	}

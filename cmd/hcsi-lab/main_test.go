@@ -356,7 +356,7 @@ func TestHostNodesFlag(t *testing.T) {
 	if f.cfg.HostNodes != 3 {
 		t.Errorf("--host-nodes 3 on the simulated control plane gave %d host nodes", f.cfg.HostNodes)
 	}
-	for _, args := range [][]string{{"--host-nodes", "-1"}, {"--kubevirt", "real-v1.7.0", "--host-nodes", "-1"}} {
+	for _, args := range [][]string{{"--host-nodes", "-1"}, {"--kubevirt", "real-v1.7.0", "--host-nodes", "-1"}, {"--host-nodes", "3", "--attachment-pod-stuck", "5s"}} {
 		if _, err := parse(append(append([]string{}, base...), args...), io.Discard); err == nil {
 			t.Errorf("%q: accepted, want a refusal", args)
 		}
