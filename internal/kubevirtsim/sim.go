@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 
 	"k8s.io/client-go/rest"
@@ -68,10 +69,10 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 	s.prov.snapshots = s.snaps
 	s.snaps.prov = s.prov
 	s.faults.wire(s.vms, s.vmis, s.handler, s.kubelet)
-	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.prov, s.snaps, s.backups, s.netfs}
-	if !c.opts.Kubelets {
-		// With real kubelets the simulator's stands aside.
-		s.runnables = append(s.runnables, s.kubelet)
+	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.kubelet, s.prov, s.snaps, s.backups, s.netfs}
+	if c.opts.Kubelets {
+		// Real kubelets run the pods: the simulator's stands aside.
+		s.runnables = slices.DeleteFunc(s.runnables, func(r runnable) bool { return r == runnable(s.kubelet) })
 	}
 	return s, nil
 }
