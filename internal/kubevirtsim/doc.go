@@ -29,7 +29,10 @@
 //   - kubelet (kubelet.go): attachment pods start after every claim they
 //     mount is bound, sooner when the host node has every volume attached
 //     already than when one needs an attach, later the more volumes they
-//     hold past 50 (podStartDelay).
+//     hold past 50 (podStartDelay). With Options.Kubelets it stands
+//     aside: real kubelets on host nodes run the pods, a real scheduler
+//     places them, and the VMI controller writes a virt-launcher pod per
+//     VMI and its attachment pods as KubeVirt renders them (launcher.go).
 //   - provisioner (provisioner.go) and snapshotter (snapshot.go): the host
 //     "Longhorn" class, the PV/PVC protection controllers, resizes,
 //     VolumeSnapshots and restores (SnapshotHook), clones of a PVC
@@ -207,6 +210,6 @@
 // webhooks for backups (a restore of a missing backup is refused there; here
 // its controller reports the error), DataVolumes (a DataVolume source
 // is a claim of the same name), the VMI update validator's service-account
-// rule and CPU/memory checks, live migration itself, virt-launcher pods and
-// memory dumps.
+// rule and CPU/memory checks, live migration itself, virt-launcher pods
+// without Options.Kubelets, and memory dumps.
 package kubevirtsim
