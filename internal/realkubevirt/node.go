@@ -348,6 +348,12 @@ func (a *nodeAgents) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []vi
 		if p.Labels[kubevirtv1.AppLabel] != attachmentLabelValue || !slices.ContainsFunc(p.OwnerReferences, func(r metav1.OwnerReference) bool { return r.Kind == "Pod" && launchers[r.Name] }) {
 			continue
 		}
+		if !a.kubelets {
+			// The stand-in starts a pod the moment it binds it: every
+			// volume it lists is there.
+			out = append(out, podview.AllVolumes(p))
+			continue
+		}
 		out = append(out, podview.HandlerPod(p))
 	}
 	return out

@@ -41,10 +41,10 @@ func TestKubeletStandInStandsAsideForRealKubelets(t *testing.T) {
 	}
 }
 
-// virt-handler finds a volume's device in an attachment pod only once the
-// host kubelet published it, which it does before it starts the pod's
-// container: a pod still Pending (scheduled, its volume being attached)
-// offers its UID and no device.
+// With real host kubelets, virt-handler finds a volume's device in an
+// attachment pod only once the host kubelet published it, which it does
+// before it starts the pod's container: a pod still Pending (scheduled, its
+// volume being attached) offers its UID and no device.
 func TestAttachmentPodOffersDevicesOnlyOncePublished(t *testing.T) {
 	vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Name: "vm", Namespace: "guests", UID: "vmi-uid"}}
 	launcher := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "virt-launcher-vm-x", Namespace: "guests", UID: "launcher-uid",
@@ -62,6 +62,7 @@ func TestAttachmentPodOffersDevicesOnlyOncePublished(t *testing.T) {
 		}}},
 	}
 	a := newNodeAgents(fake.NewClientset(), nil, nil, []string{"harvester-0"}, nil)
+	a.kubelets = true
 	a.pods = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
 	for _, p := range []*corev1.Pod{launcher, pod} {
 		if err := a.pods.Add(p); err != nil {

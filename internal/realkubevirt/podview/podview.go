@@ -26,10 +26,16 @@ import (
 // WaitForAttachAndMount), so a pod none of whose containers has started
 // offers no device yet.
 func HandlerPod(p *corev1.Pod) virthandler.Pod {
-	hp := virthandler.Pod{UID: p.UID}
 	if !DevicesPublished(p) {
-		return hp
+		return virthandler.Pod{UID: p.UID}
 	}
+	return AllVolumes(p)
+}
+
+// AllVolumes is the pod with every claim volume it lists, for a kubelet
+// stand-in that publishes a pod's volumes as it binds it.
+func AllVolumes(p *corev1.Pod) virthandler.Pod {
+	hp := virthandler.Pod{UID: p.UID}
 	for _, v := range p.Spec.Volumes {
 		if v.PersistentVolumeClaim != nil {
 			hp.Volumes = append(hp.Volumes, v.Name)
