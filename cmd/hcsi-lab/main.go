@@ -120,7 +120,7 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	fs.DurationVar(&c.GhostWorkload, "ghost-workload", 0, "host fault: a random attached Longhorn volume's workloads list keeps an entry of a pod long gone for this long, now and then; needs --host-nodes")
 	fs.DurationVar(&c.GhostWorkloadEvery, "ghost-workload-every", 0, "how often the ghost-workload fault strikes (default 4x its length)")
 	fs.DurationVar(&c.MigrateVMsEvery, "migrate-vms", 0, "fault: live-migrate every guest VM to another host node in turn, one at a time, this often (what a Harvester upgrade does)")
-	fs.IntVar(&c.HostNodes, "host-nodes", 0, "run the host storage path under each attachment pod on this many host nodes: real kubelets, scheduler, attach/detach controller and csi-attacher, and the Longhorn stand-in (needs --kubevirt "+lab.RealPrefix+"...; 0: none, KubeVirt's pods run on a kubelet stand-in)")
+	fs.IntVar(&c.HostNodes, "host-nodes", 0, "run the host storage path under each attachment pod on this many host nodes: real kubelets, scheduler, attach/detach controller and csi-attacher, and the Longhorn stand-in (on the simulated and the real control plane alike; 0: none, KubeVirt's pods run on a kubelet stand-in)")
 	fs.IntVar(&f.verbosity, "v", 2, "log verbosity of the lab's own log (logs/lab.log)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
@@ -158,8 +158,16 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	if c.HostNodes < 0 {
 		return nil, errors.New("--host-nodes must not be negative")
 	}
-	if _, _, isReal, _ := lab.ParseRealKubeVirt(c.KubeVirt); c.HostNodes > 0 && !isReal {
-		return nil, fmt.Errorf("--host-nodes needs KubeVirt's real control plane (--kubevirt %s[legacy-|declarative-]TAG, or --harvester with --real): the simulator's kubelet stand-in cannot stand aside yet", lab.RealPrefix)
+	if c.HostNodes > 0 && c.AttachPodStuck > 0 {
+		// The switch holds the simulator's kubelet stand-in, which stands
+		// aside for the host nodes' real kubelets.
+		return nil, errors.New("--attachment-pod-stuck needs the simulator's kubelet stand-in; with --host-nodes real kubelets run the attachment pods")
+	}
+	if c.HostNodes > 0 && c.MigrateVMsEvery > 0 {
+		// The simulator's migration moves a VMI between its own node names;
+		// on host nodes the virt-launcher pods are real and nothing plays
+		// the target's side.
+		return nil, errors.New("--migrate-vms is not modelled on --host-nodes yet: the simulated migration has no target virt-launcher pod for the host nodes' kubelets")
 	}
 	if err := c.CheckHostFaults(); err != nil {
 		return nil, err

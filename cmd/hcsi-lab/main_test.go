@@ -385,8 +385,8 @@ func TestHarvesterFlag(t *testing.T) {
 	}
 }
 
-// --host-nodes turns the host storage path on, only over KubeVirt's real
-// control plane.
+// --host-nodes turns the host storage path on, over KubeVirt's real
+// control plane and over the simulated one (the default profile's).
 func TestHostNodesFlag(t *testing.T) {
 	dir := t.TempDir()
 	driver := filepath.Join(dir, "harvester-csi-driver")
@@ -401,7 +401,14 @@ func TestHostNodesFlag(t *testing.T) {
 	if f.cfg.HostNodes != 3 {
 		t.Errorf("--host-nodes 3 gave %d host nodes", f.cfg.HostNodes)
 	}
-	for _, args := range [][]string{{"--host-nodes", "3"}, {"--kubevirt", "real-v1.7.0", "--host-nodes", "-1"}} {
+	f, err = parse(append(append([]string{}, base...), "--host-nodes", "3"), io.Discard)
+	if err != nil {
+		t.Fatalf("--host-nodes 3 on the simulated control plane: %v", err)
+	}
+	if f.cfg.HostNodes != 3 {
+		t.Errorf("--host-nodes 3 on the simulated control plane gave %d host nodes", f.cfg.HostNodes)
+	}
+	for _, args := range [][]string{{"--host-nodes", "-1"}, {"--kubevirt", "real-v1.7.0", "--host-nodes", "-1"}, {"--host-nodes", "3", "--attachment-pod-stuck", "5s"}, {"--host-nodes", "3", "--migrate-vms", "1m"}} {
 		if _, err := parse(append(append([]string{}, base...), args...), io.Discard); err == nil {
 			t.Errorf("%q: accepted, want a refusal", args)
 		}

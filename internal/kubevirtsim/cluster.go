@@ -91,7 +91,7 @@ func (c *cluster) setupInformers() {
 	c.migInf = c.kv.informer(resMigrations, ns, &kubevirtv1.VirtualMachineInstanceMigration{}, &kubevirtv1.VirtualMachineInstanceMigrationList{})
 	c.kvInf = c.kv.informer(resKubeVirts, c.opts.KubeVirtNamespace, &kubevirtv1.KubeVirt{}, &kubevirtv1.KubeVirtList{})
 	podFactory := informers.NewSharedInformerFactoryWithOptions(c.kube, 0, informers.WithNamespace(ns),
-		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = labelAttachmentPod + "=" + valueAttachmentPod }))
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = c.podSelector() }))
 	c.podInf = podFactory.Core().V1().Pods().Informer()
 	c.podLister = podFactory.Core().V1().Pods().Lister()
 	factory := informers.NewSharedInformerFactoryWithOptions(c.kube, 0, informers.WithNamespace(ns))
@@ -184,7 +184,8 @@ func (c *cluster) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []*core
 	all, _ := c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: vmi.Name}))
 	var out []*corev1.Pod
 	for _, p := range all {
-		if metav1.IsControlledBy(p, vmi) && (vmi.Status.NodeName == "" || p.Spec.NodeName == "" || p.Spec.NodeName == vmi.Status.NodeName) {
+		if p.Labels[labelAttachmentPod] == valueAttachmentPod && (metav1.IsControlledBy(p, vmi) || c.ownedByLauncherOf(p, vmi)) &&
+			(vmi.Status.NodeName == "" || p.Spec.NodeName == "" || p.Spec.NodeName == vmi.Status.NodeName) {
 			out = append(out, p)
 		}
 	}

@@ -29,7 +29,10 @@
 //   - kubelet (kubelet.go): attachment pods start after every claim they
 //     mount is bound, sooner when the host node has every volume attached
 //     already than when one needs an attach, later the more volumes they
-//     hold past 50 (podStartDelay).
+//     hold past 50 (podStartDelay). With Options.Kubelets it stands
+//     aside: real kubelets on host nodes run the pods, a real scheduler
+//     places them, and the VMI controller writes a virt-launcher pod per
+//     VMI and its attachment pods as KubeVirt renders them (launcher.go).
 //   - provisioner (provisioner.go) and snapshotter (snapshot.go): the host
 //     "Longhorn" class, the PV/PVC protection controllers, resizes,
 //     VolumeSnapshots and restores (SnapshotHook), clones of a PVC
@@ -213,7 +216,7 @@
 // webhooks for backups (a restore of a missing backup is refused there; here
 // its controller reports the error), DataVolumes (a DataVolume source
 // is a claim of the same name), the VMI update validator's service-account
-// rule and CPU/memory checks, virt-launcher pods (a live migration,
-// migration.go, plays its phases and what they do to hotplug, not the
-// transfer) and memory dumps.
+// rule and CPU/memory checks, virt-launcher pods without Options.Kubelets
+// (a live migration, migration.go, plays its phases and what they do to
+// hotplug, not the transfer) and memory dumps.
 package kubevirtsim

@@ -11,6 +11,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt/podview"
 	"github.com/harvester-csi/harvester-csi-driver/internal/virthandler"
 )
 
@@ -141,7 +142,7 @@ func (h *virtHandler) sync(ctx context.Context, key string) (time.Duration, erro
 		return 0, nil
 	}
 
-	res := h.vh.Sync(ctx, vmi, handlerPods(h.c.attachmentPods(vmi)), time.Now())
+	res := h.vh.Sync(ctx, vmi, h.handlerPods(h.c.attachmentPods(vmi)), time.Now())
 	if err := virthandler.RecordEvents(ctx, h.c.kube, vmi, res.Events); err != nil {
 		h.c.log.V(2).Info("virt-handler events not recorded", "vm", key, "err", err)
 	}
@@ -168,10 +169,18 @@ func (h *virtHandler) sync(ctx context.Context, key string) (time.Duration, erro
 }
 
 // handlerPods is what virt-handler finds of each attachment pod on the
-// node: its UID and the volumes it holds.
-func handlerPods(pods []*corev1.Pod) []virthandler.Pod {
+// node: its UID and the volumes it holds; with real kubelets only those
+// the host kubelet published (podview.HandlerPod, as on the real
+// control plane). The simulator's own kubelet publishes a pod's volumes as
+// it starts it, and virt-controller names a pod to virt-handler only once
+// it runs.
+func (h *virtHandler) handlerPods(pods []*corev1.Pod) []virthandler.Pod {
 	out := make([]virthandler.Pod, 0, len(pods))
 	for _, p := range pods {
+		if h.c.opts.Kubelets {
+			out = append(out, podview.HandlerPod(p))
+			continue
+		}
 		out = append(out, virthandler.Pod{UID: p.UID, Volumes: podVolumes(p)})
 	}
 	return out
@@ -205,6 +214,9 @@ func (h *virtHandler) shutdownVMI(ctx context.Context, vmi *kubevirtv1.VirtualMa
 				return 0, err
 			}
 		}
+	}
+	if err := deleteLauncher(ctx, h.c, vmi); err != nil {
+		return 0, err
 	}
 	if !slices.Contains(vmi.Finalizers, vmiFinalizer) {
 		return 0, nil

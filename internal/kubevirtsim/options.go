@@ -7,6 +7,9 @@ import (
 	"sync"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+
 	"github.com/harvester-csi/harvester-csi-driver/internal/virthandler"
 )
 
@@ -209,8 +212,23 @@ type Options struct {
 	// "longhorn"); BindClasslessPVCs also binds PVCs with no class.
 	StorageClass      string
 	BindClasslessPVCs bool
-	// NodeName is the node VMIs run on (default "harvester-node-0").
+	// NodeName is the node VMIs run on (default "harvester-node-0"); not
+	// with Kubelets, where the scheduler picks it.
 	NodeName string
+	// Kubelets says real kubelets run the host nodes, with a real
+	// scheduler and attach/detach controller (internal/simhost's host
+	// storage): each VMI gets a virt-launcher pod, and its attachment pods
+	// carry KubeVirt's node affinity to that pod's node instead of a node
+	// name (launcher.go); the simulator's kubelet stands aside; virt-handler
+	// finds a device in an attachment pod only once the host kubelet
+	// published it (podview.HandlerPod, the rule of the real control
+	// plane's node agents).
+	Kubelets bool
+	// ProvisionHook, when set, runs before the provisioner creates the PV of
+	// a claim it binds, as Longhorn's CreateVolume makes its volume before
+	// external-provisioner writes the PV; an error leaves the claim Pending,
+	// retried.
+	ProvisionHook func(ctx context.Context, pvc *corev1.PersistentVolumeClaim, pvName string, size resource.Quantity) error
 	// NFSEndpoint is the address an enabled NetworkFilesystem reports
 	// (default DefaultNFSEndpoint); NFSMountOptions its recommended mount
 	// options (default none).

@@ -184,6 +184,11 @@ func (p *provisioner) sync(ctx context.Context, key string) (time.Duration, erro
 	if size.IsZero() {
 		size = resource.MustParse("1Gi")
 	}
+	if h := p.c.opts.ProvisionHook; h != nil {
+		if err := h(ctx, pvc, pvName, size); err != nil {
+			return 0, fmt.Errorf("provision hook of PV %s: %w", pvName, err)
+		}
+	}
 	class := p.c.opts.StorageClass
 	if pvc.Spec.StorageClassName != nil {
 		class = *pvc.Spec.StorageClassName

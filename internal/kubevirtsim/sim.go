@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 
 	"k8s.io/client-go/rest"
@@ -72,6 +73,10 @@ func New(cfg *rest.Config, opts Options) (*Sim, error) {
 	s.faults.wire(s.vms, s.vmis, s.handler, s.kubelet)
 	s.faults.holdMigration = s.migs.hold
 	s.runnables = []runnable{s.vms, s.vmis, s.handler, s.kubelet, s.prov, s.snaps, s.backups, s.netfs, s.migs}
+	if c.opts.Kubelets {
+		// Real kubelets run the pods: the simulator's stands aside.
+		s.runnables = slices.DeleteFunc(s.runnables, func(r runnable) bool { return r == runnable(s.kubelet) })
+	}
 	return s, nil
 }
 

@@ -31,6 +31,10 @@ type VMSpec struct {
 	Volumes []kubevirtv1.Volume
 	Disks   []kubevirtv1.Disk
 	Labels  map[string]string
+	// NodeSelector and Affinity go into the VMI template, for the scheduler
+	// that places virt-launcher pods with Options.Kubelets.
+	NodeSelector map[string]string
+	Affinity     *corev1.Affinity
 	// NoWait returns right after creation instead of waiting for the VMI to
 	// run (or, when Stopped, for the VM's status).
 	NoWait bool
@@ -65,7 +69,9 @@ func (s *Sim) CreateVM(ctx context.Context, spec VMSpec) (*kubevirtv1.VirtualMac
 							Interfaces: []kubevirtv1.Interface{{Name: "default", InterfaceBindingMethod: kubevirtv1.InterfaceBindingMethod{Masquerade: &kubevirtv1.InterfaceMasquerade{}}}},
 						},
 					},
-					Networks: []kubevirtv1.Network{{Name: "default", NetworkSource: kubevirtv1.NetworkSource{Pod: &kubevirtv1.PodNetwork{}}}},
+					NodeSelector: spec.NodeSelector,
+					Affinity:     spec.Affinity,
+					Networks:     []kubevirtv1.Network{{Name: "default", NetworkSource: kubevirtv1.NetworkSource{Pod: &kubevirtv1.PodNetwork{}}}},
 					Volumes: append([]kubevirtv1.Volume{{
 						Name:         "rootdisk",
 						VolumeSource: kubevirtv1.VolumeSource{ContainerDisk: &kubevirtv1.ContainerDiskSource{Image: "kubevirt/fedora-cloud-container-disk-demo"}},

@@ -110,10 +110,25 @@ func (v *vmiController) sync(ctx context.Context, key string) (time.Duration, er
 		st.Phase = kubevirtv1.Scheduling
 		if vmi.Status.Phase == "" {
 			st.Phase = kubevirtv1.Pending
+			if v.c.opts.Kubelets {
+				if err := v.ensureLauncher(ctx, vmi); err != nil {
+					return 0, err
+				}
+			}
 		}
 		return 0, writeVMIStatus(ctx, v.c, vmi, st)
 	case kubevirtv1.Scheduling:
-		v.schedule(vmi, st)
+		node := ""
+		if v.c.opts.Kubelets {
+			// Scheduled once the scheduler placed the launcher and its
+			// kubelet runs it; the pod's events bring the VMI back.
+			l := v.c.launcherRunning(vmi)
+			if l == nil {
+				return 0, v.ensureLauncher(ctx, vmi)
+			}
+			node = l.Spec.NodeName
+		}
+		v.schedule(vmi, st, node)
 	case kubevirtv1.Scheduled, kubevirtv1.Running:
 	default:
 		return 0, nil // Succeeded, Failed, Unknown: nothing to do
@@ -201,12 +216,16 @@ func (v *vmiController) handleHotplugVolumes(ctx context.Context, vmi *kubevirtv
 // virt-launcher pod runs: phase Scheduled, the node, the interfaces and the
 // boot volumes' entries. The same pass handles the hotplug volumes, so
 // their entries exist before virt-handler looks (v1.7.0 lifecycle.go:360-380).
-func (v *vmiController) schedule(vmi *kubevirtv1.VirtualMachineInstance, st *kubevirtv1.VirtualMachineInstanceStatus) {
+// node is the launcher pod's node with Options.Kubelets, else "".
+func (v *vmiController) schedule(vmi *kubevirtv1.VirtualMachineInstance, st *kubevirtv1.VirtualMachineInstanceStatus, node string) {
 	st.Phase = kubevirtv1.Scheduled
 	if st.NodeName == "" {
 		st.NodeName = v.c.opts.NodeName
 		if n := vmi.Annotations[annotationNodeName]; n != "" {
 			st.NodeName = n
+		}
+		if node != "" {
+			st.NodeName = node
 		}
 	}
 	if len(st.Interfaces) == 0 {
@@ -281,6 +300,13 @@ func (v *vmiController) createAttachmentPod(ctx context.Context, vmi *kubevirtv1
 			Name:         fmt.Sprintf("hotplug-disk-%d", i),
 			VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: h.claim}},
 		})
+	}
+	if v.c.opts.Kubelets {
+		l := v.c.launcherRunning(vmi)
+		if l == nil {
+			return nil, fmt.Errorf("virt-launcher pod of VMI %s/%s is not running", vmi.Namespace, vmi.Name)
+		}
+		kubeletAttachmentPod(pod, vmi, hot, l)
 	}
 	created, err := v.c.kube.CoreV1().Pods(vmi.Namespace).Create(ctx, pod, metav1.CreateOptions{})
 	if err != nil {

@@ -88,7 +88,7 @@ type Config struct {
 
 	// HostNodes, when positive, runs the host storage path under each
 	// attachment pod (simhost.Options.HostStorage) on that many host
-	// nodes; it needs KubeVirt's real control plane.
+	// nodes, under either control plane.
 	HostNodes int `json:"host_nodes,omitempty"`
 
 	// Out is the run directory; Bin the upstream binaries; DriverBinary the

@@ -178,6 +178,9 @@ func TestHostOptionsWithHostNodes(t *testing.T) {
 	if !h.HostStorage || h.HostNodes != 3 || h.Longhorn.Scale != 0.1 || h.Longhorn.Jitter != 0.2 || h.HostNodeStatusUpdate != time.Second {
 		t.Errorf("hostOptions with 3 host nodes: HostStorage %v, HostNodes %d, Longhorn %+v, status every %v", h.HostStorage, h.HostNodes, h.Longhorn, h.HostNodeStatusUpdate)
 	}
+	if h := hostOptions("/out", "", sim, []string{"n-0"}, 3); !h.HostStorage || h.Real != "" || h.HostNodes != 3 {
+		t.Errorf("hostOptions with 3 host nodes on the simulator: HostStorage %v, Real %q, HostNodes %d", h.HostStorage, h.Real, h.HostNodes)
+	}
 	if h := hostOptions("/out", "real-legacy-v1.7.0", sim, nil, 0); h.HostStorage {
 		t.Error("hostOptions without host nodes turns host storage on")
 	}

@@ -20,6 +20,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
+	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt/podview"
 	"github.com/harvester-csi/harvester-csi-driver/internal/virthandler"
 )
 
@@ -347,13 +348,13 @@ func (a *nodeAgents) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []vi
 		if p.Labels[kubevirtv1.AppLabel] != attachmentLabelValue || !slices.ContainsFunc(p.OwnerReferences, func(r metav1.OwnerReference) bool { return r.Kind == "Pod" && launchers[r.Name] }) {
 			continue
 		}
-		hp := virthandler.Pod{UID: p.UID}
-		for _, v := range p.Spec.Volumes {
-			if v.PersistentVolumeClaim != nil {
-				hp.Volumes = append(hp.Volumes, v.Name)
-			}
+		if !a.kubelets {
+			// The stand-in starts a pod the moment it binds it: every
+			// volume it lists is there.
+			out = append(out, podview.AllVolumes(p))
+			continue
 		}
-		out = append(out, hp)
+		out = append(out, podview.HandlerPod(p))
 	}
 	return out
 }

@@ -215,8 +215,18 @@ func (b *binder) longhornVolume(ctx context.Context, pvc *corev1.PersistentVolum
 	if b.longhorn == nil {
 		return nil
 	}
+	return createLonghornVolume(ctx, b.longhorn, pvc, name, size, modes)
+}
+
+// createLonghornVolume is Longhorn's CreateVolume behind either control
+// plane's provisioner (see binder.longhornVolume); a volume that exists
+// already is the one a retried bind made.
+func createLonghornVolume(ctx context.Context, lh *simlonghorn.Sim, pvc *corev1.PersistentVolumeClaim, name string, size int64, modes []corev1.PersistentVolumeAccessMode) error {
+	if len(modes) == 0 {
+		modes = []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce}
+	}
 	block := pvc.Spec.VolumeMode != nil && *pvc.Spec.VolumeMode == corev1.PersistentVolumeBlock
-	err := b.longhorn.CreateVolume(ctx, simlonghorn.NewVolume{
+	err := lh.CreateVolume(ctx, simlonghorn.NewVolume{
 		Name: name, Size: size, Migratable: block && slices.Contains(modes, corev1.ReadWriteMany),
 		PVName: name, PVCNamespace: pvc.Namespace, PVCName: pvc.Name,
 	})

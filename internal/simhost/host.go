@@ -20,9 +20,11 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
@@ -83,8 +85,9 @@ type Options struct {
 	// HostStorage runs the host storage path under each attachment pod
 	// (hostnodes.go): HostNodes host nodes, each a real kubelet, with the
 	// real kube-scheduler, attach/detach controller and csi-attacher, and
-	// Longhorn's stand-in (internal/simlonghorn) behind every host claim.
-	// Only with Real for now.
+	// Longhorn's stand-in (internal/simlonghorn) behind every host claim,
+	// on either control plane: KubeVirt's real one, or the simulator with
+	// its kubelet standing aside (kubevirtsim.Options.Kubelets).
 	HostStorage bool
 	// HostNodes is the number of host nodes with HostStorage (default
 	// DefaultHostNodes).
@@ -138,9 +141,6 @@ func Start(ctx context.Context, o Options) (*Host, error) {
 		// The simulator's virt-handler follows Sim.Version; a release
 		// named here would be silently ignored.
 		return nil, errors.New("simhost: RealRelease needs Real (the simulator plays Sim.Version's virt-handler)")
-	}
-	if o.HostStorage && o.Real == "" {
-		return nil, errors.New("simhost: HostStorage needs Real (the simulator's kubelet stand-in cannot stand aside yet)")
 	}
 	if !o.HostStorage && (o.HostNodes != 0 || len(o.Placement) != 0) {
 		return nil, errors.New("simhost: HostNodes and Placement need HostStorage")
@@ -209,6 +209,16 @@ func (h *Host) start(ctx context.Context) error {
 		// guest StorageClass names none (the chart's does not).
 		so.BindClasslessPVCs = true
 	}
+	if h.nodes != nil {
+		// Before the simulator: its first claim needs Longhorn.
+		if err := h.startHostStorage(ctx, runCtx); err != nil {
+			return fmt.Errorf("host storage: %w", err)
+		}
+		so.Kubelets = true
+		so.ProvisionHook = func(ctx context.Context, pvc *corev1.PersistentVolumeClaim, pv string, size resource.Quantity) error {
+			return createLonghornVolume(ctx, h.Longhorn, pvc, pv, size.Value(), pvc.Spec.AccessModes)
+		}
+	}
 	if h.Sim, err = kubevirtsim.New(env.Config, so); err != nil {
 		return err
 	}
@@ -262,7 +272,10 @@ func (h *Host) CreateVMs(ctx context.Context, names ...string) error {
 				}
 				return
 			}
-			if _, err := h.Sim.CreateVM(ctx, kubevirtsim.VMSpec{Namespace: h.Namespace, Name: n}); err != nil {
+			var place kubevirtv1.VirtualMachineInstanceSpec
+			h.place(&place, n)
+			if _, err := h.Sim.CreateVM(ctx, kubevirtsim.VMSpec{Namespace: h.Namespace, Name: n,
+				NodeSelector: place.NodeSelector, Affinity: place.Affinity}); err != nil {
 				errs[i] = fmt.Errorf("VM %s/%s: %w", h.Namespace, n, err)
 			}
 		}()

@@ -277,6 +277,12 @@ func (h *Host) hostNodeStatusUpdate() time.Duration {
 // virt-controller is given and the guest VMs' container disk, with and
 // without the tag the kubelet adds to an untagged name.
 func (h *Host) kubevirtImages() []string {
+	if h.o.Real == "" {
+		// The simulator's pods have no init containers that must end:
+		// their containers run until deleted, as a hollow kubelet runs any
+		// image it has no command for.
+		return nil
+	}
 	return []string{"virt-launcher:" + h.o.Real, rootDiskImage, rootDiskImage + ":latest"}
 }
 

@@ -14,6 +14,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
+	"kubevirt.io/client-go/kubevirt"
+
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
@@ -21,9 +23,8 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
-func TestHostStorageNeedsRealAndHostNodesNeedHostStorage(t *testing.T) {
+func TestHostNodesNeedHostStorage(t *testing.T) {
 	for _, o := range []Options{
-		{HostStorage: true},
 		{HostNodes: 2},
 		{Placement: map[string]string{"vm": "harvester-0"}},
 		{Real: "v1.7.0", HostStorage: true, Placement: map[string]string{"vm": "elsewhere"}},
@@ -36,30 +37,46 @@ func TestHostStorageNeedsRealAndHostNodesNeedHostStorage(t *testing.T) {
 	}
 }
 
-// On KubeVirt's real control plane with host storage, a hot-plug goes the
-// way it goes on Harvester: the attachment pod is placed by the scheduler
-// on its VM's host node, the attach/detach controller asks for the
-// Longhorn volume there, the external-attacher's ControllerPublish gets
-// its Longhorn ticket satisfied, the kubelet publishes the volume, and
-// only then is the VMI entry Ready. The unplug lets go in the host's order:
-// the host VolumeAttachment goes only after the pod is gone and the node
-// no longer lists the volume in use.
+// With host storage, on KubeVirt's real control plane and on the simulated
+// one alike, a hot-plug goes the way it goes on Harvester: the attachment
+// pod is placed by the scheduler on its VM's host node, the attach/detach
+// controller asks for the Longhorn volume there, the external-attacher's
+// ControllerPublish gets its Longhorn ticket satisfied, the kubelet
+// publishes the volume, and only then is the VMI entry Ready. The unplug
+// lets go in the host's order: the host VolumeAttachment goes only after
+// the pod is gone and the node no longer lists the volume in use.
 func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("host kubelets mount and map block volumes: needs root")
 	}
-	bin, err := testenv.BinDir()
-	if err != nil {
-		t.Fatal(err)
+	for _, tc := range []struct {
+		name    string
+		real    string
+		sim     kubevirtsim.Options
+		declare bool
+	}{
+		{name: "real-v1.7.0-legacy", real: "v1.7.0", sim: kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy}},
+		{name: "sim-v1.5.3-legacy", sim: kubevirtsim.Options{Version: kubevirtsim.V1_5_3, Mode: kubevirtsim.ModeLegacy, Scale: 0.05}},
+		{name: "sim-v1.7.0-declarative", sim: kubevirtsim.Options{Version: kubevirtsim.V1_7_0, Mode: kubevirtsim.ModeDeclarative, Scale: 0.05}},
+	} {
+		t.Run(tc.name, func(t *testing.T) { hotplugThroughHostStorage(t, tc.real, tc.sim) })
 	}
-	const version = "v1.7.0"
-	if !realkubevirt.Built(bin, version) {
-		t.Skipf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", version, bin)
+}
+
+func hotplugThroughHostStorage(t *testing.T, real string, so kubevirtsim.Options) {
+	if real != "" {
+		bin, err := testenv.BinDir()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !realkubevirt.Built(bin, real) {
+			t.Skipf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", real, bin)
+		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
 	h, err := Start(ctx, Options{
-		Real: version, Sim: kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy},
+		Real: real, Sim: so,
 		VMs: []string{"node-0"}, Harvester: true,
 		HostStorage: true, HostNodeStatusUpdate: 2 * time.Second,
 		Longhorn:  simlonghorn.Options{Scale: 0.05},
@@ -84,6 +101,13 @@ func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 	if other := h.HostNodeOf(ctx, "node-1"); other == host || !slices.Contains(h.HostNodes(), other) {
 		t.Errorf("node-1's VM runs on %q, want another host node than node-0's %s", other, host)
 	}
+	kv := h.KubeVirt
+	if kv == nil {
+		// The simulator's virt-api answers through its front proxy.
+		if kv, err = kubevirt.NewForConfig(h.ClientConfig()); err != nil {
+			t.Fatal(err)
+		}
+	}
 
 	vols, err := h.CreateVolumes(ctx, "pvc", 1)
 	if err != nil {
@@ -102,7 +126,7 @@ func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 		t.Errorf("Longhorn volume %s of an RWX block claim of Harvester's class is not migratable", lhName)
 	}
 
-	vms := h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace)
+	vms := kv.KubevirtV1().VirtualMachines(h.Namespace)
 	if err := vms.AddVolume(ctx, "node-0", &kubevirtv1.AddVolumeOptions{
 		Name: vols[0], Disk: &kubevirtv1.Disk{DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusSCSI}}},
 		VolumeSource: &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{
@@ -131,6 +155,9 @@ func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 	}
 	if pod.Spec.NodeName != host {
 		t.Errorf("attachment pod %s is on %q, want the VM's host node %s", pod.Name, pod.Spec.NodeName, host)
+	}
+	if !affinityTo(pod, host) {
+		t.Errorf("attachment pod %s has affinity %+v, want KubeVirt's required node affinity to %s", pod.Name, pod.Spec.Affinity, host)
 	}
 	if !scheduledByScheduler(ctx, t, h, pod) {
 		t.Errorf("attachment pod %s was not placed by the scheduler", pod.Name)
@@ -238,4 +265,21 @@ func TestRealOptionsPlayRealRelease(t *testing.T) {
 	if ro.Release != "v1.7.4" || ro.Mode != realkubevirt.Declarative || ro.Scale != 0.5 || ro.Jitter != 0.2 || ro.Seed != 7 {
 		t.Errorf("realOptions = %+v; want release v1.7.4, declarative, scale 0.5, jitter 0.2, seed 7", ro)
 	}
+}
+
+// affinityTo reports whether pod requires node host by its hostname label,
+// as KubeVirt ties an attachment pod to its virt-launcher's node.
+func affinityTo(pod *corev1.Pod, host string) bool {
+	a := pod.Spec.Affinity
+	if a == nil || a.NodeAffinity == nil || a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution == nil {
+		return false
+	}
+	for _, term := range a.NodeAffinity.RequiredDuringSchedulingIgnoredDuringExecution.NodeSelectorTerms {
+		for _, r := range term.MatchExpressions {
+			if r.Key == corev1.LabelHostname && r.Operator == corev1.NodeSelectorOpIn && slices.Equal(r.Values, []string{host}) {
+				return true
+			}
+		}
+	}
+	return false
 }

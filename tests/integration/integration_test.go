@@ -102,8 +102,28 @@ var realFlavors = []realFlavor{
 	{flavor: flavor{"real-legacy-v1.7.0-host-storage", kubevirtsim.ModeLegacy, "", kvbackend.BackendSubresource, false}, tag: "v1.7.0", hostStorage: true},
 }
 
-// hostStorageEnv set to "1" runs the host-storage flavor.
+// hostStorageFlavors run the same scenarios on the simulator with the
+// host storage path under its attachment pods (kubevirtsim
+// Options.Kubelets): Harvester 1.6's legacy KubeVirt v1.5.3, the lab's
+// default profile. Like the real host-storage flavor they need root and
+// hostStorageEnv=1.
+var hostStorageFlavors = []flavor{
+	{"legacy-v1.5.3-host-storage", kubevirtsim.ModeLegacy, kubevirtsim.V1_5_3, kvbackend.BackendSubresource, false},
+}
+
+// hostStorageEnv set to "1" runs the host-storage flavors.
 const hostStorageEnv = "HCSI_HOST_STORAGE"
+
+// hostStorageSkip says why the host-storage flavors do not run here, or "".
+func hostStorageSkip() string {
+	switch {
+	case os.Getenv(hostStorageEnv) != "1":
+		return fmt.Sprintf("the host storage path runs with %s=1", hostStorageEnv)
+	case os.Geteuid() != 0:
+		return "the host storage path's kubelets mount and map block volumes: needs root"
+	}
+	return ""
+}
 
 // allRealEnv set to "all" runs every real-control-plane flavor.
 const allRealEnv = "HCSI_KUBEVIRT_REAL"
@@ -118,11 +138,12 @@ type realFlavor struct {
 
 // skip says why a real flavor does not run here, or "".
 func (rf realFlavor) skip(bin string) string {
+	if rf.hostStorage {
+		if why := hostStorageSkip(); why != "" {
+			return why
+		}
+	}
 	switch {
-	case rf.hostStorage && os.Getenv(hostStorageEnv) != "1":
-		return fmt.Sprintf("the host storage path runs with %s=1", hostStorageEnv)
-	case rf.hostStorage && os.Geteuid() != 0:
-		return "the host storage path's kubelets mount and map block volumes: needs root"
 	case !rf.hostStorage && !rf.byDefault && os.Getenv(allRealEnv) != "all":
 		return fmt.Sprintf("one real-control-plane flavor runs by default; %s=all runs this one too", allRealEnv)
 	case !realkubevirt.Built(bin, rf.tag):
@@ -149,6 +170,18 @@ func TestController(t *testing.T) {
 			// minutes.
 			t.Parallel()
 			h := framework.StartHost(t, kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true})
+			runScenarios(t, &suite{t: t, f: f, host: h})
+		})
+	}
+	for _, f := range hostStorageFlavors {
+		t.Run(f.name, func(t *testing.T) {
+			if why := hostStorageSkip(); why != "" {
+				t.Skip(why)
+			}
+			t.Parallel()
+			h := framework.StartHostWith(t, simhost.Options{
+				Sim:         kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true},
+				HostStorage: true, Longhorn: simlonghorn.Options{Scale: scale}})
 			runScenarios(t, &suite{t: t, f: f, host: h})
 		})
 	}
