@@ -121,8 +121,13 @@ func (h *realHost) remountDeadlock(vm string) {
 	h.cp.Faults().SetDeviceVanished(h.ns+"/"+vm, "dl-b", true)
 	h.edit(vm, nil, []string{"dl-a", "dl-b"})
 	h.waitEvent(vm, "SyncFailed")
-	h.waitEntry(vm, "dl-b UnMountedFromPod", func(vmi *kubevirtv1.VirtualMachineInstance) bool {
-		return phaseOf(vmi, "dl-b") == kubevirtv1.HotplugVolumeUnMounted
+	// dl-b leaves the domain. Which phase it shows then is a race of two
+	// writers: virt-handler's UnMountedFromPod is allowed only from Ready
+	// (v1.7.0 pkg/virt-handler/vm.go:447 canUpdateToUnmounted), so once
+	// virt-controller has written Detaching first the entry keeps that.
+	h.waitEntry(vm, "dl-b out of the domain (UnMountedFromPod or Detaching)", func(vmi *kubevirtv1.VirtualMachineInstance) bool {
+		e, ok := entryOf(vmi, "dl-b")
+		return ok && e.Target == "" && (e.Phase == kubevirtv1.HotplugVolumeUnMounted || e.Phase == kubevirtv1.HotplugVolumeDetaching)
 	})
 	h.waitPasses(vm, 5)
 	vmi := h.vmi(vm)
