@@ -142,3 +142,7 @@ func (v Version) features() features {
 	}
 	return f
 }
+
+// HarvesterRelease is the Harvester release that ships this KubeVirt (its
+// server-version setting), "" for a version the simulator does not have.
+func (v Version) HarvesterRelease() string { return v.features().harvester }

@@ -12,6 +12,8 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/dynamic"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 )
 
 // onlineExpandSetting is the Harvester setting (1.4 and later) upstream's
@@ -28,17 +30,45 @@ func (h *Host) harvesterDefaults(ctx context.Context) error {
 		if err := h.settingCRD(ctx); err != nil {
 			return fmt.Errorf("harvester Setting CRD: %w", err)
 		}
+		// The simulator writes server-version itself; upstream's driver
+		// refuses to start without it ("settings.harvesterhci.io
+		// \"server-version\" not found").
+		if err := h.setting(ctx, serverVersionSetting, map[string]any{"default": "", "value": h.serverVersion()}); err != nil {
+			return fmt.Errorf("harvester setting %s: %w", serverVersionSetting, err)
+		}
 	}
 	if err := h.markDefaultClass(ctx); err != nil {
 		return fmt.Errorf("default storage class: %w", err)
 	}
-	if err := h.onlineExpansionSetting(ctx); err != nil {
+	if err := h.setting(ctx, onlineExpandSetting, map[string]any{"default": "true"}); err != nil {
 		return fmt.Errorf("harvester setting %s: %w", onlineExpandSetting, err)
 	}
 	return nil
 }
 
-func (h *Host) onlineExpansionSetting(ctx context.Context) error {
+// serverVersionSetting is Harvester's own version, which upstream's driver
+// reads as it starts.
+const serverVersionSetting = "server-version"
+
+// serverVersion is the Harvester release behind KubeVirt's real control
+// plane: Sim.ServerVersion when set, else the release that ships the
+// KubeVirt its node agents play (RealRelease, else the tag).
+func (h *Host) serverVersion() string {
+	if h.o.Sim.ServerVersion != "" {
+		return h.o.Sim.ServerVersion
+	}
+	for _, v := range []string{h.o.RealRelease, h.o.Real} {
+		if r := kubevirtsim.Version(v).HarvesterRelease(); r != "" {
+			return r
+		}
+	}
+	// Tags no Harvester ships: the release of their line.
+	return map[string]string{"v1.6.0": "v1.7.0", "v1.8.4": "v1.9.0"}[h.o.Real]
+}
+
+// setting creates a Harvester Setting with fields beside its metadata,
+// keeping one that exists.
+func (h *Host) setting(ctx context.Context, name string, fields map[string]any) error {
 	dyn, err := dynamic.NewForConfig(h.Env.Config)
 	if err != nil {
 		return err
@@ -46,9 +76,11 @@ func (h *Host) onlineExpansionSetting(ctx context.Context) error {
 	res := dyn.Resource(schema.GroupVersionResource{Group: "harvesterhci.io", Version: "v1beta1", Resource: "settings"})
 	obj := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "harvesterhci.io/v1beta1", "kind": "Setting",
-		"metadata": map[string]any{"name": onlineExpandSetting},
-		"default":  "true",
+		"metadata": map[string]any{"name": name},
 	}}
+	for k, v := range fields {
+		obj.Object[k] = v
+	}
 	// The simulator installs the Setting CRD as it starts; it may not be
 	// served yet.
 	return wait.PollUntilContextTimeout(ctx, 200*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {

@@ -283,3 +283,24 @@ func affinityTo(pod *corev1.Pod, host string) bool {
 	}
 	return false
 }
+
+// Harvester's server-version on KubeVirt's real control plane names the
+// release that ships the KubeVirt the host plays: upstream's driver refuses
+// to start without the setting.
+func TestServerVersionOnTheRealControlPlane(t *testing.T) {
+	for _, tc := range []struct {
+		o    Options
+		want string
+	}{
+		{Options{Real: "v1.7.0", RealRelease: "v1.7.4"}, "v1.8.2"},
+		{Options{Real: "v1.7.0"}, "v1.8.0"},
+		{Options{Real: "v1.6.0", RealRelease: "v1.6.6"}, "v1.7.2"},
+		{Options{Real: "v1.6.0"}, "v1.7.0"},
+		{Options{Real: "v1.8.4"}, "v1.9.0"},
+		{Options{Real: "v1.7.0", Sim: kubevirtsim.Options{ServerVersion: "v1.8.1"}}, "v1.8.1"},
+	} {
+		if got := (&Host{o: tc.o}).serverVersion(); got != tc.want {
+			t.Errorf("server-version for %+v = %q, want %q", tc.o, got, tc.want)
+		}
+	}
+}
