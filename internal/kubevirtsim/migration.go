@@ -474,11 +474,20 @@ func (s *Sim) Migrate(ctx context.Context, namespace, vm, toNode string) (string
 
 // Migration returns the migration from the simulator's cache.
 func (s *Sim) Migration(namespace, name string) (*kubevirtv1.VirtualMachineInstanceMigration, bool) {
-	obj, ok, _ := s.c.migInf.GetIndexer().GetByKey(namespace + "/" + name)
+	m, ok := s.c.migration(namespace, name)
 	if !ok {
 		return nil, false
 	}
-	return obj.(*kubevirtv1.VirtualMachineInstanceMigration).DeepCopy(), true
+	return m.DeepCopy(), true
+}
+
+// migration is the cached migration (shared: do not modify).
+func (c *cluster) migration(namespace, name string) (*kubevirtv1.VirtualMachineInstanceMigration, bool) {
+	obj, ok, _ := c.migInf.GetIndexer().GetByKey(namespace + "/" + name)
+	if !ok {
+		return nil, false
+	}
+	return obj.(*kubevirtv1.VirtualMachineInstanceMigration), true
 }
 
 // HoldMigration keeps the VM's migration in phase Running (transferring)

@@ -122,6 +122,11 @@ func TestMigrationMovesHotplugVolumes(t *testing.T) {
 		}
 		s.Faults().HoldMigration(ns, "vm1", false)
 		waitMigration(t, s, ns, name, kubevirtv1.MigrationSucceeded)
+		// The informer updates its cache before it calls the recorder.
+		testwait.Until(ctx, t, "the recorder sees the migration succeed", func() (bool, string) {
+			got := migs.get(name)
+			return len(got) > 0 && got[len(got)-1] == string(kubevirtv1.MigrationSucceeded), fmt.Sprint(got)
+		})
 		want := []string{"", "Pending", "Scheduling", "Scheduled", "PreparingTarget", "TargetReady", "Running", "Succeeded"}
 		if got := migs.get(name); !slices.Equal(got, want) && !slices.Equal(got, want[1:]) {
 			t.Errorf("migration phases %v, want %v", got, want)

@@ -133,6 +133,9 @@ func (v *vmiController) sync(ctx context.Context, key string) (time.Duration, er
 	default:
 		return 0, nil // Succeeded, Failed, Unknown: nothing to do
 	}
+	if err := v.sweepOtherNodes(ctx, vmi); err != nil {
+		return 0, err
+	}
 	pods := v.c.attachmentPods(vmi)
 	if !v.expectationsMet(vmi.UID, pods) {
 		return 10 * time.Millisecond, nil
@@ -423,4 +426,29 @@ func writeVMIStatus(ctx context.Context, c *cluster, vmi *kubevirtv1.VirtualMach
 		return nil
 	}
 	return err
+}
+
+// sweepOtherNodes deletes the VMI's attachment pods left on a node it no
+// longer runs on once no migration is under way: KubeVirt's belong to the
+// source virt-launcher pod and go with it, whichever pass created them (one
+// that read the VMI just before the hand-off may have made one there).
+func (v *vmiController) sweepOtherNodes(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) error {
+	if vmi.Status.NodeName == "" || activeMigration(vmi) != "" || v.c.opts.Kubelets {
+		return nil
+	}
+	all, _ := v.c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: vmi.Name}))
+	for _, p := range all {
+		if p.Spec.NodeName == "" || p.Spec.NodeName == vmi.Status.NodeName || p.DeletionTimestamp != nil || !metav1.IsControlledBy(p, vmi) {
+			continue
+		}
+		if job := p.Annotations[kubevirtv1.MigrationJobNameAnnotation]; job != "" {
+			if m, ok := v.c.migration(vmi.Namespace, job); ok && !m.IsFinal() {
+				continue // a migration's target pod before its hand-off
+			}
+		}
+		if err := deleteAttachmentPod(ctx, v.c, p); err != nil {
+			return err
+		}
+	}
+	return nil
 }
