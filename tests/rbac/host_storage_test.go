@@ -146,7 +146,10 @@ func TestHostStorageReadsAsTheIdentity(t *testing.T) {
 	}
 	_, forbidden = usedGrants(h.Sim.Stats())
 	for _, f := range forbidden {
-		optional := false
+		// The KubeVirt CR's version is a best-effort read too (the queue
+		// keeps its safe strategy without it; hack/host-rbac.sh
+		// --kubevirt-read grants it).
+		optional := strings.HasSuffix(f, "kubevirt.io/kubevirts")
 		for _, g := range storageGrants {
 			optional = optional || f == g.String()
 		}
