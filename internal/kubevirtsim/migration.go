@@ -51,7 +51,6 @@ package kubevirtsim
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"strings"
 	"sync"
@@ -321,43 +320,12 @@ func (m *migrationController) targetPod(mig *kubevirtv1.VirtualMachineInstanceMi
 // VMI's hotplug volumes of now (migration.go:1383-1425); a change of the set
 // after this is not in it.
 func (m *migrationController) createTargetPod(ctx context.Context, mig *kubevirtv1.VirtualMachineInstanceMigration, vmi *kubevirtv1.VirtualMachineInstance) (*corev1.Pod, error) {
-	hot := hotplugOf(vmi)
-	names, _ := json.Marshal(hotNames(hot))
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{
-			GenerateName: "hp-volume-",
-			Namespace:    vmi.Namespace,
-			Labels: map[string]string{
-				labelAttachmentPod: valueAttachmentPod, labelAttachmentPodVMI: vmi.Name,
-				kubevirtv1.MigrationJobLabel: string(mig.UID),
-			},
-			Annotations: map[string]string{
-				annotationAttachmentPodVolumes:        string(names),
-				kubevirtv1.MigrationJobNameAnnotation: mig.Name,
-			},
-			// The target virt-launcher pod owns it in KubeVirt; here the VMI
-			// does, and its node keeps it out of the VMI's pods until
-			// status.nodeName is the target.
-			OwnerReferences: []metav1.OwnerReference{{
-				APIVersion: kubevirtv1.GroupVersion.String(), Kind: "VirtualMachineInstance", Name: vmi.Name, UID: vmi.UID,
-				Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true),
-			}},
-		},
-		Spec: corev1.PodSpec{
-			NodeName:                      m.targetNode(mig, vmi.Status.NodeName),
-			TerminationGracePeriodSeconds: ptr.To[int64](0),
-			Containers: []corev1.Container{{
-				Name: "hotplug-disk", Image: "kubevirt/virt-launcher:simulated",
-				Command: []string{"/bin/sh", "-c", "sleep infinity"},
-			}},
-		},
-	}
-	for i, h := range hot {
-		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{
-			Name:         fmt.Sprintf("hotplug-disk-%d", i),
-			VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: h.claim}},
-		})
-	}
+	// The target virt-launcher pod owns it in KubeVirt; here the VMI does,
+	// and its node keeps it out of the VMI's pods until status.nodeName is
+	// the target.
+	pod := attachmentPod(vmi, hotplugOf(vmi), m.targetNode(mig, vmi.Status.NodeName), 0)
+	pod.Labels[kubevirtv1.MigrationJobLabel] = string(mig.UID)
+	pod.Annotations[kubevirtv1.MigrationJobNameAnnotation] = mig.Name
 	return m.c.kube.CoreV1().Pods(vmi.Namespace).Create(ctx, pod, metav1.CreateOptions{})
 }
 

@@ -272,38 +272,11 @@ func (v *vmiController) randomMAC() string {
 }
 
 func (v *vmiController) createAttachmentPod(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance, hot []hotVolume) (*corev1.Pod, error) {
-	names := hotNames(hot)
-	ann, _ := json.Marshal(names)
 	node := vmi.Status.NodeName
 	if node == "" {
 		node = v.c.opts.NodeName
 	}
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{
-			GenerateName: "hp-volume-",
-			Namespace:    vmi.Namespace,
-			Labels:       map[string]string{labelAttachmentPod: valueAttachmentPod, labelAttachmentPodVMI: vmi.Name},
-			Annotations:  map[string]string{annotationAttachmentPodVolumes: string(ann)},
-			OwnerReferences: []metav1.OwnerReference{{
-				APIVersion: kubevirtv1.GroupVersion.String(), Kind: "VirtualMachineInstance", Name: vmi.Name, UID: vmi.UID,
-				Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true),
-			}},
-		},
-		Spec: corev1.PodSpec{
-			NodeName:                      node,
-			TerminationGracePeriodSeconds: ptr.To[int64](30),
-			Containers: []corev1.Container{{
-				Name: "hotplug-disk", Image: "kubevirt/virt-launcher:simulated",
-				Command: []string{"/bin/sh", "-c", "sleep infinity"},
-			}},
-		},
-	}
-	for i, h := range hot {
-		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{
-			Name:         fmt.Sprintf("hotplug-disk-%d", i),
-			VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: h.claim}},
-		})
-	}
+	pod := attachmentPod(vmi, hot, node, 30)
 	if v.c.opts.Kubelets {
 		l := v.c.launcherRunning(vmi)
 		if l == nil {
@@ -451,4 +424,38 @@ func (v *vmiController) sweepOtherNodes(ctx context.Context, vmi *kubevirtv1.Vir
 		}
 	}
 	return nil
+}
+
+// attachmentPod is an attachment pod of the VMI on node holding the hotplug
+// volumes hot, owned by the VMI (KubeVirt's belongs to the virt-launcher pod,
+// which the simulator has only with Options.Kubelets).
+func attachmentPod(vmi *kubevirtv1.VirtualMachineInstance, hot []hotVolume, node string, grace int64) *corev1.Pod {
+	names, _ := json.Marshal(hotNames(hot))
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			GenerateName: "hp-volume-",
+			Namespace:    vmi.Namespace,
+			Labels:       map[string]string{labelAttachmentPod: valueAttachmentPod, labelAttachmentPodVMI: vmi.Name},
+			Annotations:  map[string]string{annotationAttachmentPodVolumes: string(names)},
+			OwnerReferences: []metav1.OwnerReference{{
+				APIVersion: kubevirtv1.GroupVersion.String(), Kind: "VirtualMachineInstance", Name: vmi.Name, UID: vmi.UID,
+				Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true),
+			}},
+		},
+		Spec: corev1.PodSpec{
+			NodeName:                      node,
+			TerminationGracePeriodSeconds: ptr.To(grace),
+			Containers: []corev1.Container{{
+				Name: "hotplug-disk", Image: "kubevirt/virt-launcher:simulated",
+				Command: []string{"/bin/sh", "-c", "sleep infinity"},
+			}},
+		},
+	}
+	for i, h := range hot {
+		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{
+			Name:         fmt.Sprintf("hotplug-disk-%d", i),
+			VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: h.claim}},
+		})
+	}
+	return pod
 }
