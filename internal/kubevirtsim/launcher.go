@@ -42,16 +42,33 @@ func (c *cluster) podSelector() string {
 	return labelAttachmentPod + "=" + valueAttachmentPod
 }
 
-// launcherPod is the VMI's virt-launcher pod from the cache (nil if none):
-// the one created for this VMI, not for an earlier one of the same name.
-func (c *cluster) launcherPod(vmi *kubevirtv1.VirtualMachineInstance) *corev1.Pod {
+// launcherPods are the VMI's virt-launcher pods in the cache: the ones
+// created for this VMI, not for an earlier one of the same name; during a
+// live migration the source's and the target's.
+func (c *cluster) launcherPods(vmi *kubevirtv1.VirtualMachineInstance) []*corev1.Pod {
 	pods, _ := c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{
 		labelAttachmentPod: valueLauncherPod, kubevirtv1.CreatedByLabel: string(vmi.UID),
 	}))
-	if len(pods) == 0 {
-		return nil
+	return pods
+}
+
+// launcherPod is the VMI's current virt-launcher pod from the cache (nil if
+// none): the one on status.nodeName, as KubeVirt's CurrentVMIPod takes it
+// (v1.7.0 pkg/controller/controller.go:321-357), so that a migration's
+// target pod becomes the VMI's only at the hand-off; before the VMI has a
+// node, the one no migration created.
+func (c *cluster) launcherPod(vmi *kubevirtv1.VirtualMachineInstance) *corev1.Pod {
+	pods := c.launcherPods(vmi)
+	sortNewestFirst(pods)
+	for _, p := range pods {
+		if vmi.Status.NodeName != "" && p.Spec.NodeName == vmi.Status.NodeName {
+			return p
+		}
+		if vmi.Status.NodeName == "" && p.Labels[kubevirtv1.MigrationJobLabel] == "" {
+			return p
+		}
 	}
-	return pods[0]
+	return nil
 }
 
 // ownedByLauncherOf reports whether p's controller is the VMI's
@@ -76,15 +93,30 @@ func launcherName(vmi *kubevirtv1.VirtualMachineInstance) string {
 	return "virt-launcher-" + vmi.Name + "-" + uid
 }
 
-// ensureLauncher creates the VMI's virt-launcher pod if the cache has none:
-// the VMI's node selector (with the node labeller's schedulable label),
-// affinity and tolerations, memory request and KubeVirt's devices, so the
-// scheduler places it as it places KubeVirt's own (v1.7.0
-// pkg/virt-controller/services/template.go RenderLaunchManifest).
+// ensureLauncher creates the VMI's virt-launcher pod if the cache has none.
 func (v *vmiController) ensureLauncher(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) error {
 	if v.c.launcherPod(vmi) != nil {
 		return nil
 	}
+	pod := launcherManifest(vmi)
+	_, err := v.c.kube.CoreV1().Pods(vmi.Namespace).Create(ctx, pod, metav1.CreateOptions{})
+	if apierrors.IsAlreadyExists(err) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("virt-launcher pod: %w", err)
+	}
+	v.c.log.V(2).Info("virt-launcher pod created", "vm", vmi.Namespace+"/"+vmi.Name, "pod", pod.Name)
+	return nil
+}
+
+// launcherManifest is the VMI's virt-launcher pod as RenderLaunchManifest
+// writes it (v1.7.0 pkg/virt-controller/services/template.go), the parts
+// the scheduler and the kubelet act on: the VMI's node selector (with the
+// node labeller's schedulable label), affinity and tolerations, memory
+// request and KubeVirt's devices, so the scheduler places it as it places
+// KubeVirt's own.
+func launcherManifest(vmi *kubevirtv1.VirtualMachineInstance) *corev1.Pod {
 	lbl := maps.Clone(vmi.Labels)
 	if lbl == nil {
 		lbl = map[string]string{}
@@ -110,7 +142,7 @@ func (v *vmiController) ensureLauncher(ctx context.Context, vmi *kubevirtv1.Virt
 	}
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
-			Name: launcherName(vmi), Namespace: vmi.Namespace, Labels: lbl,
+			Name: launcherName(vmi), Namespace: vmi.Namespace, Labels: lbl, Annotations: map[string]string{},
 			OwnerReferences: []metav1.OwnerReference{{
 				APIVersion: kubevirtv1.GroupVersion.String(), Kind: "VirtualMachineInstance", Name: vmi.Name, UID: vmi.UID,
 				Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true),
@@ -124,15 +156,7 @@ func (v *vmiController) ensureLauncher(ctx context.Context, vmi *kubevirtv1.Virt
 			}},
 		},
 	}
-	_, err := v.c.kube.CoreV1().Pods(vmi.Namespace).Create(ctx, pod, metav1.CreateOptions{})
-	if apierrors.IsAlreadyExists(err) {
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("virt-launcher pod: %w", err)
-	}
-	v.c.log.V(2).Info("virt-launcher pod created", "vm", vmi.Namespace+"/"+vmi.Name, "pod", pod.Name)
-	return nil
+	return pod
 }
 
 // launcherRunning is the launcher pod once the scheduler placed it and its
@@ -195,11 +219,16 @@ func kubeletAttachmentPod(pod *corev1.Pod, vmi *kubevirtv1.VirtualMachineInstanc
 	}
 }
 
-// deleteLauncher deletes the VMI's virt-launcher pod once its domain is
-// down: with the domain gone, its compute container ends.
+// deleteLauncher deletes the VMI's virt-launcher pods once its domain is
+// down: with the domain gone, its compute container ends; a migration
+// target's goes with it.
 func deleteLauncher(ctx context.Context, c *cluster, vmi *kubevirtv1.VirtualMachineInstance) error {
-	if l := c.launcherPod(vmi); l != nil && l.DeletionTimestamp == nil {
-		return deleteAttachmentPod(ctx, c, l)
+	for _, l := range c.launcherPods(vmi) {
+		if l.DeletionTimestamp == nil {
+			if err := deleteAttachmentPod(ctx, c, l); err != nil {
+				return err
+			}
+		}
 	}
 	return nil
 }

@@ -52,6 +52,7 @@ package kubevirtsim
 import (
 	"context"
 	"fmt"
+	"maps"
 	"strings"
 	"sync"
 	"time"
@@ -78,6 +79,9 @@ const (
 	migrationTargetStart = 3 * time.Second
 	migrationPrepare     = 500 * time.Millisecond
 	migrationTransfer    = 5 * time.Second
+	// migrationUnschedulableTimeout is KubeVirt's
+	// defaultUnschedulablePendingTimeoutSeconds (migration.go:82).
+	migrationUnschedulableTimeout = 5 * time.Minute
 )
 
 // migrationController is virt-controller's migration controller with the
@@ -170,31 +174,16 @@ func (m *migrationController) sync(ctx context.Context, key string) (time.Durati
 		}
 		return 0, m.setPhase(ctx, mig, kubevirtv1.MigrationPending)
 	case kubevirtv1.MigrationPending:
+		if m.c.opts.Kubelets {
+			return m.prepareTargetOnHost(ctx, key, mig, vmi)
+		}
 		if d := m.wait(key, "target-pod", migrationTargetStart); d > 0 {
 			return d, nil
 		}
 		if len(hotplugOf(vmi)) == 0 {
 			return 0, m.setPhase(ctx, mig, kubevirtv1.MigrationScheduling)
 		}
-		pod := m.targetPod(mig)
-		if pod == nil {
-			if m.awaitingPod(key) {
-				return 10 * time.Millisecond, nil
-			}
-			p, err := m.createTargetPod(ctx, mig, vmi)
-			if err != nil {
-				return 0, fmt.Errorf("failed to create attachment pod: %w", err)
-			}
-			m.mu.Lock()
-			m.created[key] = time.Now()
-			m.mu.Unlock()
-			log.V(2).Info("target attachment pod created", "pod", p.Name, "node", p.Spec.NodeName, "volumes", podVolumes(p))
-			return 0, nil
-		}
-		if !containerReady(pod) {
-			return 0, nil // the pod's events bring the next pass
-		}
-		return 0, m.setPhase(ctx, mig, kubevirtv1.MigrationScheduling)
+		return m.ensureTargetAttachmentPod(ctx, key, mig, vmi, nil)
 	case kubevirtv1.MigrationScheduling:
 		return 0, m.setPhase(ctx, mig, kubevirtv1.MigrationScheduled)
 	case kubevirtv1.MigrationScheduled:
@@ -231,8 +220,121 @@ func (m *migrationController) sync(ctx context.Context, key string) (time.Durati
 	return 0, nil
 }
 
+// ensureTargetAttachmentPod creates the target's attachment pod with the
+// VMI's hotplug volumes, waits for it to be Ready and then moves the
+// migration on to Scheduling (migration.go:1641-1655, :726-733). launcher
+// is the target virt-launcher pod with Options.Kubelets, else nil.
+func (m *migrationController) ensureTargetAttachmentPod(ctx context.Context, key string, mig *kubevirtv1.VirtualMachineInstanceMigration, vmi *kubevirtv1.VirtualMachineInstance, launcher *corev1.Pod) (time.Duration, error) {
+	pod := m.targetPod(mig)
+	if pod == nil {
+		if m.awaitingPod(key) {
+			return 10 * time.Millisecond, nil
+		}
+		p, err := m.createTargetPod(ctx, mig, vmi, launcher)
+		if err != nil {
+			return 0, fmt.Errorf("failed to create attachment pod: %w", err)
+		}
+		m.noteCreated(key)
+		m.c.log.V(2).Info("target attachment pod created", "vm", mig.Namespace+"/"+mig.Spec.VMIName, "migration", mig.Name,
+			"pod", p.Name, "node", p.Spec.NodeName, "volumes", podVolumes(p))
+		return 0, nil
+	}
+	if !containerReady(pod) {
+		return 0, nil // the pod's events bring the next pass
+	}
+	return 0, m.setPhase(ctx, mig, kubevirtv1.MigrationScheduling)
+}
+
+// prepareTargetOnHost is phase Pending with Options.Kubelets: KubeVirt's
+// migration controller creates the target virt-launcher pod, which the
+// host scheduler places off the source node and a host kubelet runs; once
+// it is Ready, its attachment pod (migration.go:1620-1655). An
+// unschedulable target pod ends the migration after KubeVirt's pending
+// timeout (:82, :1428-1442), scaled.
+func (m *migrationController) prepareTargetOnHost(ctx context.Context, key string, mig *kubevirtv1.VirtualMachineInstanceMigration, vmi *kubevirtv1.VirtualMachineInstance) (time.Duration, error) {
+	launcher := m.targetLauncher(mig)
+	if launcher == nil {
+		if m.awaitingPod(key + "/launcher") {
+			return 10 * time.Millisecond, nil
+		}
+		p, err := m.c.kube.CoreV1().Pods(vmi.Namespace).Create(ctx, targetLauncherManifest(mig, vmi), metav1.CreateOptions{})
+		if err != nil {
+			return 0, fmt.Errorf("failed to create target virt-launcher pod: %w", err)
+		}
+		m.noteCreated(key + "/launcher")
+		m.c.log.V(2).Info("target virt-launcher pod created", "vm", mig.Namespace+"/"+mig.Spec.VMIName, "migration", mig.Name, "pod", p.Name)
+		return 0, nil
+	}
+	if !podReady(launcher) {
+		if unschedulable(launcher) {
+			if d := m.wait(key, "unschedulable", migrationUnschedulableTimeout); d > 0 {
+				return d, nil
+			}
+			return 0, m.fail(ctx, mig, vmi, "target virt-launcher pod "+launcher.Name+" unschedulable past the pending timeout")
+		}
+		return 0, nil // the pod's events bring the next pass
+	}
+	if len(hotplugOf(vmi)) == 0 {
+		return 0, m.setPhase(ctx, mig, kubevirtv1.MigrationScheduling)
+	}
+	return m.ensureTargetAttachmentPod(ctx, key, mig, vmi, launcher)
+}
+
+// targetLauncherManifest is the target virt-launcher pod as
+// createTargetPod writes it (migration.go:907-933): the VMI's launcher
+// manifest with a required pod anti-affinity to the VMI's own pods by
+// hostname, which keeps it off the source node (:858-880), the
+// migration's addedNodeSelector merged into its node selector, and the
+// migration's label and annotation.
+func targetLauncherManifest(mig *kubevirtv1.VirtualMachineInstanceMigration, vmi *kubevirtv1.VirtualMachineInstance) *corev1.Pod {
+	pod := launcherManifest(vmi)
+	pod.Name, pod.GenerateName = "", "virt-launcher-"+vmi.Name+"-"
+	pod.Labels[kubevirtv1.MigrationJobLabel] = string(mig.UID)
+	pod.Annotations[kubevirtv1.MigrationJobNameAnnotation] = mig.Name
+	maps.Copy(pod.Spec.NodeSelector, mig.Spec.AddedNodeSelector)
+	term := corev1.PodAffinityTerm{
+		LabelSelector: &metav1.LabelSelector{MatchLabels: map[string]string{kubevirtv1.CreatedByLabel: string(vmi.UID)}},
+		TopologyKey:   corev1.LabelHostname,
+	}
+	if pod.Spec.Affinity == nil {
+		pod.Spec.Affinity = &corev1.Affinity{}
+	}
+	if pod.Spec.Affinity.PodAntiAffinity == nil {
+		pod.Spec.Affinity.PodAntiAffinity = &corev1.PodAntiAffinity{}
+	}
+	aa := pod.Spec.Affinity.PodAntiAffinity
+	aa.RequiredDuringSchedulingIgnoredDuringExecution = append(aa.RequiredDuringSchedulingIgnoredDuringExecution, term)
+	return pod
+}
+
+func podReady(p *corev1.Pod) bool {
+	if p.Status.Phase != corev1.PodRunning || p.DeletionTimestamp != nil {
+		return false
+	}
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// unschedulable is isPodPendingUnschedulable (migration.go:1428-1442).
+func unschedulable(p *corev1.Pod) bool {
+	if p.Status.Phase != corev1.PodPending || p.DeletionTimestamp != nil {
+		return false
+	}
+	for _, c := range p.Status.Conditions {
+		if c.Type == corev1.PodScheduled && c.Status == corev1.ConditionFalse && c.Reason == corev1.PodReasonUnschedulable {
+			return true
+		}
+	}
+	return false
+}
+
 // awaitingPod reports whether a target pod this controller created for the
-// migration is not in the cache yet (given up on after 10 s).
+// migration (key, or key/launcher for the target virt-launcher pod) is not
+// in the cache yet (given up on after 10 s).
 func (m *migrationController) awaitingPod(key string) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -240,10 +342,17 @@ func (m *migrationController) awaitingPod(key string) bool {
 	return ok && time.Since(at) < 10*time.Second
 }
 
+func (m *migrationController) noteCreated(key string) {
+	m.mu.Lock()
+	m.created[key] = time.Now()
+	m.mu.Unlock()
+}
+
 func (m *migrationController) forget(key string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	delete(m.created, key)
+	delete(m.created, key+"/launcher")
 	for k := range m.due {
 		if strings.HasPrefix(k, key+"/") {
 			delete(m.due, k)
@@ -306,10 +415,22 @@ func labelsMigration(mig *kubevirtv1.VirtualMachineInstanceMigration) labels.Sel
 
 // targetPod is the migration's attachment pod, if the cache has it.
 func (m *migrationController) targetPod(mig *kubevirtv1.VirtualMachineInstanceMigration) *corev1.Pod {
+	return m.migrationPod(mig, valueAttachmentPod)
+}
+
+// targetLauncher is the migration's target virt-launcher pod, if the cache
+// has it (only with Options.Kubelets).
+func (m *migrationController) targetLauncher(mig *kubevirtv1.VirtualMachineInstanceMigration) *corev1.Pod {
+	return m.migrationPod(mig, valueLauncherPod)
+}
+
+// migrationPod is the newest live pod of the migration of the kind
+// (kubevirt.io label value) from the cache.
+func (m *migrationController) migrationPod(mig *kubevirtv1.VirtualMachineInstanceMigration, kind string) *corev1.Pod {
 	pods, _ := m.c.podLister.Pods(mig.Namespace).List(labelsMigration(mig))
 	sortNewestFirst(pods)
 	for _, p := range pods {
-		if p.DeletionTimestamp == nil {
+		if p.DeletionTimestamp == nil && p.Labels[labelAttachmentPod] == kind {
 			return p
 		}
 	}
@@ -318,12 +439,23 @@ func (m *migrationController) targetPod(mig *kubevirtv1.VirtualMachineInstanceMi
 
 // createTargetPod creates the attachment pod on the target node with the
 // VMI's hotplug volumes of now (migration.go:1383-1425); a change of the set
-// after this is not in it.
-func (m *migrationController) createTargetPod(ctx context.Context, mig *kubevirtv1.VirtualMachineInstanceMigration, vmi *kubevirtv1.VirtualMachineInstance) (*corev1.Pod, error) {
-	// The target virt-launcher pod owns it in KubeVirt; here the VMI does,
-	// and its node keeps it out of the VMI's pods until status.nodeName is
-	// the target.
-	pod := attachmentPod(vmi, hotplugOf(vmi), m.targetNode(mig, vmi.Status.NodeName), 0)
+// after this is not in it. With Options.Kubelets it is rendered for the
+// target virt-launcher pod, which owns it and whose node it requires
+// (RenderHotplugAttachmentPodTemplate); without, the VMI owns it and its
+// node keeps it out of the VMI's pods until status.nodeName is the target.
+func (m *migrationController) createTargetPod(ctx context.Context, mig *kubevirtv1.VirtualMachineInstanceMigration, vmi *kubevirtv1.VirtualMachineInstance, launcher *corev1.Pod) (*corev1.Pod, error) {
+	hot := hotplugOf(vmi)
+	pod := attachmentPod(vmi, hot, m.targetNode(mig, vmi.Status.NodeName), 0)
+	if launcher != nil {
+		// KubeVirt renders it as if no volume were mounted yet
+		// (migration.go:1395-1397): every filesystem claim gets its mount.
+		bare := vmi.DeepCopy()
+		bare.Status.VolumeStatus = nil
+		for i := range hot {
+			hot[i].pvc = m.c.pvc(vmi.Namespace, hot[i].claim)
+		}
+		kubeletAttachmentPod(pod, bare, hot, launcher)
+	}
 	pod.Labels[kubevirtv1.MigrationJobLabel] = string(mig.UID)
 	pod.Annotations[kubevirtv1.MigrationJobNameAnnotation] = mig.Name
 	return m.c.kube.CoreV1().Pods(vmi.Namespace).Create(ctx, pod, metav1.CreateOptions{})
@@ -338,10 +470,18 @@ func (m *migrationController) handOff(ctx context.Context, mig *kubevirtv1.Virtu
 		return fmt.Errorf("target attachment pod not found") // migration.go:1186
 	}
 	target := m.targetNode(mig, vmi.Status.NodeName)
+	targetPod := "virt-launcher-" + vmi.Name + "-" + string(mig.UID)[:5]
+	if m.c.opts.Kubelets {
+		l := m.targetLauncher(mig)
+		if l == nil || l.Spec.NodeName == "" {
+			return fmt.Errorf("target virt-launcher pod not found")
+		}
+		target, targetPod = l.Spec.NodeName, l.Name
+	}
 	return m.editVMI(ctx, vmi, func(st *kubevirtv1.VirtualMachineInstanceStatus) {
 		st.MigrationState = &kubevirtv1.VirtualMachineInstanceMigrationState{
 			MigrationUID: mig.UID, SourceNode: st.NodeName, TargetNode: target,
-			TargetPod: "virt-launcher-" + vmi.Name + "-" + string(mig.UID)[:5],
+			TargetPod: targetPod,
 			Mode:      kubevirtv1.MigrationPreCopy,
 		}
 		if pod != nil {
@@ -352,9 +492,11 @@ func (m *migrationController) handOff(ctx context.Context, mig *kubevirtv1.Virtu
 
 // complete is the target virt-handler's acknowledgement (endTimestamp,
 // nodeName), which makes the target's attachment pods the VMI's, and the
-// end of the source: its node's attachment pods go.
+// end of the source: its node's attachment pods go, and with
+// Options.Kubelets its virt-launcher pod.
 func (m *migrationController) complete(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) error {
 	source := vmi.Status.NodeName
+	sourceLauncher := m.c.launcherPod(vmi)
 	if err := m.editVMI(ctx, vmi, func(st *kubevirtv1.VirtualMachineInstanceStatus) {
 		now := metav1.Now()
 		st.MigrationState.EndTimestamp = &now
@@ -367,11 +509,19 @@ func (m *migrationController) complete(ctx context.Context, vmi *kubevirtv1.Virt
 	}
 	pods, _ := m.c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: vmi.Name}))
 	for _, p := range pods {
-		if p.Spec.NodeName == source && p.DeletionTimestamp == nil && metav1.IsControlledBy(p, vmi) {
+		if p.Labels[labelAttachmentPod] != valueAttachmentPod || p.Spec.NodeName != source || p.DeletionTimestamp != nil {
+			continue
+		}
+		if metav1.IsControlledBy(p, vmi) || (sourceLauncher != nil && metav1.IsControlledBy(p, sourceLauncher)) {
 			if err := deleteAttachmentPod(ctx, m.c, p); err != nil {
 				return err
 			}
 		}
+	}
+	if sourceLauncher != nil && sourceLauncher.Spec.NodeName == source {
+		// The source virt-launcher exits once its domain has moved; the
+		// pod goes here, as nothing else ends its hollow container.
+		return deleteAttachmentPod(ctx, m.c, sourceLauncher)
 	}
 	return nil
 }
@@ -413,9 +563,11 @@ func (m *migrationController) fail(ctx context.Context, mig *kubevirtv1.VirtualM
 			return err
 		}
 	}
-	if pod := m.targetPod(mig); pod != nil && (vmi == nil || pod.Spec.NodeName != vmi.Status.NodeName) {
-		if err := deleteAttachmentPod(ctx, m.c, pod); err != nil {
-			return err
+	for _, pod := range []*corev1.Pod{m.targetPod(mig), m.targetLauncher(mig)} {
+		if pod != nil && (vmi == nil || pod.Spec.NodeName != vmi.Status.NodeName) {
+			if err := deleteAttachmentPod(ctx, m.c, pod); err != nil {
+				return err
+			}
 		}
 	}
 	return m.setPhase(ctx, mig, kubevirtv1.MigrationFailed)

@@ -406,7 +406,10 @@ func writeVMIStatus(ctx context.Context, c *cluster, vmi *kubevirtv1.VirtualMach
 // source virt-launcher pod and go with it, whichever pass created them (one
 // that read the VMI just before the hand-off may have made one there).
 func (v *vmiController) sweepOtherNodes(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) error {
-	if vmi.Status.NodeName == "" || activeMigration(vmi) != "" || v.c.opts.Kubelets {
+	if v.c.opts.Kubelets {
+		return v.deleteOrphanedAttachmentPods(ctx, vmi)
+	}
+	if vmi.Status.NodeName == "" || activeMigration(vmi) != "" {
 		return nil
 	}
 	all, _ := v.c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: vmi.Name}))
@@ -419,6 +422,33 @@ func (v *vmiController) sweepOtherNodes(ctx context.Context, vmi *kubevirtv1.Vir
 				continue // a migration's target pod before its hand-off
 			}
 		}
+		if err := deleteAttachmentPod(ctx, v.c, p); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// deleteOrphanedAttachmentPods deletes, with Options.Kubelets, the VMI's
+// attachment pods whose virt-launcher pod is down or gone (v1.7.0
+// volume-hotplug.go:311-341 for a launcher that ended; for one that is
+// gone the host's garbage collector would, and none runs here). A pass that
+// read the VMI just before a migration's end may have created one for the
+// source launcher after it was deleted.
+func (v *vmiController) deleteOrphanedAttachmentPods(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstance) error {
+	up := map[types.UID]bool{}
+	for _, l := range v.c.launcherPods(vmi) {
+		if l.DeletionTimestamp == nil && l.Status.Phase != corev1.PodSucceeded && l.Status.Phase != corev1.PodFailed {
+			up[l.UID] = true
+		}
+	}
+	all, _ := v.c.podLister.Pods(vmi.Namespace).List(labels.SelectorFromSet(labels.Set{labelAttachmentPodVMI: vmi.Name}))
+	for _, p := range all {
+		ref := metav1.GetControllerOf(p)
+		if p.Labels[labelAttachmentPod] != valueAttachmentPod || p.DeletionTimestamp != nil || ref == nil || ref.Kind != "Pod" || up[ref.UID] {
+			continue
+		}
+		v.c.log.V(2).Info("deleting orphaned attachment pod", "vm", vmi.Namespace+"/"+vmi.Name, "pod", p.Name, "launcher", ref.Name)
 		if err := deleteAttachmentPod(ctx, v.c, p); err != nil {
 			return err
 		}

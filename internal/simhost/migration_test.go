@@ -1,0 +1,221 @@
+package simhost
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	kubevirtv1 "kubevirt.io/api/core/v1"
+	"kubevirt.io/client-go/kubevirt"
+
+	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
+	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
+)
+
+// A live migration on the host nodes goes the way KubeVirt and Longhorn run
+// it on Harvester: the target virt-launcher pod is placed by the scheduler
+// off the source node and run by that node's kubelet; its attachment pod,
+// owned by it and pinned to its node, gets the hot-plugged volume attached
+// there by the attach/detach controller through Longhorn's migration while
+// the source still holds it; after the hand-off the source's pods go and
+// the host lets go of the source node, leaving the volume on the target
+// only, still Ready in the VMI.
+func TestLiveMigrationOnHostNodes(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("host kubelets mount and map block volumes: needs root")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	defer cancel()
+	h, err := Start(ctx, Options{
+		Sim: kubevirtsim.Options{Version: kubevirtsim.V1_7_0, Mode: kubevirtsim.ModeLegacy, Scale: 0.05},
+		VMs: []string{"node-0"}, Harvester: true,
+		HostStorage: true, HostNodeStatusUpdate: 2 * time.Second,
+		Longhorn: simlonghorn.Options{Scale: 0.05},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := h.Stop(context.Background()); err != nil {
+			t.Errorf("stop: %v", err)
+		}
+	})
+	kv, err := kubevirt.NewForConfig(h.ClientConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	vols, err := h.CreateVolumes(ctx, "pvc", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, vols[0], metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lhName := pvc.Spec.VolumeName
+	if err := kv.KubevirtV1().VirtualMachines(h.Namespace).AddVolume(ctx, "node-0", &kubevirtv1.AddVolumeOptions{
+		Name: vols[0], Disk: &kubevirtv1.Disk{DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusSCSI}}},
+		VolumeSource: &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{
+			PersistentVolumeClaimVolumeSource: corev1.PersistentVolumeClaimVolumeSource{ClaimName: vols[0]}, Hotpluggable: true}},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	waitEntryReady(ctx, t, h, vols[0])
+	source := h.HostNodeOf(ctx, "node-0")
+	sourcePod := attachmentPod(ctx, t, h)
+	if sourcePod == nil || sourcePod.Spec.NodeName != source {
+		t.Fatalf("attachment pod before the migration: %+v, want one on %s", sourcePod, source)
+	}
+
+	// Held in its transfer, the migration shows both sides at once.
+	h.Sim.Faults().HoldMigration(h.Namespace, "node-0", true)
+	mig, err := h.Sim.Migrate(ctx, h.Namespace, "node-0", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(ctx, t, "the migration transferring", func() (bool, string) {
+		m, ok := h.Sim.Migration(h.Namespace, mig)
+		if !ok {
+			return false, "not in the cache"
+		}
+		return m.Status.Phase == kubevirtv1.MigrationRunning, string(m.Status.Phase)
+	})
+	launcher := migrationPodOf(ctx, t, h, "virt-launcher")
+	if launcher == nil || launcher.Spec.NodeName == "" || launcher.Spec.NodeName == source {
+		t.Fatalf("target virt-launcher pod %+v, want one placed off the source node %s", launcher, source)
+	}
+	target := launcher.Spec.NodeName
+	if !scheduledByScheduler(ctx, t, h, launcher) {
+		t.Errorf("target virt-launcher pod %s was not placed by the scheduler", launcher.Name)
+	}
+	if !antiAffinityToVMI(launcher) {
+		t.Errorf("target virt-launcher pod %s has affinity %+v, want KubeVirt's required anti-affinity to the VMI's pods by hostname", launcher.Name, launcher.Spec.Affinity)
+	}
+	tpod := migrationPodOf(ctx, t, h, "hotplug-disk")
+	if tpod == nil || tpod.Spec.NodeName != target || !affinityTo(tpod, target) || !metav1.IsControlledBy(tpod, launcher) {
+		t.Fatalf("target attachment pod %+v, want one on %s required there and owned by %s", tpod, target, launcher.Name)
+	}
+	if !scheduledByScheduler(ctx, t, h, tpod) {
+		t.Errorf("target attachment pod %s was not placed by the scheduler", tpod.Name)
+	}
+	for _, node := range []string{source, target} {
+		if va, err := hostVolumeAttachmentOn(ctx, h, lhName, node); err != nil || va == nil || !va.Status.Attached {
+			t.Errorf("during the migration, host VolumeAttachment of %s on %s: %+v (%v), want attached", lhName, node, va, err)
+		}
+	}
+	lv, err := h.Longhorn.Volume(ctx, lhName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lv.Status.CurrentNodeID != source || lv.Status.CurrentMigrationNodeID != target {
+		t.Errorf("during the migration, Longhorn volume %s: %+v, want its engine on %s migrating to %s", lhName, lv.Status, source, target)
+	}
+	if p, err := h.Kube.CoreV1().Pods(h.Namespace).Get(ctx, sourcePod.Name, metav1.GetOptions{}); err != nil || p.DeletionTimestamp != nil {
+		t.Errorf("source attachment pod %s gone during the migration: %v", sourcePod.Name, err)
+	}
+
+	h.Sim.Faults().HoldMigration(h.Namespace, "node-0", false)
+	testwait.Until(ctx, t, "the migration Succeeded", func() (bool, string) {
+		m, ok := h.Sim.Migration(h.Namespace, mig)
+		if !ok {
+			return false, "not in the cache"
+		}
+		return m.Status.Phase == kubevirtv1.MigrationSucceeded, string(m.Status.Phase)
+	})
+	if got := h.HostNodeOf(ctx, "node-0"); got != target {
+		t.Errorf("after the migration the VMI runs on %q, want %s", got, target)
+	}
+	testwait.Until(ctx, t, "the source released", func() (bool, string) {
+		pods, err := h.Kube.CoreV1().Pods(h.Namespace).List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		for _, p := range pods.Items {
+			if p.Spec.NodeName == source {
+				return false, "pod " + p.Name + " still on " + source
+			}
+		}
+		if va, err := hostVolumeAttachmentOn(ctx, h, lhName, source); err != nil || va != nil {
+			return false, fmt.Sprintf("host VolumeAttachment on %s: %+v %v", source, va, err)
+		}
+		lv, err := h.Longhorn.Volume(ctx, lhName)
+		if err != nil {
+			return false, err.Error()
+		}
+		return lv.Status.CurrentNodeID == target && lv.Status.CurrentMigrationNodeID == "" && lv.Spec.MigrationNodeID == "",
+			fmt.Sprintf("Longhorn spec %+v status %+v", lv.Spec, lv.Status)
+	})
+	if va, err := hostVolumeAttachmentOn(ctx, h, lhName, target); err != nil || va == nil || !va.Status.Attached {
+		t.Errorf("after the migration, host VolumeAttachment of %s on %s: %+v (%v), want attached", lhName, target, va, err)
+	}
+	waitEntryReady(ctx, t, h, vols[0])
+}
+
+func waitEntryReady(ctx context.Context, t *testing.T, h *Host, volume string) {
+	t.Helper()
+	testwait.Until(ctx, t, "the VMI entry of "+volume+" Ready", func() (bool, string) {
+		_, vmi := h.VM(ctx, "node-0")
+		if vmi == nil {
+			return false, "no VMI"
+		}
+		for _, e := range vmi.Status.VolumeStatus {
+			if e.Name == volume {
+				return e.Phase == kubevirtv1.VolumeReady, fmt.Sprintf("%+v", e)
+			}
+		}
+		return false, "no entry"
+	})
+}
+
+// migrationPodOf is the live pod of kind (the kubevirt.io label) that a
+// migration created.
+func migrationPodOf(ctx context.Context, t *testing.T, h *Host, kind string) *corev1.Pod {
+	t.Helper()
+	pods, err := h.Kube.CoreV1().Pods(h.Namespace).List(ctx, metav1.ListOptions{LabelSelector: kubevirtv1.AppLabel + "=" + kind + "," + kubevirtv1.MigrationJobLabel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range pods.Items {
+		if pods.Items[i].DeletionTimestamp == nil {
+			return &pods.Items[i]
+		}
+	}
+	return nil
+}
+
+func hostVolumeAttachmentOn(ctx context.Context, h *Host, pv, node string) (*storagev1.VolumeAttachment, error) {
+	l, err := h.Kube.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
+	}
+	for i := range l.Items {
+		va := &l.Items[i]
+		if va.Spec.Attacher == simlonghorn.DriverName && va.Spec.NodeName == node &&
+			va.Spec.Source.PersistentVolumeName != nil && *va.Spec.Source.PersistentVolumeName == pv {
+			return va, nil
+		}
+	}
+	return nil, nil
+}
+
+// antiAffinityToVMI reports whether pod must not share a hostname with the
+// pods KubeVirt created for its VMI (kubevirt v1.7.0
+// pkg/virt-controller/watch/migration/migration.go:858-880).
+func antiAffinityToVMI(pod *corev1.Pod) bool {
+	a := pod.Spec.Affinity
+	if a == nil || a.PodAntiAffinity == nil {
+		return false
+	}
+	for _, term := range a.PodAntiAffinity.RequiredDuringSchedulingIgnoredDuringExecution {
+		if term.TopologyKey == corev1.LabelHostname && term.LabelSelector != nil && term.LabelSelector.MatchLabels[kubevirtv1.CreatedByLabel] != "" {
+			return true
+		}
+	}
+	return false
+}
