@@ -163,12 +163,6 @@ func parse(args []string, out io.Writer) (*flags, error) {
 		// aside for the host nodes' real kubelets.
 		return nil, errors.New("--attachment-pod-stuck needs the simulator's kubelet stand-in; with --host-nodes real kubelets run the attachment pods")
 	}
-	if c.HostNodes > 0 && c.MigrateVMsEvery > 0 {
-		// The simulator's migration moves a VMI between its own node names;
-		// on host nodes the virt-launcher pods are real and nothing plays
-		// the target's side.
-		return nil, errors.New("--migrate-vms is not modelled on --host-nodes yet: the simulated migration has no target virt-launcher pod for the host nodes' kubelets")
-	}
 	if err := c.CheckHostFaults(); err != nil {
 		return nil, err
 	}

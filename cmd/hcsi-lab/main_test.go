@@ -408,7 +408,14 @@ func TestHostNodesFlag(t *testing.T) {
 	if f.cfg.HostNodes != 3 {
 		t.Errorf("--host-nodes 3 on the simulated control plane gave %d host nodes", f.cfg.HostNodes)
 	}
-	for _, args := range [][]string{{"--host-nodes", "-1"}, {"--kubevirt", "real-v1.7.0", "--host-nodes", "-1"}, {"--host-nodes", "3", "--attachment-pod-stuck", "5s"}, {"--host-nodes", "3", "--migrate-vms", "1m"}} {
+	// The simulated migration runs on the host nodes' kubelets (KubeVirt's
+	// real control plane refuses the fault when the run starts:
+	// internal/lab TestMigrateVMsNeedsTheSimulator).
+	f, err = parse(append(append([]string{}, base...), "--host-nodes", "3", "--migrate-vms", "1m"), io.Discard)
+	if err != nil || f.cfg.MigrateVMsEvery != time.Minute {
+		t.Errorf("--host-nodes 3 --migrate-vms 1m on the simulated control plane: %v, want accepted", err)
+	}
+	for _, args := range [][]string{{"--host-nodes", "-1"}, {"--kubevirt", "real-v1.7.0", "--host-nodes", "-1"}, {"--host-nodes", "3", "--attachment-pod-stuck", "5s"}} {
 		if _, err := parse(append(append([]string{}, base...), args...), io.Discard); err == nil {
 			t.Errorf("%q: accepted, want a refusal", args)
 		}

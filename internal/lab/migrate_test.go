@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -92,5 +93,18 @@ func TestMigrateInTurnStopsWithTheRun(t *testing.T) {
 	<-done
 	if len(f.started) > 1 {
 		t.Errorf("started %v after the run ended", f.started)
+	}
+}
+
+// KubeVirt's real control plane has no switch that starts a migration the
+// way the fault does, with or without host nodes.
+func TestMigrateVMsNeedsTheSimulator(t *testing.T) {
+	c := &Config{KubeVirt: RealPrefix + "v1.7.0", HostNodes: 3, MigrateVMsEvery: time.Minute}
+	if _, err := c.simOptions(); err == nil || !strings.Contains(err.Error(), "--migrate-vms") {
+		t.Errorf("simOptions with --migrate-vms on %s: %v, want a refusal naming the flag", c.KubeVirt, err)
+	}
+	c.KubeVirt = "v1.7.0"
+	if _, err := c.simOptions(); err != nil {
+		t.Errorf("simOptions with --migrate-vms and host nodes on the simulator: %v", err)
 	}
 }
