@@ -7,8 +7,10 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
 	corelisters "k8s.io/client-go/listers/core/v1"
+	k8stesting "k8s.io/client-go/testing"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
@@ -137,4 +139,54 @@ func requiresHostname(pod *corev1.Pod, node string) bool {
 		}
 	}
 	return false
+}
+
+// During a live migration the VMI has two virt-launcher pods; its current
+// one is the pod on status.nodeName, so the target's becomes the VMI's only
+// at the hand-off.
+func TestLauncherPodIsTheOneOnTheVMINode(t *testing.T) {
+	vmi := &kubevirtv1.VirtualMachineInstance{ObjectMeta: metav1.ObjectMeta{Name: "vm", Namespace: "guests", UID: "vmi-uid-0123"}}
+	source := runningLauncher(vmi, "harvester-0")
+	target := runningLauncher(vmi, "harvester-1")
+	target.Name, target.UID = "virt-launcher-vm-target", "target-uid"
+	target.Labels[kubevirtv1.MigrationJobLabel] = "mig-uid"
+	c := kubeletCluster(t, source, target)
+	for node, want := range map[string]types.UID{"": source.UID, "harvester-0": source.UID, "harvester-1": target.UID} {
+		vmi.Status.NodeName = node
+		got := c.launcherPod(vmi)
+		if got == nil {
+			t.Errorf("VMI on %q: no current launcher, want %s", node, want)
+		} else if got.UID != want {
+			t.Errorf("VMI on %q: current launcher %s, want %s", node, got.UID, want)
+		}
+	}
+}
+
+// With real kubelets an attachment pod whose virt-launcher pod is gone is
+// deleted on the VMI's next pass (no garbage collector runs on the host);
+// the current launcher's stays.
+func TestOrphanedAttachmentPodOfAGoneLauncherIsDeleted(t *testing.T) {
+	vmi := &kubevirtv1.VirtualMachineInstance{
+		ObjectMeta: metav1.ObjectMeta{Name: "vm", Namespace: "guests", UID: "vmi-uid-0123"},
+		Status:     kubevirtv1.VirtualMachineInstanceStatus{NodeName: "harvester-1", Phase: kubevirtv1.Running},
+	}
+	launcher := runningLauncher(vmi, "harvester-1")
+	owned := func(name string, owner types.UID) *corev1.Pod {
+		return &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "guests", UID: types.UID(name),
+			Labels:          map[string]string{labelAttachmentPod: valueAttachmentPod, labelAttachmentPodVMI: vmi.Name},
+			OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Pod", Name: "l", UID: owner, Controller: ptr.To(true)}}}}
+	}
+	c := kubeletCluster(t, launcher, owned("hp-volume-current", launcher.UID), owned("hp-volume-orphan", "gone-launcher-uid"))
+	if err := newVMIController(c, nil).sweepOtherNodes(context.Background(), vmi); err != nil {
+		t.Fatal(err)
+	}
+	var deleted []string
+	for _, a := range c.kube.(*fake.Clientset).Actions() {
+		if d, ok := a.(k8stesting.DeleteAction); ok {
+			deleted = append(deleted, d.GetName())
+		}
+	}
+	if !slices.Equal(deleted, []string{"hp-volume-orphan"}) {
+		t.Errorf("deleted %v, want only hp-volume-orphan", deleted)
+	}
 }
