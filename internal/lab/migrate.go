@@ -36,9 +36,15 @@ func (r *run) startMigrations(ctx context.Context, wg *sync.WaitGroup) {
 				return
 			case <-t.C:
 				r.log.Info("fault: live-migrating every guest VM in turn", "vms", len(r.nodes))
+				failed := 0
 				migrateInTurn(ctx, m, r.nodes, r.c.scaled(time.Second), func(vm string, err error) {
+					failed++
 					r.log.Error(err, "fault: live migration failed", "vm", vm)
 				})
+				if ctx.Err() == nil {
+					// The run's log says how many moved, for the report.
+					r.log.Info("fault: live migration round done", "vms", len(r.nodes), "failed", failed)
+				}
 			}
 		}
 	}()
