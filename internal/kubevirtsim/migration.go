@@ -43,11 +43,16 @@ package kubevirtsim
 //     VMI is on the target node, where the VMI controller gives it a new
 //     attachment pod holding the whole set.
 //
-// The simulator has no virt-launcher pods: the target's start is a delay,
-// the VMI's attachment pods are those on status.nodeName (cluster.go
-// attachmentPods, as CurrentVMIPod and AttachmentPods select them), and at
-// the end the source node's attachment pods are deleted, as the source
-// virt-launcher pod they belong to ends.
+// Without Options.Kubelets the simulator has no virt-launcher pods: the
+// target's start is a delay, the VMI's attachment pods are those on
+// status.nodeName (cluster.go attachmentPods, as CurrentVMIPod and
+// AttachmentPods select them), and at the end the source node's attachment
+// pods are deleted, as the source virt-launcher pod they belong to ends.
+// With it (real kubelets on host nodes) the target virt-launcher pod is a
+// real pod the host scheduler places and its attachment pod is owned by it
+// (prepareTargetOnHost); at the end the source virt-launcher pod and its
+// attachment pods are deleted, and the host's attach/detach and Longhorn
+// let the source node go.
 
 import (
 	"context"
