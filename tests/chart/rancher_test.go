@@ -193,6 +193,26 @@ func TestDetachGuardAndNodeMonitorFlags(t *testing.T) {
 	}
 }
 
+// TestPublishWaitCrowdIsHalfTheAttachersWorkers: the driver answers "in progress" only once half of the
+// attacher's workers wait in it, so a chart with many workers keeps blocking publishes (answered as soon as
+// KubeVirt is done) and one with few still frees them for the rest of a wave.
+func TestPublishWaitCrowdIsHalfTheAttachersWorkers(t *testing.T) {
+	for _, c := range []struct {
+		workers interface{}
+		crowd   string
+	}{{nil, "50"}, {10, "5"}, {3, "1"}, {1, "1"}} {
+		vals := map[string]interface{}{}
+		if c.workers != nil {
+			vals["controller"] = map[string]interface{}{"attacher": map[string]interface{}{"workerThreads": c.workers}}
+		}
+		r := renderVals(t, vals)
+		drv := container(t, typed[appsv1.Deployment](t, r.must(t, "Deployment", controllerName)).Spec.Template.Spec.Containers, "harvester-csi-driver")
+		if v, _ := argValue(drv.Args, "publish-wait-crowd"); v != c.crowd {
+			t.Errorf("workerThreads %v: --publish-wait-crowd=%q, want %q", c.workers, v, c.crowd)
+		}
+	}
+}
+
 // TestImageRegistryPrefix: Rancher's system default registry goes in front of a repository that does not
 // name a registry, and never in front of one that does (first path component with "." or ":" or
 // "localhost"), which would give reg/reg/... that no runtime can pull.
