@@ -51,7 +51,9 @@ var ErrNotReady = errors.New("hotplug queue not ready: its backend does not know
 //     retry joins it.
 //   - ctx.Err() (wrapped, saying what the intent waits for): ctx ended
 //     while the intent was still in progress; it stays queued, and a retry
-//     joins it.
+//     joins it. For an exclusive attach it may also end the wait for this
+//     process's detach of the volume from another VM, before anything was
+//     queued.
 
 // Attach blocks until the volume is observed attached to the VM, the intent is
 // superseded or rejected, or ctx ends (the errors are listed at ErrNotReady).
@@ -63,6 +65,11 @@ func (q *Queue) Attach(ctx context.Context, vm, volume string, exclusive bool) e
 		return ErrNotReady
 	}
 	key := q.key(vm)
+	if exclusive {
+		if err := q.awaitRelease(ctx, key, volume); err != nil {
+			return err
+		}
+	}
 	obs := q.observe(key)
 	q.mu.Lock()
 	w := q.vmWork(key)
@@ -91,6 +98,43 @@ func (q *Queue) Attach(ctx context.Context, vm, volume string, exclusive bool) e
 	failed := w.failed
 	q.mu.Unlock()
 	return q.await(ctx, key, it, failed)
+}
+
+// awaitRelease waits while this process is detaching volume from another VM:
+// an exclusive attach moving the volume there would only be refused as held
+// until then, and the caller (the external-attacher) would come back after
+// its own backoff, seconds after the volume is free. Nothing is queued while
+// it waits; once no detach of ours is left, the attach goes on and is fenced
+// as ever.
+func (q *Queue) awaitRelease(ctx context.Context, key cache.ObjectName, volume string) error {
+	for {
+		q.mu.Lock()
+		other, released := q.releasingLocked(key, volume)
+		q.mu.Unlock()
+		if released == nil {
+			return nil
+		}
+		klog.FromContext(ctx).V(2).Info("attach waits for the volume's detach from another VM", "vm", key.Name, "volume", volume, "holder", other)
+		select {
+		case <-released:
+		case <-ctx.Done():
+			return fmt.Errorf("attach of volume %s to VM %s: waiting for its detach from VM %s: %w", volume, key.Name, other, ctx.Err())
+		}
+	}
+}
+
+// releasingLocked returns another VM with a detach intent of volume and the
+// channel closed when that intent ends, or nil.
+func (q *Queue) releasingLocked(key cache.ObjectName, volume string) (string, <-chan struct{}) {
+	for _, other := range sortedNames(q.work) {
+		if other == key {
+			continue
+		}
+		if it := q.work[other].intents[volume]; it != nil && it.op == Detach {
+			return other.Name, it.done
+		}
+	}
+	return "", nil
 }
 
 // Detach blocks until the volume is observed gone from the VM and its VMI, the

@@ -245,9 +245,11 @@ func TestUnobservedWriteFencesTheVolume(t *testing.T) {
 	go func() { detached <- q.Detach(ctx, "vm1", "pvc-a") }()
 	waitIntent(t, q, "vm1", "pvc-a", Detach)
 
-	var held *HeldError
-	if err := q.Attach(ctx, "vm2", "pvc-a", true); !errors.As(err, &held) || held.VM != "vm1" {
-		t.Fatalf("attach to vm2 while vm1's write is unobserved answered %v, want a HeldError naming vm1", err)
+	// The attach to vm2 waits for our detach from vm1, which ends only
+	// once the informers show the write landed and was undone
+	// (watchDoubleAttach fails the test on any overlap).
+	if err := q.Attach(ctx, "vm2", "pvc-a", true); err != nil {
+		t.Fatalf("attach to vm2 while vm1's write is unobserved: %v", err)
 	}
 	if err := <-detached; err != nil {
 		t.Fatalf("detach from vm1: %v", err)
@@ -256,8 +258,39 @@ func TestUnobservedWriteFencesTheVolume(t *testing.T) {
 	if err := <-attached; !errors.As(err, &superseded) {
 		t.Fatalf("first attach answered %v, want superseded", err)
 	}
+}
+
+// An exclusive attach of a volume this process is detaching from another
+// VM waits for that detach instead of answering "held": the caller would
+// otherwise come back only after its own backoff, seconds after the volume
+// is free. A caller that gives up first is told what it waited for.
+func TestAttachWaitsForOurDetachFromAnotherVM(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1", "vm2")
+	f.readyDelay = 300 * time.Millisecond
+	q, _ := startQueue(t, f, fastConfig())
+	watchDoubleAttach(t, f, "pvc-a")
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); err != nil {
+		t.Fatal(err)
+	}
+	detached := make(chan error, 1)
+	go func() { detached <- q.Detach(ctx, "vm1", "pvc-a") }()
+	waitIntent(t, q, "vm1", "pvc-a", Detach)
+
+	short, cancelShort := context.WithTimeout(ctx, time.Millisecond)
+	defer cancelShort()
+	if err := q.Attach(short, "vm2", "pvc-a", true); !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "detach from VM vm1") {
+		t.Fatalf("attach to vm2 with a caller gone at once answered %v, want its deadline while waiting for the detach from vm1", err)
+	}
 	if err := q.Attach(ctx, "vm2", "pvc-a", true); err != nil {
-		t.Fatalf("attach to vm2 once vm1 let go: %v", err)
+		t.Fatalf("attach to vm2 while vm1 lets go: %v", err)
+	}
+	if err := <-detached; err != nil {
+		t.Fatalf("detach from vm1: %v", err)
+	}
+	if h := f.specHolders("pvc-a"); !slices.Equal(h, []string{"vm2"}) {
+		t.Fatalf("volume held by %v, want only vm2", h)
 	}
 }
 
