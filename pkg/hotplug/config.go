@@ -16,6 +16,13 @@ type Config struct {
 	// MaxHold bounds how long a VM is left alone while KubeVirt settles the
 	// previous change, and how long a write may go unobserved.
 	MaxHold time.Duration
+	// PodStartHold replaces MaxHold while KubeVirt waits for an attachment
+	// pod it created to start (an entry names the pod but no UID yet): on a
+	// Harvester host that is the scheduler, Longhorn's attach (up to 90 s
+	// before the host's attacher retries) and the kubelet. A change written
+	// meanwhile makes KubeVirt drop the pod and start over (kubevirt
+	// 16937). Zero means five times MaxHold.
+	PodStartHold time.Duration
 	// MaxConflictRetries bounds the immediate retries after a conflict before
 	// the VM is requeued with backoff.
 	MaxConflictRetries int
@@ -118,6 +125,7 @@ func (c Config) withDefaults() Config {
 	orDefault(&c.Workers, d.Workers)
 	orDefault(&c.BatchWindow, d.BatchWindow)
 	orDefault(&c.MaxHold, d.MaxHold)
+	orDefault(&c.PodStartHold, 5*c.MaxHold)
 	orDefault(&c.MaxConflictRetries, d.MaxConflictRetries)
 	orDefault(&c.BackoffBase, d.BackoffBase)
 	orDefault(&c.BackoffMax, d.BackoffMax)

@@ -183,9 +183,36 @@ func (o observed) unsettled() []string {
 	return vols
 }
 
+// podStarting says KubeVirt waits for an attachment pod it created to start:
+// an entry of a volume in the VMI spec names its pod but no UID, which
+// virt-controller writes only once the pod's container is ready (kubevirt
+// v1.7.0 pkg/virt-controller/watch/vmi/storage.go:197-204). Until then the
+// host schedules the pod, attaches its volumes and starts it, none of which
+// the VMI shows.
+func (o observed) podStarting() bool {
+	if o.vmi == nil || o.vmi.Status.Phase != kubevirtv1.Running {
+		return false
+	}
+	for _, s := range o.vmi.Status.VolumeStatus {
+		if s.HotplugVolume != nil && s.HotplugVolume.AttachPodName != "" && s.HotplugVolume.AttachPodUID == "" && inSpec(o.vmi, s.Name) {
+			return true
+		}
+	}
+	return false
+}
+
+func inSpec(vmi *kubevirtv1.VirtualMachineInstance, volume string) bool {
+	for _, v := range vmi.Spec.Volumes {
+		if v.Name == volume {
+			return true
+		}
+	}
+	return false
+}
+
 // progressMark fingerprints KubeVirt's hotplug work on the VM: the phase of
-// every hotplug volume and the queued legacy requests. It changes whenever
-// KubeVirt moves.
+// every hotplug volume, whether its attachment pod runs, and the queued
+// legacy requests. It changes whenever KubeVirt moves.
 func (o observed) progressMark() string {
 	var b strings.Builder
 	if o.vm != nil {
@@ -194,7 +221,7 @@ func (o observed) progressMark() string {
 	if o.vmi != nil {
 		for _, s := range o.vmi.Status.VolumeStatus {
 			if s.HotplugVolume != nil {
-				fmt.Fprintf(&b, "%s=%s/%t;", s.Name, s.Phase, s.Target != "")
+				fmt.Fprintf(&b, "%s=%s/%t/%t;", s.Name, s.Phase, s.Target != "", s.HotplugVolume.AttachPodUID != "")
 			}
 		}
 	}

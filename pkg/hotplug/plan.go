@@ -167,9 +167,13 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 		if fp := o.progressMark(); p.settlingSince.IsZero() || fp != p.progress {
 			p.settlingSince, p.progress = now, fp
 		}
-		if now.Sub(p.settlingSince) < cfg.MaxHold {
+		bound := cfg.MaxHold
+		if o.podStarting() {
+			bound = max(bound, cfg.PodStartHold)
+		}
+		if now.Sub(p.settlingSince) < bound {
 			p.hold = "previous change still settling"
-			p.wake(p.settlingSince.Add(cfg.MaxHold))
+			p.wake(p.settlingSince.Add(bound))
 			p.waitAll(queuedBehind(o, pending))
 			return p
 		}

@@ -53,6 +53,17 @@ func vmiWith(statuses map[string]kubevirtv1.VolumePhase) *kubevirtv1.VirtualMach
 	return vmi
 }
 
+// podStarting names an attachment pod for volume without its UID, as
+// virt-controller writes it until the pod's container is ready.
+func podStarting(vmi *kubevirtv1.VirtualMachineInstance, volume string) *kubevirtv1.VirtualMachineInstance {
+	for i := range vmi.Status.VolumeStatus {
+		if s := &vmi.Status.VolumeStatus[i]; s.Name == volume {
+			s.HotplugVolume.AttachPodName = "hp-volume-1"
+		}
+	}
+	return vmi
+}
+
 func addReq(name string) kubevirtv1.VirtualMachineVolumeRequest {
 	return kubevirtv1.VirtualMachineVolumeRequest{AddVolumeOptions: &kubevirtv1.AddVolumeOptions{Name: name}}
 }
@@ -63,7 +74,7 @@ func removeReq(name string) kubevirtv1.VirtualMachineVolumeRequest {
 
 func TestDecide(t *testing.T) {
 	t0 := time.Unix(1000, 0)
-	cfg := Config{MaxHold: 30 * time.Second}
+	cfg := Config{MaxHold: 30 * time.Second, PodStartHold: 150 * time.Second}
 	type in struct {
 		intents map[string]Op
 		expect  map[string]expectation
@@ -111,6 +122,14 @@ func TestDecide(t *testing.T) {
 	}, {
 		name:        "settling VM is written anyway after max hold",
 		in:          in{intents: map[string]Op{"b": Attach}, since: t0.Add(-31 * time.Second), obs: observed{vm: vmWith([]string{"a"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeDetaching})}},
+		wantChanges: []Change{{"b", Attach}},
+	}, {
+		name:     "an attachment pod KubeVirt waits for to start holds the VM past max hold",
+		in:       in{intents: map[string]Op{"b": Attach}, since: t0.Add(-100 * time.Second), obs: observed{vm: vmWith([]string{"a"}), vmi: podStarting(vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeAttachedToNode}), "a")}},
+		wantHold: "previous change still settling", wantChanges: []Change{{"b", Attach}},
+	}, {
+		name:        "an attachment pod that does not start for the pod-start hold no longer holds the VM",
+		in:          in{intents: map[string]Op{"b": Attach}, since: t0.Add(-151 * time.Second), obs: observed{vm: vmWith([]string{"a"}), vmi: podStarting(vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeAttachedToNode}), "a")}},
 		wantChanges: []Change{{"b", Attach}},
 	}, {
 		name: "settling VM whose KubeVirt work moved since is held again, however long ago the hold began",
@@ -286,4 +305,24 @@ func failedVM(vm *kubevirtv1.VirtualMachine, msg string) *kubevirtv1.VirtualMach
 		Type: kubevirtv1.VirtualMachineFailure, Status: "True", Reason: "FailedUpdateError", Message: msg,
 	})
 	return vm
+}
+
+// An attachment pod starting is KubeVirt moving: the hold's clock starts
+// again when virt-controller names the running pod's UID, and a removed
+// volume's old pod does not count as one starting.
+func TestAttachmentPodStartIsProgress(t *testing.T) {
+	starting := observed{vm: vmWith([]string{"a"}), vmi: podStarting(vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeAttachedToNode}), "a")}
+	running := observed{vm: starting.vm, vmi: starting.vmi.DeepCopy()}
+	running.vmi.Status.VolumeStatus[0].HotplugVolume.AttachPodUID = "uid-1"
+	if !starting.podStarting() || running.podStarting() {
+		t.Errorf("podStarting: %t with no UID, %t with one; want true, false", starting.podStarting(), running.podStarting())
+	}
+	if starting.progressMark() == running.progressMark() {
+		t.Errorf("the pod's UID appearing left the progress mark at %q", starting.progressMark())
+	}
+	removed := observed{vm: vmWith(nil), vmi: starting.vmi.DeepCopy()}
+	removed.vmi.Spec.Volumes = nil
+	if removed.podStarting() {
+		t.Error("a removed volume's entry without a UID counted as a pod starting")
+	}
 }
