@@ -385,6 +385,46 @@ func TestHarvesterFlag(t *testing.T) {
 	}
 }
 
+// The host storage path is on by default, on three host nodes, for the
+// default scenario and --quick alike; --host-nodes 0 keeps the kubelet
+// stand-in, which the faults that need it ask for by name.
+func TestHostNodesByDefault(t *testing.T) {
+	dir := t.TempDir()
+	driver := filepath.Join(dir, "harvester-csi-driver")
+	if err := os.WriteFile(driver, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out")}
+	for _, tc := range []struct {
+		args []string
+		want int
+	}{
+		{args: nil, want: 3},
+		{args: []string{"--quick"}, want: 3},
+		{args: []string{"--harvester", "1.8.0"}, want: 3},
+		{args: []string{"--host-nodes", "0"}, want: 0},
+		{args: []string{"--quick", "--host-nodes", "0"}, want: 0},
+		{args: []string{"--host-nodes", "0", "--attachment-pod-stuck", "5s"}, want: 0},
+		{args: []string{"--host-nodes", "0", "--migrate-vms", "1m"}, want: 0},
+	} {
+		f, err := parse(append(append([]string{}, base...), tc.args...), io.Discard)
+		if err != nil {
+			t.Errorf("%q: %v", tc.args, err)
+			continue
+		}
+		if f.cfg.HostNodes != tc.want {
+			t.Errorf("%q: %d host nodes, want %d", tc.args, f.cfg.HostNodes, tc.want)
+		}
+	}
+	// A fault that needs the stand-in says how to get it.
+	for _, fl := range []string{"--attachment-pod-stuck", "--migrate-vms"} {
+		_, err := parse(append(append([]string{}, base...), fl, "5s"), io.Discard)
+		if err == nil || !strings.Contains(err.Error(), "--host-nodes 0") {
+			t.Errorf("%s on the default host nodes: %v, want a refusal naming --host-nodes 0", fl, err)
+		}
+	}
+}
+
 // --host-nodes turns the host storage path on, over KubeVirt's real
 // control plane and over the simulated one (the default profile's).
 func TestHostNodesFlag(t *testing.T) {
@@ -415,7 +455,7 @@ func TestHostNodesFlag(t *testing.T) {
 	}
 }
 
-// The host faults are flags of their own, refused without --host-nodes.
+// The host faults are flags of their own, refused with --host-nodes 0.
 func TestHostFaultFlags(t *testing.T) {
 	dir := t.TempDir()
 	driver := filepath.Join(dir, "harvester-csi-driver")
@@ -434,9 +474,9 @@ func TestHostFaultFlags(t *testing.T) {
 		t.Errorf("host faults not set as asked: %+v", c)
 	}
 	for _, fl := range []string{"--longhorn-faulted", "--cordon-host", "--slow-host-detach", "--ghost-workload"} {
-		_, err := parse(append(append([]string{}, base...), fl, "5s"), io.Discard)
+		_, err := parse(append(append([]string{}, base...), "--host-nodes", "0", fl, "5s"), io.Discard)
 		if err == nil || !strings.Contains(err.Error(), fl+" needs host nodes") {
-			t.Errorf("%s without --host-nodes: %v, want a refusal", fl, err)
+			t.Errorf("%s with --host-nodes 0: %v, want a refusal", fl, err)
 		}
 	}
 }
