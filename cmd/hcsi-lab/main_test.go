@@ -22,10 +22,11 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
-// The --quick lab, with NodeUnstageVolume skipped now and then, the
-// controller process killed every 40 s and claims expanded every 15 s, must
-// pass: no invariant broken, nothing stuck, every data check good. It runs
-// the built binaries as a user would (make lab LAB_FLAGS=--quick).
+// The --quick lab, on its default three host nodes (the host storage path
+// under every attachment pod), with NodeUnstageVolume skipped now and then,
+// the controller process killed every 40 s and claims expanded every 15 s,
+// must pass: no invariant broken, nothing stuck, every data check good. It
+// runs the built binaries as a user would (make lab LAB_FLAGS=--quick).
 func TestQuickLab(t *testing.T) {
 	skipWithoutLab(t, "runs the whole lab (a few minutes)")
 	work := t.TempDir()
@@ -72,6 +73,9 @@ func TestQuickLab(t *testing.T) {
 	}
 	if rep.Driver.Restarts == 0 {
 		t.Error("the controller-kill fault never struck")
+	}
+	if rep.Config.HostNodes != defaultHostNodes || len(rep.AttachByCase) == 0 {
+		t.Errorf("the run was not on the host storage path: %d host nodes, attach by case %+v", rep.Config.HostNodes, rep.AttachByCase)
 	}
 	for _, f := range []string{"summary.txt", "latency.svg", "logs/driver-controller.log", "logs/kubelet-node-0.log"} {
 		if _, err := os.Stat(filepath.Join(out, f)); err != nil {
@@ -214,8 +218,9 @@ func TestLabCompare(t *testing.T) {
 	out := filepath.Join(work, "run")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
-	// Short and without faults: TestQuickLab covers them.
-	cmd := exec.CommandContext(ctx, labBin, "--quick", "--minutes=0.75", "--namespaces=3", "--skip-unstage=0", "--kill-controller-every=0",
+	// Short, without faults and on the kubelet stand-in (--host-nodes 0, which
+	// this keeps covered): TestQuickLab covers the faults and host nodes.
+	cmd := exec.CommandContext(ctx, labBin, "--quick", "--minutes=0.75", "--namespaces=3", "--skip-unstage=0", "--kill-controller-every=0", "--host-nodes=0",
 		"--driver-binary="+driver, "--out="+out, "--compare="+fake)
 	cmd.Env = append(os.Environ(), "HCSI_TOOLS_BIN="+tools)
 	var stdout bytes.Buffer
