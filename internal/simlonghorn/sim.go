@@ -63,7 +63,8 @@ type Faults struct {
 	SlowDetach float64
 	// GhostWorkloads keeps one extra entry per volume in
 	// status.kubernetesStatus.workloadsStatus that no pod backs, as Harvester
-	// issue 9761 reports of pods long gone.
+	// issue 9761 reports of pods long gone; while it is there the list does
+	// not follow the pods (followWorkloads says why).
 	GhostWorkloads map[string]WorkloadStatus
 	// Faulted makes volumes faulted for a while (real time, scaled) from
 	// New on, as Sim.FaultVolume does later.
