@@ -22,10 +22,11 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 )
 
-// The --quick lab, with NodeUnstageVolume skipped now and then, the
-// controller process killed every 40 s and claims expanded every 15 s, must
-// pass: no invariant broken, nothing stuck, every data check good. It runs
-// the built binaries as a user would (make lab LAB_FLAGS=--quick).
+// The --quick lab, on its default three host nodes (the host storage path
+// under every attachment pod), with NodeUnstageVolume skipped now and then,
+// the controller process killed every 40 s and claims expanded every 15 s,
+// must pass: no invariant broken, nothing stuck, every data check good. It
+// runs the built binaries as a user would (make lab LAB_FLAGS=--quick).
 func TestQuickLab(t *testing.T) {
 	skipWithoutLab(t, "runs the whole lab (a few minutes)")
 	work := t.TempDir()
@@ -72,6 +73,9 @@ func TestQuickLab(t *testing.T) {
 	}
 	if rep.Driver.Restarts == 0 {
 		t.Error("the controller-kill fault never struck")
+	}
+	if rep.Config.HostNodes != defaultHostNodes || len(rep.AttachByCase) == 0 {
+		t.Errorf("the run was not on the host storage path: %d host nodes, attach by case %+v", rep.Config.HostNodes, rep.AttachByCase)
 	}
 	for _, f := range []string{"summary.txt", "latency.svg", "logs/driver-controller.log", "logs/kubelet-node-0.log"} {
 		if _, err := os.Stat(filepath.Join(out, f)); err != nil {
@@ -214,8 +218,9 @@ func TestLabCompare(t *testing.T) {
 	out := filepath.Join(work, "run")
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
 	defer cancel()
-	// Short and without faults: TestQuickLab covers them.
-	cmd := exec.CommandContext(ctx, labBin, "--quick", "--minutes=0.75", "--namespaces=3", "--skip-unstage=0", "--kill-controller-every=0",
+	// Short, without faults and on the kubelet stand-in (--host-nodes 0, which
+	// this keeps covered): TestQuickLab covers the faults and host nodes.
+	cmd := exec.CommandContext(ctx, labBin, "--quick", "--minutes=0.75", "--namespaces=3", "--skip-unstage=0", "--kill-controller-every=0", "--host-nodes=0",
 		"--driver-binary="+driver, "--out="+out, "--compare="+fake)
 	cmd.Env = append(os.Environ(), "HCSI_TOOLS_BIN="+tools)
 	var stdout bytes.Buffer
@@ -385,6 +390,46 @@ func TestHarvesterFlag(t *testing.T) {
 	}
 }
 
+// The host storage path is on by default, on three host nodes, for the
+// default scenario and --quick alike; --host-nodes 0 keeps the kubelet
+// stand-in, which the faults that need it ask for by name.
+func TestHostNodesByDefault(t *testing.T) {
+	dir := t.TempDir()
+	driver := filepath.Join(dir, "harvester-csi-driver")
+	if err := os.WriteFile(driver, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	base := []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out")}
+	for _, tc := range []struct {
+		args []string
+		want int
+	}{
+		{args: nil, want: 3},
+		{args: []string{"--quick"}, want: 3},
+		{args: []string{"--harvester", "1.8.0"}, want: 3},
+		{args: []string{"--host-nodes", "0"}, want: 0},
+		{args: []string{"--quick", "--host-nodes", "0"}, want: 0},
+		{args: []string{"--host-nodes", "0", "--attachment-pod-stuck", "5s"}, want: 0},
+		{args: []string{"--host-nodes", "0", "--migrate-vms", "1m"}, want: 0},
+	} {
+		f, err := parse(append(append([]string{}, base...), tc.args...), io.Discard)
+		if err != nil {
+			t.Errorf("%q: %v", tc.args, err)
+			continue
+		}
+		if f.cfg.HostNodes != tc.want {
+			t.Errorf("%q: %d host nodes, want %d", tc.args, f.cfg.HostNodes, tc.want)
+		}
+	}
+	// A fault that needs the stand-in says how to get it.
+	for _, fl := range []string{"--attachment-pod-stuck"} {
+		_, err := parse(append(append([]string{}, base...), fl, "5s"), io.Discard)
+		if err == nil || !strings.Contains(err.Error(), "--host-nodes 0") {
+			t.Errorf("%s on the default host nodes: %v, want a refusal naming --host-nodes 0", fl, err)
+		}
+	}
+}
+
 // --host-nodes turns the host storage path on, over KubeVirt's real
 // control plane and over the simulated one (the default profile's).
 func TestHostNodesFlag(t *testing.T) {
@@ -422,7 +467,7 @@ func TestHostNodesFlag(t *testing.T) {
 	}
 }
 
-// The host faults are flags of their own, refused without --host-nodes.
+// The host faults are flags of their own, refused with --host-nodes 0.
 func TestHostFaultFlags(t *testing.T) {
 	dir := t.TempDir()
 	driver := filepath.Join(dir, "harvester-csi-driver")
@@ -441,9 +486,9 @@ func TestHostFaultFlags(t *testing.T) {
 		t.Errorf("host faults not set as asked: %+v", c)
 	}
 	for _, fl := range []string{"--longhorn-faulted", "--cordon-host", "--slow-host-detach", "--ghost-workload"} {
-		_, err := parse(append(append([]string{}, base...), fl, "5s"), io.Discard)
+		_, err := parse(append(append([]string{}, base...), "--host-nodes", "0", fl, "5s"), io.Discard)
 		if err == nil || !strings.Contains(err.Error(), fl+" needs host nodes") {
-			t.Errorf("%s without --host-nodes: %v, want a refusal", fl, err)
+			t.Errorf("%s with --host-nodes 0: %v, want a refusal", fl, err)
 		}
 	}
 }

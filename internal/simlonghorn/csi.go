@@ -333,17 +333,28 @@ func (n *nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublish
 	if !ready(v) {
 		return nil, status.Errorf(codes.Aborted, "volume %s is not ready for workloads", id)
 	}
-	phases := map[corev1.PodPhase][]string{}
-	for _, w := range v.Status.KubernetesStatus.WorkloadsStatus {
-		phases[corev1.PodPhase(w.PodStatus)] = append(phases[corev1.PodPhase(w.PodStatus)], w.PodName)
-	}
-	if len(phases[corev1.PodPending]) == 0 && len(phases[corev1.PodRunning]) != len(v.Status.KubernetesStatus.WorkloadsStatus) {
-		return nil, status.Errorf(codes.Aborted, "no %v workload pods for volume %v to be mounted: %+v", corev1.PodPending, id, phases)
+	if list := v.Status.KubernetesStatus.WorkloadsStatus; !publishable(list) {
+		return nil, status.Errorf(codes.Aborted, "no %v workload pods for volume %v to be mounted: %+v", corev1.PodPending, id, workloadPhases(list))
 	}
 	if err := n.publishTarget(ctx, id, req.GetTargetPath(), req.GetVolumeCapability().GetBlock() != nil); err != nil {
 		return nil, status.Errorf(codes.Internal, "volume %s: target %s: %v", id, req.GetTargetPath(), err)
 	}
 	return &csi.NodePublishVolumeResponse{}, nil
+}
+
+// publishable is NodePublish's workloads check (csi/node_server.go:172-175):
+// a Pending pod listed, or every listed pod Running.
+func publishable(list []WorkloadStatus) bool {
+	phases := workloadPhases(list)
+	return len(phases[corev1.PodPending]) > 0 || len(phases[corev1.PodRunning]) == len(list)
+}
+
+func workloadPhases(list []WorkloadStatus) map[corev1.PodPhase][]string {
+	phases := map[corev1.PodPhase][]string{}
+	for _, w := range list {
+		phases[corev1.PodPhase(w.PodStatus)] = append(phases[corev1.PodPhase(w.PodStatus)], w.PodName)
+	}
+	return phases
 }
 
 // deviceSize is the size of the file behind a volume's device on a node:

@@ -84,3 +84,50 @@ func TestGhostRemovedLeavesTheListWithNoPod(t *testing.T) {
 		t.Errorf("ghost taken away: %+v, want the old entry only", got)
 	}
 }
+
+// A ghost entry outlives its pod only while Longhorn's PV controller has
+// not rebuilt the list: setWorkloads replaces the whole list whenever a pod
+// uses the claim (longhorn-manager v1.10.1
+// controller/kubernetes_pv_controller.go:469-478). So while the ghost is
+// there the list does not follow pods, and a new attachment pod's
+// NodePublish finds no Pending pod listed and is refused; once the ghost
+// goes, the list catches up with the pods.
+func TestGhostListDoesNotFollowANewPod(t *testing.T) {
+	s := bareSim(Options{Scale: 1, WorkloadsLag: time.Nanosecond})
+	ghost := WorkloadStatus{PodName: "hp-volume-gone", PodStatus: "Succeeded"}
+	old := WorkloadStatus{PodName: "hp-volume-old", PodStatus: "Running"}
+	v := &Volume{}
+	v.Name = "vol"
+	v.Status.KubernetesStatus = KubernetesStatus{Namespace: "ns", PVCName: "claim", WorkloadsStatus: []WorkloadStatus{old}}
+	pod := func(name string, phase corev1.PodPhase) corev1.Pod {
+		p := corev1.Pod{Spec: corev1.PodSpec{Volumes: []corev1.Volume{{Name: "v",
+			VolumeSource: corev1.VolumeSource{PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: "claim"}}}}}}
+		p.Name, p.Status.Phase = name, phase
+		return p
+	}
+	p := &pass{pods: map[string][]corev1.Pod{"ns": {pod("hp-volume-old", corev1.PodRunning), pod("hp-volume-new", corev1.PodPending)}}}
+	follow := func(now time.Time) {
+		t.Helper()
+		if err := s.followWorkloads(context.Background(), p, v, now); err != nil {
+			t.Fatal(err)
+		}
+	}
+	now := time.Now()
+	s.SetGhostWorkload("vol", ghost)
+	follow(now)
+	follow(now.Add(time.Second))
+	got := v.Status.KubernetesStatus.WorkloadsStatus
+	if len(got) != 2 || got[0] != old || got[1] != ghost {
+		t.Fatalf("with the ghost and a new Pending pod: %+v, want the old entry and the ghost only", got)
+	}
+	if publishable(got) {
+		t.Errorf("NodePublish allowed with %+v, want Aborted (no Pending pod listed)", got)
+	}
+	s.SetGhostWorkload("vol", WorkloadStatus{})
+	follow(now.Add(2 * time.Second))
+	follow(now.Add(3 * time.Second))
+	got = v.Status.KubernetesStatus.WorkloadsStatus
+	if len(got) != 2 || got[0].PodName != "hp-volume-old" || got[1].PodName != "hp-volume-new" || !publishable(got) {
+		t.Errorf("ghost gone: %+v, want the two pods, publishable", got)
+	}
+}

@@ -63,7 +63,8 @@ type Faults struct {
 	SlowDetach float64
 	// GhostWorkloads keeps one extra entry per volume in
 	// status.kubernetesStatus.workloadsStatus that no pod backs, as Harvester
-	// issue 9761 reports of pods long gone.
+	// issue 9761 reports of pods long gone; while it is there the list does
+	// not follow the pods (followWorkloads says why).
 	GhostWorkloads map[string]WorkloadStatus
 	// Faulted makes volumes faulted for a while (real time, scaled) from
 	// New on, as Sim.FaultVolume does later.
@@ -289,41 +290,29 @@ func (s *Sim) reconcile(ctx context.Context, p *pass, v *Volume) error {
 // followWorkloads is longhorn-manager v1.10.1 controller/kubernetes_pv_controller.go
 // setWorkloads (:460-480) behind a lag: the list becomes the pods that use
 // the volume's PVC, each with its phase; with no such pod the old list stays
-// and only lastPodRefAt is set. A ghost entry, when set, is always there.
+// and only lastPodRefAt is set. A ghost entry, when set, is there and the
+// list does not follow the pods: setWorkloads replaces the whole list
+// whenever a pod uses the claim (:469-478), so a ghost outlives its pod only
+// while the PV controller has not synced the volume, and a list that held
+// it next to freshly listed pods would be one Longhorn never writes (and a
+// ghost no new attachment pod ever met).
 func (s *Sim) followWorkloads(ctx context.Context, p *pass, v *Volume, now time.Time) error {
 	ks := &v.Status.KubernetesStatus
 	if ks.PVCName == "" {
 		return nil
 	}
-	pods, err := p.podsOf(ks.Namespace)
-	if err != nil {
-		return err
-	}
-	var want []WorkloadStatus
-	for i := range pods {
-		pod := &pods[i]
-		if usesClaim(pod, ks.PVCName) {
-			w := WorkloadStatus{PodName: pod.Name, PodStatus: string(pod.Status.Phase)}
-			if len(pod.OwnerReferences) > 0 {
-				w.WorkloadName, w.WorkloadType = pod.OwnerReferences[0].Name, pod.OwnerReferences[0].Kind
-			}
-			want = append(want, w)
-		}
-	}
 	s.mu.Lock()
 	ghost, hasGhost := s.ghosts[v.Name]
 	cleared, wasCleared := s.cleared[v.Name]
 	s.mu.Unlock()
-	if len(want) == 0 {
-		want = withoutGhost(withoutGhost(ks.WorkloadsStatus, ghost, hasGhost), cleared, wasCleared)
-		if len(want) != 0 && ks.LastPodRefAt == "" {
-			ks.LastPodRefAt = now.UTC().Format(time.RFC3339)
-		}
-	} else {
-		ks.LastPodRefAt = ""
-	}
+	want := withoutGhost(withoutGhost(ks.WorkloadsStatus, ghost, hasGhost), cleared, wasCleared)
 	if hasGhost {
 		want = append(want, ghost)
+	} else {
+		var err error
+		if want, err = s.podWorkloads(p, ks, want, now); err != nil {
+			return err
+		}
 	}
 	if jsonEqual(want, ks.WorkloadsStatus) {
 		s.mu.Lock()
@@ -350,6 +339,35 @@ func (s *Sim) followWorkloads(ctx context.Context, p *pass, v *Volume, now time.
 		ks.WorkloadsStatus = want
 	}
 	return nil
+}
+
+// podWorkloads is the list setWorkloads writes: the pods that use the
+// claim, or kept (the old list without taken-away ghosts) with lastPodRefAt
+// set when none does.
+func (s *Sim) podWorkloads(p *pass, ks *KubernetesStatus, kept []WorkloadStatus, now time.Time) ([]WorkloadStatus, error) {
+	pods, err := p.podsOf(ks.Namespace)
+	if err != nil {
+		return nil, err
+	}
+	var want []WorkloadStatus
+	for i := range pods {
+		pod := &pods[i]
+		if usesClaim(pod, ks.PVCName) {
+			w := WorkloadStatus{PodName: pod.Name, PodStatus: string(pod.Status.Phase)}
+			if len(pod.OwnerReferences) > 0 {
+				w.WorkloadName, w.WorkloadType = pod.OwnerReferences[0].Name, pod.OwnerReferences[0].Kind
+			}
+			want = append(want, w)
+		}
+	}
+	if len(want) == 0 {
+		if len(kept) != 0 && ks.LastPodRefAt == "" {
+			ks.LastPodRefAt = now.UTC().Format(time.RFC3339)
+		}
+		return kept, nil
+	}
+	ks.LastPodRefAt = ""
+	return want, nil
 }
 
 func (s *Sim) workloadsLag() time.Duration {
