@@ -15,7 +15,8 @@ import (
 func TestClaimCacheShowsBoundClaimsOfItsNamespace(t *testing.T) {
 	claim := func(ns, name string, phase corev1.PersistentVolumeClaimPhase) *corev1.PersistentVolumeClaim {
 		return &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns,
-			Annotations: map[string]string{"big": "x"}}, Status: corev1.PersistentVolumeClaimStatus{Phase: phase}}
+			Annotations:   map[string]string{"big": "x"},
+			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kube-controller-manager"}}}, Status: corev1.PersistentVolumeClaimStatus{Phase: phase}}
 	}
 	kube := kubefake.NewClientset(
 		claim("guests", "bound", corev1.ClaimBound),
@@ -39,11 +40,12 @@ func TestClaimCacheShowsBoundClaimsOfItsNamespace(t *testing.T) {
 		t.Fatal(err)
 	}
 	testwait.For(t, "the deleted claim gone from the cache", 10*time.Second, func() bool { return !cc.ShowsBound("bound") })
-	// Only what the check needs is kept.
+	// The whole claim is kept but its managedFields: a reservation is
+	// written back from it.
 	objs := cc.inf.GetStore().List()
 	for _, o := range objs {
-		if p := o.(*corev1.PersistentVolumeClaim); len(p.Annotations) != 0 {
-			t.Errorf("cached claim %s keeps its annotations", p.Name)
+		if p := o.(*corev1.PersistentVolumeClaim); len(p.ManagedFields) != 0 || p.Annotations["big"] != "x" {
+			t.Errorf("cached claim %s: managedFields %v, annotations %v; want none and all", p.Name, p.ManagedFields, p.Annotations)
 		}
 	}
 	if len(objs) != 1 {
