@@ -20,9 +20,11 @@ import (
 // its resourceVersion, so the API server takes it only if the claim is still
 // as cached (a stale copy costs a conflict and a read), and the queue reads
 // whatever it would decide without writing (pkg/hotplug, ClaimCache). So the
-// whole claim is kept, as an update writes it back; only managedFields go,
+// whole claim is kept, as an update writes it back, but for managedFields,
 // which an update that omits them leaves as they are (Kubernetes' field
-// manager keeps them for clients unaware of them).
+// manager keeps them for clients unaware of them), and the status but its
+// phase, which an update of the claim never changes (the API server's claim
+// strategy keeps the stored status; it has its own subresource).
 type ClaimCache struct {
 	namespace string
 	inf       cache.SharedIndexInformer
@@ -37,7 +39,7 @@ func (c *Client) ClaimCache(resync time.Duration) *ClaimCache {
 		},
 		WatchFuncWithContext: pvcs.Watch,
 	}, &corev1.PersistentVolumeClaim{}, resync, cache.Indexers{})
-	_ = inf.SetTransform(dropManagedFields)
+	_ = inf.SetTransform(trimClaim)
 	return &ClaimCache{namespace: c.Namespace, inf: inf}
 }
 
@@ -78,11 +80,12 @@ func (cc *ClaimCache) CachedClaim(name string) (hotplug.HostClaim, bool) {
 	return cl, true
 }
 
-// dropManagedFields keeps the claim without its managedFields, the larger
-// part of a claim that nothing here reads.
-func dropManagedFields(obj any) (any, error) {
+// trimClaim drops what nothing here reads and an update need not carry:
+// managedFields and the status but its phase.
+func trimClaim(obj any) (any, error) {
 	if pvc, ok := obj.(*corev1.PersistentVolumeClaim); ok {
 		pvc.ManagedFields = nil
+		pvc.Status = corev1.PersistentVolumeClaimStatus{Phase: pvc.Status.Phase}
 	}
 	return obj, nil
 }
