@@ -111,6 +111,9 @@ func NewController(cfg ControllerConfig) *Controller {
 		opts.RWX = c.rwx.Load
 		c.claimCache = cfg.Host.ClaimCache(0)
 		opts.Claims = c.claimCache
+		if c.queue != nil {
+			c.queue.SetClaimCache(c.claimCache)
+		}
 		opts.HostStorage = host.NewStorageReader(cfg.Host)
 		opts.VMs = c
 	}

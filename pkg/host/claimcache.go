@@ -8,16 +8,23 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/client-go/tools/cache"
+
+	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
 // ClaimCache watches the host namespace's PVCs so that a first publish of a
 // volume need not read its claim from the API server only to learn that it
-// is there and bound: that read was one host request of about three per
-// operation under churn. It is a shortcut for the answer, never a fence: the
-// hotplug queue still reads the claim live right before it writes the VM, so
-// a claim deleted after the cache saw it is caught there. Only what the
-// shortcut needs is kept (name, phase, deletion), so a namespace that also
-// holds many VM disks costs little memory.
+// is there and bound, and so that the hotplug queue can write and release an
+// exclusive attach's reservation without reading the claim first. It is a
+// shortcut, never a fence: a reservation written from a cached claim carries
+// its resourceVersion, so the API server takes it only if the claim is still
+// as cached (a stale copy costs a conflict and a read), and the queue reads
+// whatever it would decide without writing (pkg/hotplug, ClaimCache). So the
+// whole claim is kept, as an update writes it back, but for managedFields,
+// which an update that omits them leaves as they are (Kubernetes' field
+// manager keeps them for clients unaware of them), and the status but its
+// phase, which an update of the claim never changes (the API server's claim
+// strategy keeps the stored status; it has its own subresource).
 type ClaimCache struct {
 	namespace string
 	inf       cache.SharedIndexInformer
@@ -32,7 +39,7 @@ func (c *Client) ClaimCache(resync time.Duration) *ClaimCache {
 		},
 		WatchFuncWithContext: pvcs.Watch,
 	}, &corev1.PersistentVolumeClaim{}, resync, cache.Indexers{})
-	_ = inf.SetTransform(claimSummary)
+	_ = inf.SetTransform(trimClaim)
 	return &ClaimCache{namespace: c.Namespace, inf: inf}
 }
 
@@ -54,15 +61,31 @@ func (cc *ClaimCache) ShowsBound(name string) bool {
 	return ok && pvc.DeletionTimestamp == nil && pvc.Status.Phase == corev1.ClaimBound
 }
 
-// claimSummary keeps what ShowsBound reads (and the store's key).
-func claimSummary(obj any) (any, error) {
+// CachedClaim returns the claim as the cache holds it, for the hotplug
+// queue's reservation writes; false when the cache cannot say.
+func (cc *ClaimCache) CachedClaim(name string) (hotplug.HostClaim, bool) {
+	if !cc.inf.HasSynced() {
+		return hotplug.HostClaim{}, false
+	}
+	obj, ok, err := cc.inf.GetStore().GetByKey(cc.namespace + "/" + name)
+	if err != nil || !ok {
+		return hotplug.HostClaim{}, false
+	}
 	pvc, ok := obj.(*corev1.PersistentVolumeClaim)
 	if !ok {
-		return obj, nil
+		return hotplug.HostClaim{}, false
 	}
-	return &corev1.PersistentVolumeClaim{
-		ObjectMeta: metav1.ObjectMeta{Name: pvc.Name, Namespace: pvc.Namespace, ResourceVersion: pvc.ResourceVersion,
-			UID: pvc.UID, DeletionTimestamp: pvc.DeletionTimestamp},
-		Status: corev1.PersistentVolumeClaimStatus{Phase: pvc.Status.Phase},
-	}, nil
+	cl := hostClaim(pvc)
+	cl.Cached = true
+	return cl, true
+}
+
+// trimClaim drops what nothing here reads and an update need not carry:
+// managedFields and the status but its phase.
+func trimClaim(obj any) (any, error) {
+	if pvc, ok := obj.(*corev1.PersistentVolumeClaim); ok {
+		pvc.ManagedFields = nil
+		pvc.Status = corev1.PersistentVolumeClaimStatus{Phase: pvc.Status.Phase}
+	}
+	return obj, nil
 }

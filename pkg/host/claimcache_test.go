@@ -2,10 +2,12 @@ package host
 
 import (
 	"context"
+	"reflect"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubefake "k8s.io/client-go/kubernetes/fake"
 
@@ -15,7 +17,9 @@ import (
 func TestClaimCacheShowsBoundClaimsOfItsNamespace(t *testing.T) {
 	claim := func(ns, name string, phase corev1.PersistentVolumeClaimPhase) *corev1.PersistentVolumeClaim {
 		return &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns,
-			Annotations: map[string]string{"big": "x"}}, Status: corev1.PersistentVolumeClaimStatus{Phase: phase}}
+			Annotations:   map[string]string{"big": "x"},
+			ManagedFields: []metav1.ManagedFieldsEntry{{Manager: "kube-controller-manager"}}}, Status: corev1.PersistentVolumeClaimStatus{Phase: phase,
+			Capacity: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("1Gi")}}}
 	}
 	kube := kubefake.NewClientset(
 		claim("guests", "bound", corev1.ClaimBound),
@@ -39,11 +43,16 @@ func TestClaimCacheShowsBoundClaimsOfItsNamespace(t *testing.T) {
 		t.Fatal(err)
 	}
 	testwait.For(t, "the deleted claim gone from the cache", 10*time.Second, func() bool { return !cc.ShowsBound("bound") })
-	// Only what the check needs is kept.
+	// The whole claim is kept but its managedFields: a reservation is
+	// written back from it.
 	objs := cc.inf.GetStore().List()
 	for _, o := range objs {
-		if p := o.(*corev1.PersistentVolumeClaim); len(p.Annotations) != 0 {
-			t.Errorf("cached claim %s keeps its annotations", p.Name)
+		p := o.(*corev1.PersistentVolumeClaim)
+		if len(p.ManagedFields) != 0 || p.Annotations["big"] != "x" {
+			t.Errorf("cached claim %s: managedFields %v, annotations %v; want none and all", p.Name, p.ManagedFields, p.Annotations)
+		}
+		if want := (corev1.PersistentVolumeClaimStatus{Phase: p.Status.Phase}); !reflect.DeepEqual(p.Status, want) {
+			t.Errorf("cached claim %s: status %+v, want only its phase", p.Name, p.Status)
 		}
 	}
 	if len(objs) != 1 {

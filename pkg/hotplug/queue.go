@@ -40,6 +40,9 @@ type Queue struct {
 	waiting string
 	// wedges hears of wedged intents (nil: nobody).
 	wedges WedgeReporter
+	// claimCache seeds reservation writes (nil: every one is preceded by
+	// a read).
+	claimCache ClaimCache
 }
 
 // ErrStopped answers callers still waiting when the queue stops; the intent

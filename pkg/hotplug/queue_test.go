@@ -46,6 +46,7 @@ type fakeKubeVirt struct {
 
 	mu          sync.Mutex
 	pvcs        map[string]*fakePVC
+	hostReqs    hostRequests
 	applies     int
 	writes      int
 	inflight    map[string]int
@@ -111,18 +112,34 @@ func (p *fakePVC) claim(name string, phase corev1.PersistentVolumeClaimPhase) Ho
 		Object: &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: name, ResourceVersion: strconv.Itoa(p.version)}}}
 }
 
+// hostRequests counts the fake host's claim and list requests.
+type hostRequests struct {
+	claimReads, claimWrites, vmLists, vmiLists int
+}
+
+func (f *fakeKubeVirt) requests() hostRequests {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.hostReqs
+}
+
 // Claim says every claim is Bound unless f.claims says otherwise.
 func (f *fakeKubeVirt) Claim(_ context.Context, claim string) (HostClaim, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.hostReqs.claimReads++
+	return f.claimLocked(claim), nil
+}
+
+func (f *fakeKubeVirt) claimLocked(claim string) HostClaim {
 	phase := corev1.ClaimBound
 	if p, ok := f.claims[claim]; ok {
 		if p == "" {
-			return HostClaim{}, nil
+			return HostClaim{}
 		}
 		phase = p
 	}
-	return f.pvcLocked(claim).claim(claim, phase), nil
+	return f.pvcLocked(claim).claim(claim, phase)
 }
 
 // Reserve writes the reservation if the PVC is still at the version read,
@@ -130,7 +147,11 @@ func (f *fakeKubeVirt) Claim(_ context.Context, claim string) (HostClaim, error)
 func (f *fakeKubeVirt) Reserve(_ context.Context, from HostClaim, r Reservation) (HostClaim, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	f.hostReqs.claimWrites++
 	name := from.Object.Name
+	if p, ok := f.claims[name]; ok && p == "" {
+		return HostClaim{}, apierrors.NewNotFound(schema.GroupResource{Resource: "persistentvolumeclaims"}, name)
+	}
 	p := f.pvcLocked(name)
 	if from.Object.ResourceVersion != strconv.Itoa(p.version) {
 		return HostClaim{}, apierrors.NewConflict(schema.GroupResource{Resource: "persistentvolumeclaims"}, name, errors.New("the object has been modified"))
@@ -148,6 +169,9 @@ func (f *fakeKubeVirt) reservation(claim string) Reservation {
 }
 
 func (f *fakeKubeVirt) ListVMs(ctx context.Context) ([]kubevirtv1.VirtualMachine, error) {
+	f.mu.Lock()
+	f.hostReqs.vmLists++
+	f.mu.Unlock()
 	l, err := f.kv.KubevirtV1().VirtualMachines(ns).List(ctx, metav1.ListOptions{})
 	if err != nil {
 		return nil, err
@@ -156,6 +180,9 @@ func (f *fakeKubeVirt) ListVMs(ctx context.Context) ([]kubevirtv1.VirtualMachine
 }
 
 func (f *fakeKubeVirt) ListVMIs(ctx context.Context) ([]kubevirtv1.VirtualMachineInstance, error) {
+	f.mu.Lock()
+	f.hostReqs.vmiLists++
+	f.mu.Unlock()
 	l, err := f.kv.KubevirtV1().VirtualMachineInstances(ns).List(ctx, metav1.ListOptions{})
 	if err != nil {
 		return nil, err

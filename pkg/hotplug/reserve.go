@@ -106,11 +106,13 @@ const maxReserveTries = 3
 // updated with what was written. reread lists the volumes whose holders must
 // be read again from the API server: their reservation was taken over from
 // another VM, whose write may have landed after the live read began (it
-// ended before the reservation expired, not before the read).
-func (q *Queue) reserve(ctx context.Context, key cache.ObjectName, vols []string, claims map[string]HostClaim, live map[string][]string) (out map[string]reservation, reread []string, err error) {
+// ended before the reservation expired, which for these was after
+// liveAsked, the moment the live read was asked for; a reservation expired
+// before then fenced no write the live read could miss).
+func (q *Queue) reserve(ctx context.Context, key cache.ObjectName, vols []string, claims map[string]HostClaim, live map[string][]string, liveAsked time.Time) (out map[string]reservation, reread []string, err error) {
 	out = map[string]reservation{}
 	for _, vol := range vols {
-		res, takenFromOther, err := q.reserveOne(ctx, key, vol, claims, live)
+		res, takenFromOther, err := q.reserveOne(ctx, key, vol, claims, live, liveAsked)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -122,11 +124,25 @@ func (q *Queue) reserve(ctx context.Context, key cache.ObjectName, vols []string
 	return out, reread, nil
 }
 
-func (q *Queue) reserveOne(ctx context.Context, key cache.ObjectName, vol string, claims map[string]HostClaim, live map[string][]string) (reservation, bool, error) {
+func (q *Queue) reserveOne(ctx context.Context, key cache.ObjectName, vol string, claims map[string]HostClaim, live map[string][]string, liveAsked time.Time) (reservation, bool, error) {
 	logger := klog.FromContext(ctx).WithValues("volume", vol)
+	if cl, ok := claims[vol]; ok && cl.Cached {
+		v := judgeReservation(q.now(), q.cfg, key.Name, q.cfg.Identity, cl.Reserved, othersThan(live[vol], key.Name))
+		if !isBound(cl) || !v.action.writes() {
+			// Only a write proves a cached claim current; what will
+			// not be written is decided on a read. (A verdict only
+			// moves towards writing as time passes, so one that
+			// writes now still writes in the loop below.)
+			fresh, err := q.readClaim(ctx, vol)
+			if err != nil {
+				return reservation{}, false, err
+			}
+			claims[vol] = fresh
+		}
+	}
 	for try := 0; ; try++ {
 		cl, ok := claims[vol]
-		if !ok || !cl.Exists || cl.Phase != corev1.ClaimBound {
+		if !ok || !isBound(cl) {
 			// confirmLocked refuses it as not ready; nothing to reserve.
 			return reservation{verdict: reserveVerdict{action: reserveUse}}, false, nil
 		}
@@ -158,7 +174,9 @@ func (q *Queue) reserveOne(ctx context.Context, key cache.ObjectName, vol string
 		case err == nil:
 			claims[vol] = written
 			logger.V(2).Info("volume reserved", "action", v.action, "previous", cl.Reserved.VM, "previousHolder", cl.Reserved.Holder)
-			return reservation{verdict: v}, v.action == reserveTakeOver && cl.Reserved.VM != key.Name, nil
+			reread := v.action == reserveTakeOver && cl.Reserved.VM != key.Name &&
+				cl.Reserved.At.Add(q.cfg.ReservationTTL).After(liveAsked)
+			return reservation{verdict: v}, reread, nil
 		case apierrors.IsConflict(err):
 			logger.V(2).Info("host PVC changed under the reservation, reading it again", "action", v.action)
 		case apierrors.IsNotFound(err):
@@ -167,45 +185,92 @@ func (q *Queue) reserveOne(ctx context.Context, key cache.ObjectName, vol string
 		default:
 			return reservation{}, false, fmt.Errorf("reserve volume %s for VM %s: %w", vol, key.Name, err)
 		}
-		rctx, cancel = context.WithTimeout(ctx, q.cfg.RequestTimeout)
-		cl, err = q.reader.Claim(rctx, vol)
-		cancel()
+		cl, err = q.readClaim(ctx, vol)
 		if err != nil {
-			return reservation{}, false, fmt.Errorf("read host PVC %s: %w", vol, err)
+			return reservation{}, false, err
 		}
 		claims[vol] = cl
 	}
+}
+
+// writes reports the verdicts that write a reservation.
+func (a reserveAction) writes() bool {
+	return a == reserveTake || a == reserveRenew || a == reserveTakeOver
+}
+
+func isBound(cl HostClaim) bool { return cl.Exists && cl.Phase == corev1.ClaimBound }
+
+// readClaim reads a host PVC and its reservation from the API server.
+func (q *Queue) readClaim(ctx context.Context, vol string) (HostClaim, error) {
+	ctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
+	defer cancel()
+	cl, err := q.reader.Claim(ctx, vol)
+	if err != nil {
+		return HostClaim{}, fmt.Errorf("read host PVC %s: %w", vol, err)
+	}
+	return cl, nil
+}
+
+// SetClaimCache lets reservations be written and released from a watch
+// cache of the host's PVCs instead of after a read of each (ClaimCache).
+func (q *Queue) SetClaimCache(c ClaimCache) {
+	q.mu.Lock()
+	q.claimCache = c
+	q.mu.Unlock()
+}
+
+// cachedClaim returns the claim as the claim cache holds it, if there is
+// one and it can say.
+func (q *Queue) cachedClaim(vol string) (HostClaim, bool) {
+	q.mu.Lock()
+	c := q.claimCache
+	q.mu.Unlock()
+	if c == nil {
+		return HostClaim{}, false
+	}
+	return c.CachedClaim(vol)
 }
 
 // ownFresh reports whether cl carries a reservation of this process for vm
 // young enough at now to write under it.
 func (q *Queue) ownFresh(cl HostClaim, vm string, now time.Time) bool {
 	r := cl.Reserved
-	return r.VM == vm && r.Holder == q.cfg.Identity && now.Sub(r.At) < q.cfg.ReservationFresh
+	return !cl.Cached && r.VM == vm && r.Holder == q.cfg.Identity && now.Sub(r.At) < q.cfg.ReservationFresh
+}
+
+// ownLive reports whether cl carries a reservation of this process for vm
+// that has not expired at now: the only kind worth releasing. An expired
+// one fences nobody (every process takes it over, and takes it without
+// reading the holders again once it expired before its live read), so
+// removing it would cost a write and spare no one anything.
+func (q *Queue) ownLive(cl HostClaim, vm string, now time.Time) bool {
+	r := cl.Reserved
+	return cl.Exists && r.VM == vm && r.Holder == q.cfg.Identity && now.Sub(r.At) < q.cfg.ReservationTTL
 }
 
 // unreserve removes this process's reservations of vols for key's VM: the
 // VM's hold on them ended (a detach observed done, the VM gone) or the
 // attach they were taken for was not written. known has PVCs as already
-// read (others are read now). A reservation that names another VM or
-// process is left alone. A failure is logged and only makes the next VM
-// wait for the reservation to expire.
+// read; others come from the claim cache (the removal's resourceVersion
+// precondition catches a stale one) or are read now. A reservation that
+// names another VM or process, or has expired, is left alone. A failure is
+// logged and only makes the next VM wait for the reservation to expire.
 func (q *Queue) unreserve(ctx context.Context, key cache.ObjectName, vols []string, known map[string]HostClaim) {
 	for _, vol := range vols {
-		logger := klog.FromContext(ctx).WithValues("volume", vol)
+		logger := klog.FromContext(ctx).WithValues("volume", vol, "vm", key.String())
 		cl, ok := known[vol]
+		if !ok {
+			cl, ok = q.cachedClaim(vol)
+		}
 		for try := 0; try <= maxReserveTries; try++ {
 			if !ok {
-				rctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
 				var err error
-				cl, err = q.reader.Claim(rctx, vol)
-				cancel()
-				if err != nil {
+				if cl, err = q.readClaim(ctx, vol); err != nil {
 					logger.Info("could not read the host PVC to release its reservation; it expires on its own", "err", err)
 					break
 				}
 			}
-			if !cl.Exists || cl.Reserved.VM != key.Name || cl.Reserved.Holder != q.cfg.Identity {
+			if !q.ownLive(cl, key.Name, q.now()) {
 				break
 			}
 			rctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
@@ -213,6 +278,9 @@ func (q *Queue) unreserve(ctx context.Context, key cache.ObjectName, vols []stri
 			cancel()
 			if err == nil {
 				logger.V(2).Info("volume reservation released")
+				break
+			}
+			if apierrors.IsNotFound(err) {
 				break
 			}
 			if !apierrors.IsConflict(err) {

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
@@ -253,5 +255,151 @@ func TestAgingReservationIsRenewedBeforeTheWrite(t *testing.T) {
 	}
 	if r := f.reservation("pvc-a"); r.VM != "vm1" || r.Holder != cfg.Identity || r.At.Before(before) {
 		t.Fatalf("reservation after the attach %+v, want one renewed after %v", r, before)
+	}
+}
+
+// fakeClaimCache is a claim cache over the fake host: current, except for
+// the claims in stale, which it shows as given.
+type fakeClaimCache struct {
+	f     *fakeKubeVirt
+	stale map[string]HostClaim
+}
+
+func (c *fakeClaimCache) CachedClaim(claim string) (HostClaim, bool) {
+	c.f.mu.Lock()
+	defer c.f.mu.Unlock()
+	cl, ok := c.stale[claim]
+	if !ok {
+		cl = c.f.claimLocked(claim)
+	}
+	cl.Cached = true
+	return cl, cl.Exists
+}
+
+// since is what the fake host was asked between two counts.
+func (h hostRequests) since(before hostRequests) hostRequests {
+	return hostRequests{claimReads: h.claimReads - before.claimReads, claimWrites: h.claimWrites - before.claimWrites,
+		vmLists: h.vmLists - before.vmLists, vmiLists: h.vmiLists - before.vmiLists}
+}
+
+// A move of a volume that stayed on its VM longer than its reservation
+// lives costs one claim request: the reservation's write for the new VM,
+// made from the claim cache (its resourceVersion precondition is the claim
+// check). The expired reservation is not released (it fences nobody), and
+// it is taken over without reading the holders again (it expired before the
+// live read was asked for).
+func TestMoveAfterTheReservationExpiredWritesTheClaimOnce(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1", "vm2")
+	cfg := reservingConfig()
+	q, _ := startQueue(t, f, cfg)
+	q.SetClaimCache(&fakeClaimCache{f: f})
+	watchDoubleAttach(t, f, "pvc-a")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); err != nil {
+		t.Fatalf("attach to vm1: %v", err)
+	}
+	// The volume stays on vm1 for longer than the reservation's TTL.
+	f.reservedBy("pvc-a", Reservation{VM: "vm1", Holder: cfg.Identity, At: time.Now().Add(-2 * cfg.ReservationTTL)})
+	before := f.requests()
+	if err := q.Detach(ctx, "vm1", "pvc-a"); err != nil {
+		t.Fatalf("detach from vm1: %v", err)
+	}
+	if err := q.Attach(ctx, "vm2", "pvc-a", true); err != nil {
+		t.Fatalf("attach to vm2: %v", err)
+	}
+	want := hostRequests{claimReads: 0, claimWrites: 1, vmLists: 1, vmiLists: 1}
+	if got := f.requests().since(before); got != want {
+		t.Errorf("host requests of the move %+v, want %+v", got, want)
+	}
+	if r := f.reservation("pvc-a"); r.VM != "vm2" || r.Holder != cfg.Identity {
+		t.Errorf("reservation after the move %+v, want vm2's by %s", r, cfg.Identity)
+	}
+}
+
+// A detach observed within the reservation's TTL releases it with one
+// write from the claim cache, no read.
+func TestReleaseWithinTheTTLIsOneWrite(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	cfg := reservingConfig()
+	cfg.ReservationTTL = time.Hour
+	q, _ := startQueue(t, f, cfg)
+	q.SetClaimCache(&fakeClaimCache{f: f})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); err != nil {
+		t.Fatalf("attach: %v", err)
+	}
+	before := f.requests()
+	if err := q.Detach(ctx, "vm1", "pvc-a"); err != nil {
+		t.Fatalf("detach: %v", err)
+	}
+	if got, want := f.requests().since(before), (hostRequests{claimWrites: 1}); got != want {
+		t.Errorf("host requests of the detach %+v, want %+v", got, want)
+	}
+	if r := f.reservation("pvc-a"); !r.IsZero() {
+		t.Errorf("detach answered with the reservation %+v still on the claim", r)
+	}
+}
+
+// A reservation another VM's writer left long expired is taken over with
+// one read of the holders: every write under it ended before that read was
+// asked for.
+func TestLongExpiredReservationIsTakenOverWithOneLiveRead(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1", "vm2")
+	cfg := reservingConfig()
+	q, _ := startQueue(t, f, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	f.reservedBy("pvc-a", Reservation{VM: "vm2", Holder: "controller-2", At: time.Now().Add(-10 * cfg.ReservationTTL)})
+	before := f.requests()
+	if err := q.Attach(ctx, "vm1", "pvc-a", true); err != nil {
+		t.Fatalf("attach: %v", err)
+	}
+	if got := f.requests().since(before); got.vmLists != 1 || got.vmiLists != 1 {
+		t.Errorf("VM and VMI lists %d and %d, want 1 each", got.vmLists, got.vmiLists)
+	}
+}
+
+// The claim cache never decides on its own: a stale copy only seeds a
+// write, whose precondition fails when the claim changed, and whatever it
+// would not write is decided on a read.
+func TestStaleClaimCacheIsNeverTheFence(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1", "vm2")
+	f.claims = map[string]corev1.PersistentVolumeClaimPhase{"pvc-gone": ""}
+	cfg := reservingConfig()
+	q, _ := startQueue(t, f, cfg)
+	bound := func(name string, version int, r Reservation) HostClaim {
+		return (&fakePVC{version: version, reserved: r}).claim(name, corev1.ClaimBound)
+	}
+	cc := &fakeClaimCache{f: f, stale: map[string]HostClaim{
+		// deleted on the host, still Bound in the cache
+		"pvc-gone": bound("pvc-gone", 1, Reservation{}),
+		// another VM reserved it since the cache's copy
+		"pvc-taken": bound("pvc-taken", 1, Reservation{}),
+		// the cache still shows another VM's reservation, since released
+		"pvc-freed": bound("pvc-freed", 1, Reservation{VM: "vm2", Holder: "controller-2", At: time.Now()}),
+	}}
+	q.SetClaimCache(cc)
+	f.reservedBy("pvc-taken", Reservation{VM: "vm2", Holder: "controller-2", At: time.Now()})
+	f.reservedBy("pvc-freed", Reservation{})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	var notReady *ClaimNotReadyError
+	if err := q.Attach(ctx, "vm1", "pvc-gone", true); !errors.As(err, &notReady) {
+		t.Errorf("attach of a claim deleted behind the cache answered %v, want ClaimNotReadyError", err)
+	}
+	var held *HeldError
+	if err := q.Attach(ctx, "vm1", "pvc-taken", true); !errors.As(err, &held) || held.VM != "vm2" {
+		t.Errorf("attach of a claim reserved behind the cache answered %v, want a HeldError naming vm2", err)
+	}
+	if err := q.Attach(ctx, "vm1", "pvc-freed", true); err != nil {
+		t.Errorf("attach of a claim released behind the cache: %v", err)
+	}
+	for _, vol := range []string{"pvc-gone", "pvc-taken"} {
+		if h := f.specHolders(vol); len(h) > 0 {
+			t.Errorf("%s written to %v", vol, h)
+		}
 	}
 }

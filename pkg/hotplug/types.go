@@ -145,6 +145,21 @@ type HostClaim struct {
 	// Object is the PVC as read, which Reserve writes back with its
 	// resourceVersion as the precondition. Nil when it does not exist.
 	Object *corev1.PersistentVolumeClaim
+	// Cached says it comes from a watch cache, not a read: it may be
+	// stale, so it only ever seeds a Reserve, whose resourceVersion
+	// precondition proves it current (or answers a conflict); it never
+	// decides anything on its own.
+	Cached bool
+}
+
+// ClaimCache is a watch cache of the host's PVCs. It spares the read before
+// a reservation is written or released: the write carries the cached
+// resourceVersion, so it succeeds only if the PVC is still as cached, which
+// makes a successful write a fresher claim check than a read before it.
+type ClaimCache interface {
+	// CachedClaim returns the PVC as the cache holds it (Cached set), or
+	// false when the cache cannot say (not synced, not seen).
+	CachedClaim(claim string) (HostClaim, bool)
 }
 
 // Reservation says which VM an exclusive volume is being attached to: it

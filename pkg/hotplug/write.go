@@ -26,6 +26,7 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 	logger := klog.FromContext(ctx)
 	var live map[string][]string
 	excl := q.exclusiveAdds(key, changes)
+	liveAsked := q.now()
 	if len(excl) > 0 {
 		h, err := q.liveHolders(ctx, excl)
 		if err != nil {
@@ -33,13 +34,13 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 		}
 		live = h
 	}
-	claims, err := q.readClaims(ctx, changes)
+	claims, err := q.readClaims(ctx, changes, excl)
 	if err != nil {
 		return q.noteFailure(ctx, key, err)
 	}
 	pending := changes
 	for attempt := 0; ; attempt++ {
-		reserved, err := q.reserveAndReread(ctx, key, excl, pending, claims, live)
+		reserved, err := q.reserveAndReread(ctx, key, excl, pending, claims, live, liveAsked)
 		if err != nil {
 			return q.noteFailure(ctx, key, err)
 		}
@@ -94,7 +95,7 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 // reserveAndReread reserves the volumes of the exclusive attaches among
 // pending (see reserve), and reads again from the API server who holds
 // those whose reservation was taken over from another VM, into live.
-func (q *Queue) reserveAndReread(ctx context.Context, key cache.ObjectName, excl []string, pending []Change, claims map[string]HostClaim, live map[string][]string) (map[string]reservation, error) {
+func (q *Queue) reserveAndReread(ctx context.Context, key cache.ObjectName, excl []string, pending []Change, claims map[string]HostClaim, live map[string][]string, liveAsked time.Time) (map[string]reservation, error) {
 	var vols []string
 	for _, c := range pending {
 		if c.Op == Attach && slices.Contains(excl, c.Volume) {
@@ -104,7 +105,7 @@ func (q *Queue) reserveAndReread(ctx context.Context, key cache.ObjectName, excl
 	if len(vols) == 0 {
 		return nil, nil
 	}
-	reserved, reread, err := q.reserve(ctx, key, vols, claims, live)
+	reserved, reread, err := q.reserve(ctx, key, vols, claims, live, liveAsked)
 	if err != nil {
 		return nil, err
 	}
@@ -140,14 +141,24 @@ func (q *Queue) exclusiveAdds(key cache.ObjectName, changes []Change) []string {
 }
 
 // readClaims reads, from the API server, the host PVC (and its
-// reservation) of every volume changes add.
-func (q *Queue) readClaims(ctx context.Context, changes []Change) (map[string]HostClaim, error) {
+// reservation) of every volume changes add. For the exclusive attaches
+// among them (excl) the claim cache's copy stands in for the read: each
+// is reserved next, and the reservation's write, made with the cached
+// resourceVersion, is the claim check (reserveOne reads whatever it does
+// not write).
+func (q *Queue) readClaims(ctx context.Context, changes []Change, excl []string) (map[string]HostClaim, error) {
 	ctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
 	defer cancel()
 	out := map[string]HostClaim{}
 	for _, c := range changes {
 		if c.Op != Attach {
 			continue
+		}
+		if slices.Contains(excl, c.Volume) {
+			if cl, ok := q.cachedClaim(c.Volume); ok {
+				out[c.Volume] = cl
+				continue
+			}
 		}
 		cl, err := q.reader.Claim(ctx, c.Volume)
 		if err != nil {
