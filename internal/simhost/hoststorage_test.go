@@ -101,23 +101,8 @@ func hotplugThroughHostStorage(t *testing.T, real string, so kubevirtsim.Options
 	if other := h.HostNodeOf(ctx, "node-1"); other == host || !slices.Contains(h.HostNodes(), other) {
 		t.Errorf("node-1's VM runs on %q, want another host node than node-0's %s", other, host)
 	}
-	kv := h.KubeVirt
-	if kv == nil {
-		// The simulator's virt-api answers through its front proxy.
-		if kv, err = kubevirt.NewForConfig(h.ClientConfig()); err != nil {
-			t.Fatal(err)
-		}
-	}
-
-	vols, err := h.CreateVolumes(ctx, "pvc", 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, vols[0], metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	lhName := pvc.Spec.VolumeName
+	kv := kubeVirtOf(t, h)
+	vols, lhName := hotplugOneVolume(ctx, t, h, kv, "node-0")
 	lv, err := h.Longhorn.Volume(ctx, lhName)
 	if err != nil {
 		t.Fatalf("no Longhorn volume behind PV %s: %v", lhName, err)
@@ -125,15 +110,7 @@ func hotplugThroughHostStorage(t *testing.T, real string, so kubevirtsim.Options
 	if !lv.Spec.Migratable {
 		t.Errorf("Longhorn volume %s of an RWX block claim of Harvester's class is not migratable", lhName)
 	}
-
 	vms := kv.KubevirtV1().VirtualMachines(h.Namespace)
-	if err := vms.AddVolume(ctx, "node-0", &kubevirtv1.AddVolumeOptions{
-		Name: vols[0], Disk: &kubevirtv1.Disk{DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusSCSI}}},
-		VolumeSource: &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{
-			PersistentVolumeClaimVolumeSource: corev1.PersistentVolumeClaimVolumeSource{ClaimName: vols[0]}, Hotpluggable: true}},
-	}); err != nil {
-		t.Fatal(err)
-	}
 
 	// Whatever is seen Ready must have every host stage done before it.
 	var pod *corev1.Pod
@@ -303,4 +280,41 @@ func TestServerVersionOnTheRealControlPlane(t *testing.T) {
 			t.Errorf("server-version for %+v = %q, want %q", tc.o, got, tc.want)
 		}
 	}
+}
+
+// kubeVirtOf is the host's KubeVirt client; the simulator's virt-api
+// answers through its front proxy.
+func kubeVirtOf(t *testing.T, h *Host) kubevirt.Interface {
+	t.Helper()
+	if h.KubeVirt != nil {
+		return h.KubeVirt
+	}
+	kv, err := kubevirt.NewForConfig(h.ClientConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return kv
+}
+
+// hotplugOneVolume creates one host volume, asks KubeVirt to hot-plug it
+// into vm and returns its claim (as a one-item list) and the name of the
+// PV behind it, which names its Longhorn volume.
+func hotplugOneVolume(ctx context.Context, t *testing.T, h *Host, kv kubevirt.Interface, vm string) ([]string, string) {
+	t.Helper()
+	vols, err := h.CreateVolumes(ctx, "pvc", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, vols[0], metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := kv.KubevirtV1().VirtualMachines(h.Namespace).AddVolume(ctx, vm, &kubevirtv1.AddVolumeOptions{
+		Name: vols[0], Disk: &kubevirtv1.Disk{DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusSCSI}}},
+		VolumeSource: &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{
+			PersistentVolumeClaimVolumeSource: corev1.PersistentVolumeClaimVolumeSource{ClaimName: vols[0]}, Hotpluggable: true}},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	return vols, pvc.Spec.VolumeName
 }

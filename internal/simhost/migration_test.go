@@ -11,7 +11,6 @@ import (
 	storagev1 "k8s.io/api/storage/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
-	"kubevirt.io/client-go/kubevirt"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
@@ -46,26 +45,8 @@ func TestLiveMigrationOnHostNodes(t *testing.T) {
 			t.Errorf("stop: %v", err)
 		}
 	})
-	kv, err := kubevirt.NewForConfig(h.ClientConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	vols, err := h.CreateVolumes(ctx, "pvc", 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	pvc, err := h.Kube.CoreV1().PersistentVolumeClaims(h.Namespace).Get(ctx, vols[0], metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	lhName := pvc.Spec.VolumeName
-	if err := kv.KubevirtV1().VirtualMachines(h.Namespace).AddVolume(ctx, "node-0", &kubevirtv1.AddVolumeOptions{
-		Name: vols[0], Disk: &kubevirtv1.Disk{DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusSCSI}}},
-		VolumeSource: &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{
-			PersistentVolumeClaimVolumeSource: corev1.PersistentVolumeClaimVolumeSource{ClaimName: vols[0]}, Hotpluggable: true}},
-	}); err != nil {
-		t.Fatal(err)
-	}
+	kv := kubeVirtOf(t, h)
+	vols, lhName := hotplugOneVolume(ctx, t, h, kv, "node-0")
 	waitEntryReady(ctx, t, h, vols[0])
 	source := h.HostNodeOf(ctx, "node-0")
 	sourcePod := attachmentPod(ctx, t, h)
