@@ -352,12 +352,7 @@ func TestDefaultsComeFromTheCheckoutWhateverTheManifests(t *testing.T) {
 }
 
 func TestHarvesterFlag(t *testing.T) {
-	dir := t.TempDir()
-	driver := filepath.Join(dir, "harvester-csi-driver")
-	if err := os.WriteFile(driver, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	base := []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out")}
+	base := parseBase(t)
 	for _, tc := range []struct {
 		args              []string
 		kubevirt, harvest string
@@ -394,12 +389,7 @@ func TestHarvesterFlag(t *testing.T) {
 // default scenario and --quick alike; --host-nodes 0 keeps the kubelet
 // stand-in, which the faults that need it ask for by name.
 func TestHostNodesByDefault(t *testing.T) {
-	dir := t.TempDir()
-	driver := filepath.Join(dir, "harvester-csi-driver")
-	if err := os.WriteFile(driver, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	base := []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out")}
+	base := parseBase(t)
 	for _, tc := range []struct {
 		args []string
 		want int
@@ -433,12 +423,7 @@ func TestHostNodesByDefault(t *testing.T) {
 // --host-nodes turns the host storage path on, over KubeVirt's real
 // control plane and over the simulated one (the default profile's).
 func TestHostNodesFlag(t *testing.T) {
-	dir := t.TempDir()
-	driver := filepath.Join(dir, "harvester-csi-driver")
-	if err := os.WriteFile(driver, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	base := []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out")}
+	base := parseBase(t)
 	f, err := parse(append(append([]string{}, base...), "--kubevirt", "real-legacy-v1.7.0", "--host-nodes", "3"), io.Discard)
 	if err != nil {
 		t.Fatal(err)
@@ -469,12 +454,7 @@ func TestHostNodesFlag(t *testing.T) {
 
 // The host faults are flags of their own, refused with --host-nodes 0.
 func TestHostFaultFlags(t *testing.T) {
-	dir := t.TempDir()
-	driver := filepath.Join(dir, "harvester-csi-driver")
-	if err := os.WriteFile(driver, nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	base := []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out"), "--kubevirt", "real-legacy-v1.7.0"}
+	base := append(parseBase(t), "--kubevirt", "real-legacy-v1.7.0")
 	f, err := parse(append(append([]string{}, base...), "--host-nodes", "3", "--longhorn-faulted", "5s", "--cordon-host", "6s",
 		"--cordon-host-every", "30s", "--slow-host-detach", "7s", "--ghost-workload", "8s"), io.Discard)
 	if err != nil {
@@ -491,4 +471,16 @@ func TestHostFaultFlags(t *testing.T) {
 			t.Errorf("%s with --host-nodes 0: %v, want a refusal", fl, err)
 		}
 	}
+}
+
+// parseBase is the flags every parse test starts from: a driver binary
+// that exists, manifests and an output directory in a temporary directory.
+func parseBase(t *testing.T) []string {
+	t.Helper()
+	dir := t.TempDir()
+	driver := filepath.Join(dir, "harvester-csi-driver")
+	if err := os.WriteFile(driver, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out")}
 }

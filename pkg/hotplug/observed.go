@@ -194,16 +194,7 @@ func (o observed) podStarting() bool {
 		return false
 	}
 	for _, s := range o.vmi.Status.VolumeStatus {
-		if s.HotplugVolume != nil && s.HotplugVolume.AttachPodName != "" && s.HotplugVolume.AttachPodUID == "" && inSpec(o.vmi, s.Name) {
-			return true
-		}
-	}
-	return false
-}
-
-func inSpec(vmi *kubevirtv1.VirtualMachineInstance, volume string) bool {
-	for _, v := range vmi.Spec.Volumes {
-		if v.Name == volume {
+		if s.HotplugVolume != nil && s.HotplugVolume.AttachPodName != "" && s.HotplugVolume.AttachPodUID == "" && o.inVMISpec(s.Name) {
 			return true
 		}
 	}
