@@ -19,16 +19,25 @@ type Strategy struct {
 	// docs ("safe" when the release is unknown).
 	Name string
 	// OneRemovalAtATime writes at most one removal of a mounted volume of a
-	// VM at a time, and the next only once the VMI no longer lists the
-	// previous one. Every tag up to v1.9.0 mounts removed volumes again from their old
+	// VM at a time: the next only once virt-handler has let go of the
+	// previous one (its entry left Ready and MountedToPod, or the VMI). Every
+	// tag up to v1.9.0 mounts removed volumes again from their old
 	// attachment pod on each pass (v1.7.0 pkg/virt-handler/hotplug-disk/
 	// mount.go:330-352, fixed on main by kubevirt PR 18044): with two
-	// removals of one VM in flight and the second's device gone, the first
-	// is mounted again and the pass fails on the second before Unmount, on
-	// every pass, so the first stays Ready and the pod stays for good. The
-	// same split keeps v1.5-v1.8's Unmount, which stops at its first failing
-	// path (v1.7.0 mount.go:696-712, fixed in v1.9.0 by PR 16742), from
-	// holding every later removal behind one that fails.
+	// removals of one VM Ready at once and the second's device gone, the
+	// first is mounted again and the pass fails on the second before
+	// Unmount, on every pass, so the first stays Ready and the pod stays for
+	// good. An entry virt-handler already wrote UnMountedFromPod cannot be
+	// the one held: being mounted again does not bring a removed volume back
+	// to Ready or MountedToPod (v1.7.0 pkg/virt-handler/vm.go:443-450, 474-506; Ready
+	// needs a disk in the domain, MountedToPod a volume in the spec), and
+	// only those two phases make virt-controller keep the pod
+	// (pkg/virt-controller/watch/vmi/volume-hotplug.go:98-111, 122-131). So the
+	// rule holds the next removal for two virt-handler passes, not for an
+	// attachment-pod cycle. The same split keeps v1.5-v1.8's Unmount, which
+	// stops at its first failing path (v1.7.0 mount.go:696-712, fixed in
+	// v1.9.0 by PR 16742), from holding every later removal behind one that
+	// fails: that one stays Ready.
 	OneRemovalAtATime bool
 }
 
@@ -108,9 +117,11 @@ func StrategyFor(version string) Strategy {
 // limitRemovals keeps, of the removals decided for a VM, the first of a
 // volume mounted from a pod, and none while another such removal is in
 // flight, and marks the rest as queued behind it. A removal is in flight from
-// our write until the VMI no longer lists the volume. A removal of a volume
-// not mounted from a pod (a withdrawn add request, an entry not mounted yet:
-// mountedFromPod) is never held: only mounted volumes can be mounted again.
+// our write until KubeVirt took it and virt-handler moved the entry out of
+// Ready and MountedToPod (Strategy.OneRemovalAtATime says why that is
+// enough). A removal of a volume not mounted from a pod (a withdrawn add
+// request, an entry not mounted yet: mountedFromPod) is never held: only
+// mounted volumes can be mounted again.
 func (p *plan) limitRemovals(o observed, pending map[string]bool, w *vmWork, removes []Change) []Change {
 	// With first-UID reuse a removed entry is looked up in the first
 	// entry's pod, not its own, so two removed entries of different pods
@@ -127,7 +138,10 @@ func (p *plan) limitRemovals(o observed, pending map[string]bool, w *vmWork, rem
 			// volume; a volume only the VMI has (hot-plugged into the VMI
 			// alone) is not being removed.
 			taken := !o.inVMISpec(e.Name) && !addReq
-			if (removeReq || writing || taken) && busy == "" {
+			// Until KubeVirt takes it the entry may still move on to
+			// MountedToPod and Ready; once taken, only those hold the pod.
+			holding := !taken || e.Phase == kubevirtv1.VolumeReady || e.Phase == kubevirtv1.HotplugVolumeMounted
+			if (removeReq || writing || taken) && holding && busy == "" {
 				busy = e.Name
 			}
 		}

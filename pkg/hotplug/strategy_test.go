@@ -28,7 +28,7 @@ func withoutSpec(vmi *kubevirtv1.VirtualMachineInstance, vols ...string) *kubevi
 }
 
 // The removals of one VM's mounted volumes are written one at a time while
-// OneRemovalAtATime is on: b and c wait for a's entry to leave the VMI, c
+// OneRemovalAtATime is on: b and c wait until virt-handler let go of a, c
 // too although it is on another pod (first-UID reuse looks removed entries
 // up in the first entry's pod). With the rule off all three
 // go in one write, the grouping that deadlocks virt-handler (kubevirt PR
@@ -66,8 +66,20 @@ func TestDecideOneRemovalAtATime(t *testing.T) {
 		obs:  observed{vm: vmWith([]string{"a", "b", "c"}), vmi: onPods(vmiWith(ready), pods)},
 		want: []Change{{"a", Detach}, {"b", Detach}, {"c", Detach}},
 	}, {
-		name: "safe: the next waits while the VMI lists the previous", strategy: SafeStrategy(),
+		// virt-handler let go of a: mounted again or not, it can no longer
+		// hold pod-1, so b's removal cannot deadlock behind it.
+		name: "safe: the next goes once the previous is unmounted from its pod", strategy: SafeStrategy(),
 		obs:     observed{vm: vmWith([]string{"b"}), vmi: aGoing},
+		intents: []string{"b"},
+		want:    []Change{{"b", Detach}},
+	}, {
+		name: "safe: the next waits while the previous is mounted to virt-launcher", strategy: SafeStrategy(),
+		obs:     observed{vm: vmWith([]string{"b"}), vmi: withoutSpec(onPods(vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeMounted, "b": kubevirtv1.VolumeReady}), pods), "a")},
+		intents: []string{"b"},
+		wait:    map[string]string{"b": "behind a"},
+	}, {
+		name: "safe: the next waits while the previous, taken, is still Ready", strategy: SafeStrategy(),
+		obs:     observed{vm: vmWith([]string{"b"}), vmi: withoutSpec(onPods(vmiWith(abReady), pods), "a")},
 		intents: []string{"b"},
 		wait:    map[string]string{"b": "behind a"},
 	}, {
