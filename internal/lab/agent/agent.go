@@ -116,6 +116,17 @@ func (e Env) report(ev Event) error {
 // count for backups (a host file standing for a network query).
 func (e Env) latestFile() string { return filepath.Join(e.Results, "db-"+e.Namespace+".count") }
 
+// told is how many records the namespace's database has acknowledged to
+// others (latestFile; 0 before its first).
+func (e Env) told() int {
+	data, err := os.ReadFile(e.latestFile())
+	if err != nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(strings.TrimSpace(string(data)))
+	return n
+}
+
 const (
 	dbLog   = "records.log"
 	dbAck   = "records.ack"
@@ -134,7 +145,7 @@ func RunDB(ctx context.Context, e Env, containerPath string, interval time.Durat
 		return err
 	}
 	vol := VolumeOf(dir)
-	n, last, ev := VerifyDB(dir)
+	n, last, ev := VerifyDB(dir, e.told())
 	ev.Role, ev.Volume = "db", vol
 	if err := e.report(ev); err != nil {
 		return err
@@ -193,13 +204,20 @@ func Acknowledged(dir string) int {
 }
 
 // VerifyDB checks the record log in dir against its acknowledgement: every
-// acknowledged record must be there, in order, with an intact chain. It
-// returns the number of records and the last checksum to continue from.
-func VerifyDB(dir string) (int, string, Event) {
+// acknowledged record must be there, in order, with an intact chain, and the
+// acknowledgement must cover the told records the database acknowledged to
+// others. It returns the number of records and the last checksum to continue
+// from.
+func VerifyDB(dir string, told int) (int, string, Event) {
 	ack, err := os.ReadFile(filepath.Join(dir, dbAck))
 	if errors.Is(err, os.ErrNotExist) {
+		if told > 0 {
+			return 0, genesis, Event{OK: false, Records: 0, Detail: fmt.Sprintf("%d records acknowledged, the volume has no acknowledgement", told)}
+		}
 		if _, err := os.Stat(filepath.Join(dir, dbLog)); err == nil {
-			return 0, genesis, Event{OK: false, Detail: "a record log without its acknowledgement"}
+			// Stopped before its first acknowledgement: whatever the log
+			// holds was never confirmed to anyone.
+			return 0, genesis, Event{OK: true, Detail: "new database (a record log nothing was acknowledged from)"}
 		}
 		return 0, genesis, Event{OK: true, Detail: "new database"}
 	}
@@ -210,6 +228,11 @@ func VerifyDB(dir string) (int, string, Event) {
 	var ackSum string
 	if _, err := fmt.Sscanf(string(ack), "%d %s", &ackN, &ackSum); err != nil {
 		return 0, genesis, Event{OK: false, Detail: fmt.Sprintf("unreadable acknowledgement %q", ack)}
+	}
+	if ackN < told {
+		// The volume went back to an older state: records confirmed to
+		// others are gone with their acknowledgement.
+		return 0, genesis, Event{OK: false, Records: ackN, Expected: ackSum, Detail: fmt.Sprintf("%d records acknowledged, the volume acknowledges %d", told, ackN)}
 	}
 	f, err := os.Open(filepath.Join(dir, dbLog))
 	if err != nil {
