@@ -80,7 +80,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.DurationVar(&o.queue.BatchWindow, "batch-window", o.queue.BatchWindow, "how long the first hotplug request on an idle VM waits for more")
 	fs.DurationVar(&o.queue.MaxHold, "max-hold", o.queue.MaxHold, "longest wait for a VM's previous hotplug change to settle before the next")
 	fs.DurationVar(&o.queue.WedgedAfter, "wedged-after", o.queue.WedgedAfter, "how long a hotplug may wait on KubeVirt with no progress of the volume or its VM before the VM is reported wedged (Event, metric, the caller's answer)")
-	fs.BoolVar(&o.queue.Strategy.OneRemovalAtATime, "one-removal-at-a-time", o.queue.Strategy.OneRemovalAtATime, "write at most one removal of a mounted volume per VM at a time, so virt-handler's remount of removed volumes cannot deadlock (every KubeVirt up to v1.9.0; turn off only on a KubeVirt with kubevirt PR 18044)")
+	fs.BoolVar(&o.queue.Strategy.OneRemovalAtATime, "one-removal-at-a-time", o.queue.Strategy.OneRemovalAtATime, "while a VM is paused on an I/O error (a device may be gone), write at most one removal of a mounted volume of it at a time, so virt-handler's remount of removed volumes cannot deadlock (every KubeVirt up to v1.9.0; turn off only on a KubeVirt with kubevirt PR 18044)")
 	fs.IntVar(&o.queue.Workers, "hotplug-workers", o.queue.Workers, "VMs worked on at once")
 	fs.Float64Var(&o.queue.QPS, "hotplug-qps", o.queue.QPS, "token-bucket rate of hotplug retries across all VMs (first attempts are not limited)")
 	fs.IntVar(&o.queue.Burst, "hotplug-burst", o.queue.Burst, "token-bucket burst of hotplug retries")

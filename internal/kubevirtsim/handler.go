@@ -154,7 +154,10 @@ func (h *virtHandler) sync(ctx context.Context, key string) (time.Duration, erro
 		phase = kubevirtv1.Running
 		h.c.log.V(2).Info("VMI running", "vm", key)
 	}
-	if err := writeVolumeStatus(ctx, h.c, vmi, res.Entries, phase); err != nil {
+	st := vmi.Status.DeepCopy()
+	st.VolumeStatus, st.Phase = res.Entries, phase
+	st.Conditions = virthandler.PausedCondition(st.Conditions, res.PausedIOError, time.Now())
+	if err := writeVMIStatus(ctx, h.c, vmi, st); err != nil {
 		return 0, err
 	}
 	if res.Err != nil {

@@ -312,6 +312,7 @@ func (a *nodeAgents) syncVMI(ctx context.Context, namespace, name string) error 
 			return nil
 		}
 		vmi.Status.VolumeStatus = res.Entries
+		vmi.Status.Conditions = virthandler.PausedCondition(vmi.Status.Conditions, res.PausedIOError, time.Now())
 		passErr = res.Err
 	}
 	if equalStatus(before, vmi) {

@@ -7,6 +7,8 @@ import (
 	"sync"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
@@ -70,13 +72,46 @@ type ioRetry struct {
 	lastRunFailed    bool
 }
 
+// pausedOnIOError: a disk the domain has plugged lost its device, and the
+// guest's next I/O to it pauses the domain (error policy stop).
+func (p *pass) pausedOnIOError() bool {
+	for name := range p.d.targets {
+		if p.h.faults.vanished(p.key, name) {
+			return true
+		}
+	}
+	return false
+}
+
+// PausedCondition is the VMI's conditions with the Paused condition
+// virt-handler writes for a domain paused on an I/O error (v1.7.0
+// pkg/virt-handler/vm.go:1161-1170), added while paused and dropped once
+// the domain runs again (the same in every tag).
+func PausedCondition(conds []kubevirtv1.VirtualMachineInstanceCondition, paused bool, now time.Time) []kubevirtv1.VirtualMachineInstanceCondition {
+	i := slices.IndexFunc(conds, func(c kubevirtv1.VirtualMachineInstanceCondition) bool {
+		return c.Type == kubevirtv1.VirtualMachineInstancePaused
+	})
+	switch {
+	case paused && i < 0:
+		t := metav1.NewTime(now)
+		return append(slices.Clone(conds), kubevirtv1.VirtualMachineInstanceCondition{
+			Type: kubevirtv1.VirtualMachineInstancePaused, Status: corev1.ConditionTrue,
+			LastProbeTime: t, LastTransitionTime: t,
+			Reason: ReasonPausedIOError, Message: "VMI was paused, low-level IO error detected",
+		})
+	case !paused && i >= 0 && conds[i].Reason == ReasonPausedIOError:
+		return slices.Delete(slices.Clone(conds), i, i+1)
+	}
+	return conds
+}
+
+// ReasonPausedIOError is the Paused condition's reason for an I/O error.
+const ReasonPausedIOError = "PausedIOError"
+
 // ioErrorDelay reports whether this pass is delayed because the domain is
 // paused on an I/O error, and for how long.
 func (p *pass) ioErrorDelay() (time.Duration, bool) {
-	paused := false
-	for name := range p.d.targets {
-		paused = paused || p.h.faults.vanished(p.key, name)
-	}
+	paused := p.pausedOnIOError()
 	r, t, now := &p.d.io, p.h.t, p.now
 	if !paused {
 		return 0, false

@@ -52,6 +52,10 @@ type Result struct {
 	Wake time.Duration
 	// Events are the Events of the pass, HotplugFailed and SyncFailed.
 	Events []Event
+	// PausedIOError says the domain was paused on an I/O error as the pass
+	// found it (a plugged disk whose device vanished): the status written
+	// with Entries carries the Paused condition (PausedCondition).
+	PausedIOError bool
 }
 
 // Handler is virt-handler's hotplug part on one host for every VMI: what
@@ -171,9 +175,10 @@ func (h *Handler) Sync(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstan
 	defer h.mu.Unlock()
 	p := &pass{h: h, ctx: ctx, vmi: vmi, key: vmi.Namespace + "/" + vmi.Name, d: h.domainOf(vmi.UID), now: now, pods: pods,
 		entries: vmi.Status.DeepCopy().VolumeStatus}
+	p.res.PausedIOError = p.pausedOnIOError()
 	if delay, ok := p.ioErrorDelay(); ok {
 		h.log.Info("domain paused on an I/O error: delaying the VMI update", "vm", p.key, "delay", delay)
-		return Result{Wake: delay}
+		return Result{Wake: delay, PausedIOError: true}
 	}
 	seen := maps.Clone(p.d.targets)
 	err := p.mount()

@@ -374,3 +374,34 @@ func TestDriveLetters(t *testing.T) {
 		}
 	}
 }
+
+// A domain paused on an I/O error shows in the VMI's Paused condition,
+// which the hotplug queue reads as a device that may be gone; the
+// condition goes once the device is back.
+func TestPausedOnIOErrorCondition(t *testing.T) {
+	f := newFixture(t, "v1.7.0")
+	f.attached("pod-1", "a")
+	if f.pass().PausedIOError {
+		t.Fatal("paused before any device vanished")
+	}
+	f.h.Faults().SetDeviceVanished("guests/vm-0", "a", true)
+	res := f.pass()
+	if !res.PausedIOError {
+		t.Fatalf("pass %+v: want the domain paused on an I/O error", res)
+	}
+	conds := PausedCondition(nil, res.PausedIOError, f.now)
+	if len(conds) != 1 || conds[0].Type != kubevirtv1.VirtualMachineInstancePaused || conds[0].Reason != ReasonPausedIOError {
+		t.Fatalf("conditions %+v: want one Paused condition for the I/O error", conds)
+	}
+	if again := PausedCondition(conds, true, f.now.Add(time.Second)); len(again) != 1 || !again[0].LastTransitionTime.Equal(&conds[0].LastTransitionTime) {
+		t.Fatalf("a second paused pass changed the condition: %+v", again)
+	}
+	f.h.Faults().SetDeviceVanished("guests/vm-0", "a", false)
+	f.now = f.now.Add(5 * time.Minute)
+	if res := f.pass(); res.PausedIOError {
+		t.Fatalf("pass %+v: still paused with the device back", res)
+	}
+	if left := PausedCondition(conds, false, f.now); len(left) != 0 {
+		t.Fatalf("conditions %+v after the device came back", left)
+	}
+}

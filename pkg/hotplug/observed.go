@@ -277,6 +277,23 @@ func (o observed) holdState(claim string) string {
 
 // failing reports whether virt-controller's last pass over the VM failed:
 // its queued requests then do not move until something changes.
+// deviceMayBeGone says the VMI is paused on an I/O error: a disk of it
+// lost its device under its attachment pod (a Longhorn volume faulted or
+// detached), the trigger of virt-handler's remount deadlock
+// (Strategy.OneRemovalAtATime). virt-handler writes the condition (kubevirt
+// v1.7.0 pkg/virt-handler/vm.go:1161-1170).
+func (o observed) deviceMayBeGone() bool {
+	if o.vmi == nil {
+		return false
+	}
+	for _, c := range o.vmi.Status.Conditions {
+		if c.Type == kubevirtv1.VirtualMachineInstancePaused && c.Status == "True" && c.Reason == "PausedIOError" {
+			return true
+		}
+	}
+	return false
+}
+
 func failing(vm *kubevirtv1.VirtualMachine) bool {
 	for _, c := range vm.Status.Conditions {
 		if c.Type == kubevirtv1.VirtualMachineFailure && c.Status == "True" {

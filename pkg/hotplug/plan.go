@@ -143,7 +143,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 			}
 		}
 	}
-	if cfg.Strategy.OneRemovalAtATime {
+	if cfg.Strategy.OneRemovalAtATime && o.deviceMayBeGone() {
 		removes = p.limitRemovals(o, pending, w, removes)
 	}
 	adds = p.refuseOverLimit(cfg, w, o, pending, removes, adds)

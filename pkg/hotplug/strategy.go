@@ -19,8 +19,9 @@ type Strategy struct {
 	// docs ("safe" when the release is unknown).
 	Name string
 	// OneRemovalAtATime writes at most one removal of a mounted volume of a
-	// VM at a time: the next only once virt-handler has let go of the
-	// previous one (its entry left Ready and MountedToPod, or the VMI). Every
+	// VM at a time while the VMI is paused on an I/O error: the next only
+	// once virt-handler has let go of the previous one (its entry left Ready
+	// and MountedToPod, or the VMI). Every
 	// tag up to v1.9.0 mounts removed volumes again from their old
 	// attachment pod on each pass (v1.7.0 pkg/virt-handler/hotplug-disk/
 	// mount.go:330-352, fixed on main by kubevirt PR 18044): with two
@@ -38,6 +39,18 @@ type Strategy struct {
 	// stops at its first failing path (v1.7.0 mount.go:696-712, fixed in
 	// v1.9.0 by PR 16742), from holding every later removal behind one that
 	// fails: that one stays Ready.
+	//
+	// The deadlock needs a device gone from under its attachment pod (a
+	// Longhorn volume faulted or detached), and a plugged disk losing its
+	// device pauses the domain (KubeVirt's disks stop on errors), which
+	// virt-handler writes as the VMI's Paused condition, reason
+	// PausedIOError. Only then is the rule applied: on a healthy VM the
+	// removals go together, since one at a time paces them by KubeVirt's
+	// settling cycles, one removal per attachment-pod cycle, fewer than a
+	// busy VM is asked for (the Harvester 1.8 lab profile's CronJobs held
+	// detaches for minutes). What is left uncovered: a device that vanishes
+	// after its disk was unplugged, with another removal of the VM still
+	// Ready; the wedge detection reports it.
 	OneRemovalAtATime bool
 }
 

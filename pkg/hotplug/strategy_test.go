@@ -27,8 +27,18 @@ func withoutSpec(vmi *kubevirtv1.VirtualMachineInstance, vols ...string) *kubevi
 	return vmi
 }
 
+// pausedOnIOError gives the VMI the Paused condition virt-handler writes
+// when a disk's device vanished.
+func pausedOnIOError(vmi *kubevirtv1.VirtualMachineInstance) *kubevirtv1.VirtualMachineInstance {
+	vmi.Status.Conditions = append(vmi.Status.Conditions, kubevirtv1.VirtualMachineInstanceCondition{
+		Type: kubevirtv1.VirtualMachineInstancePaused, Status: "True", Reason: "PausedIOError",
+	})
+	return vmi
+}
+
 // The removals of one VM's mounted volumes are written one at a time while
-// OneRemovalAtATime is on: b and c wait until virt-handler let go of a, c
+// OneRemovalAtATime is on and the VMI is paused on an I/O error (a device
+// may be gone, the deadlock's trigger): b and c wait until virt-handler let go of a, c
 // too although it is on another pod (first-UID reuse looks removed entries
 // up in the first entry's pod). With the rule off all three
 // go in one write, the grouping that deadlocks virt-handler (kubevirt PR
@@ -56,7 +66,13 @@ func TestDecideOneRemovalAtATime(t *testing.T) {
 		pending  []string // removals written and not shown yet
 		want     []Change
 		wait     map[string]string
+		running  bool // the VMI is not paused on an I/O error
 	}{{
+		// No device gone, no trigger: the rule stays out of the way.
+		name: "safe: a VM not paused on an I/O error removes all at once", strategy: SafeStrategy(), running: true,
+		obs:  observed{vm: vmWith([]string{"a", "b", "c"}), vmi: onPods(vmiWith(ready), pods)},
+		want: []Change{{"a", Detach}, {"b", Detach}, {"c", Detach}},
+	}, {
 		name: "safe: one at a time, whatever the pod", strategy: SafeStrategy(),
 		obs:  observed{vm: vmWith([]string{"a", "b", "c"}), vmi: onPods(vmiWith(ready), pods)},
 		want: []Change{{"a", Detach}},
@@ -123,6 +139,9 @@ func TestDecideOneRemovalAtATime(t *testing.T) {
 						delete(w.intents, v)
 					}
 				}
+			}
+			if !tc.running {
+				tc.obs.vmi = pausedOnIOError(tc.obs.vmi.DeepCopy())
 			}
 			cfg := Config{MaxHold: time.Nanosecond, Strategy: tc.strategy}
 			p := decide(t0, cfg, w, facts{o: tc.obs})

@@ -31,8 +31,10 @@ const stuckBound = 2 * time.Minute
 // Written together, every virt-handler that mounts removed volumes again
 // (v1.7.0 here, Harvester 1.8) deadlocks (kubevirt PR 18044): the first is
 // mounted again from the old pod, the pass fails on the second before
-// Unmount, and the first stays Ready for good. OneRemovalAtATime writes the
-// second only once the first has left the VMI, and both detach. KubeVirt
+// Unmount, and the first stays Ready for good. The vanished device pauses
+// the domain on an I/O error, and while the VMI says so OneRemovalAtATime
+// writes the second only once virt-handler has unmounted the first, and
+// both detach. KubeVirt
 // main skips removed volumes, so there the rule is not needed.
 func TestStrategyOneRemovalAtATime(t *testing.T) {
 	for _, tc := range []struct {
@@ -79,6 +81,20 @@ func TestStrategyOneRemovalAtATime(t *testing.T) {
 				return len(pods) == 2 && pods[vols[0]] == pods[vols[1]], fmt.Sprint(pods)
 			})
 			h.Sim.Faults().SetDeviceVanished(h.Namespace, vm, vols[1], true)
+			// The guest's I/O to the disk pauses the domain, and virt-handler
+			// says so before anything is unpublished.
+			testwait.Until(ctx, t, "the VMI paused on an I/O error", func() (bool, string) {
+				vmi, err := kv.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, vm, metav1.GetOptions{})
+				if err != nil {
+					return false, err.Error()
+				}
+				for _, c := range vmi.Status.Conditions {
+					if c.Type == kubevirtv1.VirtualMachineInstancePaused && c.Reason == "PausedIOError" {
+						return true, ""
+					}
+				}
+				return false, fmt.Sprint(vmi.Status.Conditions)
+			})
 
 			bounded, stop := context.WithTimeout(ctx, stuckBound)
 			defer stop()
