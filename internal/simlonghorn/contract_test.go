@@ -197,6 +197,52 @@ func TestMigrationIsConfirmedWhenTheOldTicketGoes(t *testing.T) {
 	})
 }
 
+// When A's ticket goes while B's migration engine is still starting, the
+// pass that finds the engine ready also confirms the migration. Every stored
+// version of the volume must still be one longhorn-manager writes: its
+// VolumeAttachment controller confirms only from a stored
+// status.currentMigrationNodeID (v1.10.1
+// controller/volume_attachment_controller.go:293,427-477) and writes the spec
+// alone (:308-312), so spec.nodeID never names a node that neither the
+// engine nor the migration engine of the stored status runs on.
+func TestMigrationConfirmedWithTheEngineReadyStoresTheEngineFirst(t *testing.T) {
+	// Slower than the other tests: A's ticket must be gone well before B's
+	// migration engine is ready (2 s here).
+	l := newLab(t, Options{Scale: 0.2})
+	l.createVolume(t, NewVolume{Name: "vol", Migratable: true})
+	ctx := ctxFor(t)
+	if err := l.publish(ctx, "vol", "host-a", rwx); err != nil {
+		t.Fatalf("publish on A: %v", err)
+	}
+	seen := l.recordVolume(t, "vol")
+	published := make(chan error, 1)
+	go func() { published <- l.publish(ctx, "vol", "host-b", rwx) }()
+	until(t, "migration to host-b started", func() (bool, string) {
+		v := l.volume(t, "vol")
+		return v.Spec.MigrationNodeID == "host-b", fmt.Sprintf("%+v", v.Spec)
+	})
+	if err := l.unpublish(ctx, "vol", "host-a"); err != nil {
+		t.Fatalf("unpublish on A: %v", err)
+	}
+	if v := l.volume(t, "vol"); v.Status.CurrentMigrationNodeID != "" {
+		t.Fatalf("migration engine ready before A's ticket went (%+v): the test needs the other order", v.Status)
+	}
+	if err := <-published; err != nil {
+		t.Fatalf("publish on B: %v", err)
+	}
+	until(t, "migration confirmed", func() (bool, string) {
+		v := l.volume(t, "vol")
+		return v.Status.CurrentNodeID == "host-b" && !isMigrating(v), fmt.Sprintf("%+v %+v", v.Spec, v.Status)
+	})
+	for _, v := range seen() {
+		n, st := v.Spec.NodeID, v.Status
+		if n != "" && st.CurrentNodeID != "" && n != st.CurrentNodeID && st.CurrentMigrationNodeID != n {
+			t.Errorf("stored volume (resourceVersion %s) has spec %+v with status %+v: spec.nodeID %s runs no engine",
+				v.ResourceVersion, v.Spec, st, n)
+		}
+	}
+}
+
 // A migration is rolled back when B's ticket goes: the volume stays on A.
 func TestMigrationRollsBackWhenTheNewTicketGoes(t *testing.T) {
 	l := newLab(t, Options{})

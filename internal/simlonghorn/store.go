@@ -81,26 +81,32 @@ func (s *store) createVolume(ctx context.Context, v *Volume) (*Volume, error) {
 	return fromU[Volume](u)
 }
 
-// updateVolume writes v's spec, then its status, each only when changed
-// from old; it returns the stored object.
+// updateVolume writes v's status, then its spec, each only when changed
+// from old; it returns the stored object. Status first: one pass plays the
+// volume controller (status) and then the VolumeAttachment controller
+// (spec, decided on that status), and longhorn-manager's VolumeAttachment
+// controller only ever decides on a stored status (v1.10.1
+// controller/volume_attachment_controller.go:293,427-477). Spec first would
+// store, between the two writes, a confirmed migration (spec.nodeID on the
+// new node) whose status shows no engine there yet.
 func (s *store) updateVolume(ctx context.Context, old, v *Volume) (*Volume, error) {
 	res := s.res(volumeGVR)
-	if !jsonEqual(old.Spec, v.Spec) {
-		u, err := toU(v, "Volume")
-		if err != nil {
-			return nil, err
-		}
-		if u, err = res.Update(ctx, u, metav1.UpdateOptions{}); err != nil {
-			return nil, err
-		}
-		v.ResourceVersion = u.GetResourceVersion()
-	}
 	if !jsonEqual(old.Status, v.Status) {
 		u, err := toU(v, "Volume")
 		if err != nil {
 			return nil, err
 		}
 		if u, err = res.UpdateStatus(ctx, u, metav1.UpdateOptions{}); err != nil {
+			return nil, err
+		}
+		v.ResourceVersion = u.GetResourceVersion()
+	}
+	if !jsonEqual(old.Spec, v.Spec) {
+		u, err := toU(v, "Volume")
+		if err != nil {
+			return nil, err
+		}
+		if u, err = res.Update(ctx, u, metav1.UpdateOptions{}); err != nil {
 			return nil, err
 		}
 		v.ResourceVersion = u.GetResourceVersion()
