@@ -206,10 +206,15 @@ func loopDevicesOn(dir string) []string {
 }
 
 // hostVolumes reads every Longhorn volume with the host nodes each view
-// puts it on. The three lists are not one snapshot; Longhorn's objects are
-// read first. A move between host nodes takes at least a Longhorn detach
-// and attach stage between the views, far longer than the reads, and a
-// paused API server stops Longhorn's stand-in with it.
+// puts it on. The three lists are not one snapshot: they are read in the
+// order in which a node enters the views (engine, then satisfied ticket,
+// then attached host VolumeAttachment) and leaves them backwards (host
+// VolumeAttachment deleted, ticket removed, engine stopped). A node a later
+// read still shows was in the earlier views too at their read: two nodes
+// then, a real double attachment. A node a later read shows newly had
+// entered the earlier views already, unless a Longhorn stage (attach,
+// detach, migration engine start: seconds) lies between the reads
+// (milliseconds). A paused API server stops Longhorn's stand-in with it.
 func hostVolumes(ctx context.Context, h *simhost.Host) ([]invariants.HostVolume, error) {
 	vols, err := h.Longhorn.Volumes(ctx)
 	if err != nil {
