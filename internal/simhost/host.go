@@ -235,8 +235,7 @@ func (h *Host) start(ctx context.Context) error {
 }
 
 // finishStart is what follows either control plane: Longhorn's device
-// losses passed on to it, disk growth and the
-// guest VMs.
+// losses passed on to it, disk growth and the guest VMs.
 func (h *Host) finishStart(ctx, runCtx context.Context) error {
 	h.passDeviceLosses()
 	if h.o.Webhooks != "" {
