@@ -234,9 +234,10 @@ func (h *Host) start(ctx context.Context) error {
 	return h.finishStart(ctx, runCtx)
 }
 
-// finishStart is what follows either control plane: disk growth and the
-// guest VMs.
+// finishStart is what follows either control plane: Longhorn's device
+// losses passed on to it, disk growth and the guest VMs.
 func (h *Host) finishStart(ctx, runCtx context.Context) error {
+	h.passDeviceLosses()
 	if h.o.Webhooks != "" {
 		// Before the VMs, so that Harvester's mutator gives them its
 		// termination grace period as on a real host.

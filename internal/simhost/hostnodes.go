@@ -84,6 +84,8 @@ type hostNodes struct {
 	// files, and so the kubelets' mounts and loop devices: a short temporary
 	// directory, as unix socket paths are limited to 107 bytes.
 	dir string
+	// devices carry Longhorn's device losses to virt-handler.
+	devices *longhornDevices
 }
 
 // HostNodes names the host nodes (none without Options.HostStorage).
@@ -128,6 +130,8 @@ func (h *Host) startHostStorage(ctx, runCtx context.Context) error {
 	h.nodes.dir = dir
 	// The files behind the volumes' devices on the host nodes.
 	lo.DeviceDir = filepath.Join(dir, "devices")
+	h.nodes.devices = newLonghornDevices(h.Kube)
+	lo.Devices = h.nodes.devices
 	lh, err := simlonghorn.New(h.Env.Config, lo)
 	if err != nil {
 		return err

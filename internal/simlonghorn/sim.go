@@ -54,6 +54,9 @@ type Options struct {
 	// Empty: the node service makes Longhorn's checks only and leaves
 	// targets alone, for callers with no kubelet behind them.
 	DeviceDir string
+	// Devices, when set, hears of volumes' devices leaving host nodes and
+	// coming back (DeviceHook).
+	Devices DeviceHook
 }
 
 // Faults the stand-in can model.
@@ -284,6 +287,7 @@ func (s *Sim) reconcile(ctx context.Context, p *pass, v *Volume) error {
 	if _, err := s.store.updateVolume(ctx, oldV, v); err != nil {
 		return err
 	}
+	s.tellDevices(ctx, p, oldV, v)
 	return s.store.updateVA(ctx, oldVA, va)
 }
 
