@@ -19,7 +19,6 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
 
@@ -64,15 +63,7 @@ func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 }
 
 func hotplugThroughHostStorage(t *testing.T, real string, so kubevirtsim.Options) {
-	if real != "" {
-		bin, err := testenv.BinDir()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !realkubevirt.Built(bin, real) {
-			t.Skipf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", real, bin)
-		}
-	}
+	needRealKubeVirt(t, real)
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
 	h, err := Start(ctx, Options{

@@ -11,9 +11,7 @@ import (
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
-	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
 	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
-	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 	"github.com/harvester-csi/harvester-csi-driver/internal/virthandler"
 )
@@ -39,15 +37,7 @@ func TestLonghornFaultedVolumePausesTheVM(t *testing.T) {
 }
 
 func longhornFaultPausesVM(t *testing.T, real string, so kubevirtsim.Options) {
-	if real != "" {
-		bin, err := testenv.BinDir()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !realkubevirt.Built(bin, real) {
-			t.Skipf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", real, bin)
-		}
-	}
+	needRealKubeVirt(t, real)
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
 	const host = "harvester-1"
