@@ -45,9 +45,6 @@ func TestHostNodesNeedHostStorage(t *testing.T) {
 // lets go in the host's order: the host VolumeAttachment goes only after
 // the pod is gone and the node no longer lists the volume in use.
 func TestHotplugThroughTheHostStoragePath(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("host kubelets mount and map block volumes: needs root")
-	}
 	for _, tc := range []struct {
 		name    string
 		real    string
@@ -63,24 +60,9 @@ func TestHotplugThroughTheHostStoragePath(t *testing.T) {
 }
 
 func hotplugThroughHostStorage(t *testing.T, real string, so kubevirtsim.Options) {
-	needRealKubeVirt(t, real)
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	h, err := Start(ctx, Options{
-		Real: real, Sim: so,
-		VMs: []string{"node-0"}, Harvester: true,
-		HostStorage: true, HostNodeStatusUpdate: 2 * time.Second,
-		Longhorn:  simlonghorn.Options{Scale: 0.05},
-		Placement: map[string]string{"node-0": "harvester-1"},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := h.Stop(context.Background()); err != nil {
-			t.Errorf("stop: %v", err)
-		}
-	})
+	h := startOnHostNodes(ctx, t, real, so, map[string]string{"node-0": "harvester-1"})
 	// After node-0, so that the scheduler sees it when it places node-1.
 	if err := h.CreateVMs(ctx, "node-1"); err != nil {
 		t.Fatal(err)

@@ -3,8 +3,6 @@ package simhost
 import (
 	"context"
 	"fmt"
-	"os"
-	"slices"
 	"testing"
 	"time"
 
@@ -21,9 +19,6 @@ import (
 // virt-handler reports the domain paused on an I/O error, on either control
 // plane, until Longhorn attaches the volume on the VM's host node again.
 func TestLonghornFaultedVolumePausesTheVM(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("host kubelets mount and map block volumes: needs root")
-	}
 	for _, tc := range []struct {
 		name string
 		real string
@@ -37,37 +32,12 @@ func TestLonghornFaultedVolumePausesTheVM(t *testing.T) {
 }
 
 func longhornFaultPausesVM(t *testing.T, real string, so kubevirtsim.Options) {
-	needRealKubeVirt(t, real)
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
 	const host = "harvester-1"
-	h, err := Start(ctx, Options{
-		Real: real, Sim: so,
-		VMs: []string{"node-0"}, Harvester: true,
-		HostStorage: true, HostNodeStatusUpdate: 2 * time.Second,
-		Longhorn:  simlonghorn.Options{Scale: 0.05},
-		Placement: map[string]string{"node-0": host},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := h.Stop(context.Background()); err != nil {
-			t.Errorf("stop: %v", err)
-		}
-	})
+	h := startOnHostNodes(ctx, t, real, so, map[string]string{"node-0": host})
 	vols, lhName := hotplugOneVolume(ctx, t, h, kubeVirtOf(t, h), "node-0")
-	testwait.Until(ctx, t, "the VMI entry Ready", func() (bool, string) {
-		vmi := vmiOf(ctx, h, "node-0")
-		if vmi == nil {
-			return false, "no VMI"
-		}
-		i := slices.IndexFunc(vmi.Status.VolumeStatus, func(e kubevirtv1.VolumeStatus) bool { return e.Name == vols[0] })
-		if i < 0 {
-			return false, "no entry"
-		}
-		return vmi.Status.VolumeStatus[i].Phase == kubevirtv1.VolumeReady, fmt.Sprintf("%+v", vmi.Status.VolumeStatus[i])
-	})
+	waitEntryReady(ctx, t, h, vols[0])
 	if paused, _ := pausedOnIOError(vmiOf(ctx, h, "node-0")); paused {
 		t.Fatal("VMI paused on an I/O error before any fault")
 	}

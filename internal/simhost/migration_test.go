@@ -3,7 +3,6 @@ package simhost
 import (
 	"context"
 	"fmt"
-	"os"
 	"testing"
 	"time"
 
@@ -26,25 +25,9 @@ import (
 // the host lets go of the source node, leaving the volume on the target
 // only, still Ready in the VMI.
 func TestLiveMigrationOnHostNodes(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("host kubelets mount and map block volumes: needs root")
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	h, err := Start(ctx, Options{
-		Sim: kubevirtsim.Options{Version: kubevirtsim.V1_7_0, Mode: kubevirtsim.ModeLegacy, Scale: 0.05},
-		VMs: []string{"node-0"}, Harvester: true,
-		HostStorage: true, HostNodeStatusUpdate: 2 * time.Second,
-		Longhorn: simlonghorn.Options{Scale: 0.05},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := h.Stop(context.Background()); err != nil {
-			t.Errorf("stop: %v", err)
-		}
-	})
+	h := startOnHostNodes(ctx, t, "", kubevirtsim.Options{Version: kubevirtsim.V1_7_0, Mode: kubevirtsim.ModeLegacy, Scale: 0.05}, nil)
 	kv := kubeVirtOf(t, h)
 	vols, lhName := hotplugOneVolume(ctx, t, h, kv, "node-0")
 	waitEntryReady(ctx, t, h, vols[0])

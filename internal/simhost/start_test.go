@@ -17,6 +17,7 @@ import (
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/kubevirtsim"
 	"github.com/harvester-csi/harvester-csi-driver/internal/realkubevirt"
+	"github.com/harvester-csi/harvester-csi-driver/internal/simlonghorn"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testenv"
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
 )
@@ -208,4 +209,32 @@ func needRealKubeVirt(t *testing.T, version string) {
 	if !realkubevirt.Built(bin, version) {
 		t.Skipf("KubeVirt %s binaries are not in %s: hack/tools.sh builds them", version, bin)
 	}
+}
+
+// startOnHostNodes starts a host with one VM, node-0, on three host nodes
+// with the host storage path (placed by placement when not nil), stopped
+// when the test ends; it skips without root, which host kubelets need, or
+// without KubeVirt's real binaries of real ("" runs the simulator's).
+func startOnHostNodes(ctx context.Context, t *testing.T, real string, so kubevirtsim.Options, placement map[string]string) *Host {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("host kubelets mount and map block volumes: needs root")
+	}
+	needRealKubeVirt(t, real)
+	h, err := Start(ctx, Options{
+		Real: real, Sim: so,
+		VMs: []string{"node-0"}, Harvester: true,
+		HostStorage: true, HostNodeStatusUpdate: 2 * time.Second,
+		Longhorn:  simlonghorn.Options{Scale: 0.05},
+		Placement: placement,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := h.Stop(context.Background()); err != nil {
+			t.Errorf("stop: %v", err)
+		}
+	})
+	return h
 }

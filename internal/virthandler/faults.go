@@ -108,10 +108,9 @@ func PausedCondition(conds []kubevirtv1.VirtualMachineInstanceCondition, paused 
 // ReasonPausedIOError is the Paused condition's reason for an I/O error.
 const ReasonPausedIOError = "PausedIOError"
 
-// ioErrorDelay reports whether this pass is delayed because the domain is
-// paused on an I/O error, and for how long.
-func (p *pass) ioErrorDelay() (time.Duration, bool) {
-	paused := p.pausedOnIOError()
+// ioErrorDelay reports whether this pass of a domain paused (or not) on an
+// I/O error is delayed, and for how long.
+func (p *pass) ioErrorDelay(paused bool) (time.Duration, bool) {
 	r, t, now := &p.d.io, p.h.t, p.now
 	if !paused {
 		return 0, false

@@ -176,7 +176,7 @@ func (h *Handler) Sync(ctx context.Context, vmi *kubevirtv1.VirtualMachineInstan
 	p := &pass{h: h, ctx: ctx, vmi: vmi, key: vmi.Namespace + "/" + vmi.Name, d: h.domainOf(vmi.UID), now: now, pods: pods,
 		entries: vmi.Status.DeepCopy().VolumeStatus}
 	p.res.PausedIOError = p.pausedOnIOError()
-	if delay, ok := p.ioErrorDelay(); ok {
+	if delay, ok := p.ioErrorDelay(p.res.PausedIOError); ok {
 		h.log.Info("domain paused on an I/O error: delaying the VMI update", "vm", p.key, "delay", delay)
 		return Result{Wake: delay, PausedIOError: true}
 	}

@@ -358,10 +358,7 @@ func RunBackup(ctx context.Context, e Env, containerPath string, work time.Durat
 	if !ev.OK {
 		return fmt.Errorf("agent: backup check failed on %s: %s", vol, ev.Detail)
 	}
-	n := 0
-	if data, err := os.ReadFile(e.latestFile()); err == nil {
-		n, _ = strconv.Atoi(strings.TrimSpace(string(data)))
-	}
+	n := e.told()
 	select {
 	case <-ctx.Done():
 		return ctx.Err()
