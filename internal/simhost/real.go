@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/rest"
+	"k8s.io/klog/v2"
 	"k8s.io/utils/ptr"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 	"kubevirt.io/client-go/kubevirt"
@@ -124,22 +125,69 @@ func (h *Host) createRealVM(ctx context.Context, name string) error {
 	if _, err := h.KubeVirt.KubevirtV1().VirtualMachines(h.Namespace).Create(ctx, vm, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		return err
 	}
-	var last string
-	err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, func(ctx context.Context) (bool, error) {
+	running := func(ctx context.Context) (bool, string) {
 		vmi, err := h.KubeVirt.KubevirtV1().VirtualMachineInstances(h.Namespace).Get(ctx, name, metav1.GetOptions{})
 		switch {
 		case apierrors.IsNotFound(err):
-			last = "no VMI yet"
-			return false, nil
+			return false, "no VMI yet"
 		case err != nil:
-			last = err.Error()
-			return false, nil
+			return false, err.Error()
 		}
-		last = "VMI " + string(vmi.Status.Phase)
-		return vmi.Status.Phase == kubevirtv1.Running, nil
-	})
-	if err != nil {
-		return fmt.Errorf("VMI not running (%s): %w", last, err)
+		return vmi.Status.Phase == kubevirtv1.Running, "VMI " + string(vmi.Status.Phase)
+	}
+	restart := func(ctx context.Context) error {
+		err := h.KubeVirt.KubevirtV1().VirtualMachineInstances(h.Namespace).Delete(ctx, name, metav1.DeleteOptions{})
+		if apierrors.IsNotFound(err) {
+			return nil
+		}
+		return err
+	}
+	return startRunning(ctx, name, vmStartAttempts, vmStartTimeout, running, restart)
+}
+
+// A VMI of KubeVirt v1.6 can stay Pending for good on this host's
+// Kubernetes: virt-controller adds the launcher pod's readiness-gate
+// condition with a JSON patch that tests the pod's whole condition list as
+// it decoded it (kubevirt v1.6.0
+// pkg/virt-controller/watch/vmi/lifecycle.go:772-817, 1072-1081), and its
+// k8s.io/api v0.32 drops the conditions' observedGeneration, which the
+// kubelet fills in from Kubernetes 1.34 on. Once the kubelet has written the
+// pod's conditions before virt-controller's first patch, every patch fails
+// its test and the VMI never leaves Pending. An operator restarts such a VM;
+// the host does the same at start-up, so that a run is about hotplug and not
+// about this start race.
+const (
+	vmStartAttempts = 3
+	vmStartTimeout  = 90 * time.Second
+)
+
+// startRunning waits until running reports the VM's VMI running. A VMI not
+// running within timeout is restarted, attempts-1 times at most; the last
+// attempt waits as long as ctx allows, since a loaded machine may simply be
+// slow.
+func startRunning(ctx context.Context, name string, attempts int, timeout time.Duration,
+	running func(context.Context) (bool, string), restart func(context.Context) error) error {
+	var last string
+	poll := func(ctx context.Context) (bool, error) {
+		var ok bool
+		ok, last = running(ctx)
+		return ok, nil
+	}
+	for attempt := 1; attempt < attempts; attempt++ {
+		err := wait.PollUntilContextTimeout(ctx, 100*time.Millisecond, timeout, true, poll)
+		switch {
+		case err == nil:
+			return nil
+		case ctx.Err() != nil:
+			return fmt.Errorf("VMI %s not running (%s): %w", name, last, err)
+		}
+		klog.FromContext(ctx).Info("VMI did not start; restarting it", "vm", name, "attempt", attempt, "state", last)
+		if err := restart(ctx); err != nil {
+			return fmt.Errorf("restarting VMI %s: %w", name, err)
+		}
+	}
+	if err := wait.PollUntilContextCancel(ctx, 100*time.Millisecond, true, poll); err != nil {
+		return fmt.Errorf("VMI %s not running after %d restarts (%s): %w", name, attempts-1, last, err)
 	}
 	return nil
 }
