@@ -284,8 +284,7 @@ func (h *Host) hostNodeStatusUpdate() time.Duration {
 }
 
 // kubevirtImages are the images KubeVirt's pods run: the launcher image
-// virt-controller is given and the guest VMs' container disk, with and
-// without the tag the kubelet adds to an untagged name.
+// virt-controller is given and the guest VMs' container disk (by digest).
 func (h *Host) kubevirtImages() []string {
 	if h.o.Real == "" {
 		// The simulator's pods have no init containers that must end:
@@ -293,7 +292,7 @@ func (h *Host) kubevirtImages() []string {
 		// image it has no command for.
 		return nil
 	}
-	return []string{"virt-launcher:" + h.o.Real, rootDiskImage, rootDiskImage + ":latest"}
+	return []string{"virt-launcher:" + h.o.Real, rootDiskImage}
 }
 
 // waitHostNodes waits until every host node is Ready with Longhorn's plugin

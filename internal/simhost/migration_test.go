@@ -70,7 +70,7 @@ func liveMigrationOnHostNodes(t *testing.T, real string, so kubevirtsim.Options)
 		if !ok {
 			return false, "not in the cache"
 		}
-		return m.Status.Phase == kubevirtv1.MigrationRunning, string(m.Status.Phase)
+		return m.Status.Phase == kubevirtv1.MigrationRunning, string(m.Status.Phase) + ", pods " + podStates(ctx, h)
 	})
 	launcher := migrationPodOf(ctx, t, h, "virt-launcher")
 	if launcher == nil || launcher.Spec.NodeName == "" || launcher.Spec.NodeName == source {
@@ -174,6 +174,22 @@ func waitEntryReady(ctx context.Context, t *testing.T, h *Host, volume string) {
 		}
 		return false, "no entry"
 	})
+}
+
+// podStates sums up the host pods for a failure message.
+func podStates(ctx context.Context, h *Host) string {
+	// The last message is taken as the wait ends: read past its context.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	pods, err := h.Kube.CoreV1().Pods(h.Namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, p := range pods.Items {
+		out = append(out, fmt.Sprintf("%s@%s:%s", p.Name, p.Spec.NodeName, p.Status.Phase))
+	}
+	return strings.Join(out, " ")
 }
 
 // migrationPodOf is the live pod of kind (the kubevirt.io label) that a
