@@ -96,6 +96,26 @@ func TestMigrateInTurnStopsWithTheRun(t *testing.T) {
 	}
 }
 
+// lateContext's deadline has passed while its Done channel is still open,
+// as between a deadline and its timer firing.
+type lateContext struct{ context.Context }
+
+func (lateContext) Deadline() (time.Time, bool) { return time.Now().Add(-time.Millisecond), true }
+
+// A migration refused as the run's deadline comes is the run ending, not a
+// failed migration: the client refuses to wait past the deadline before
+// the context says it is done.
+func TestMigrateInTurnAtTheDeadlineReportsNothing(t *testing.T) {
+	f := newFake()
+	f.refuse["node-0"] = true
+	migrateInTurn(lateContext{context.Background()}, f, []string{"node-0", "node-1"}, time.Millisecond, func(vm string, err error) {
+		t.Errorf("reported %s: %v at the run's deadline", vm, err)
+	})
+	if len(f.started) != 0 {
+		t.Errorf("started %v after the run's deadline", f.started)
+	}
+}
+
 // KubeVirt's real control plane carries the fault's migrations out on host
 // nodes; without them (the kubelet stand-in) it is refused, naming the flag.
 // The simulator plays it either way.
