@@ -438,9 +438,9 @@ func TestHostNodesFlag(t *testing.T) {
 	if f.cfg.HostNodes != 3 {
 		t.Errorf("--host-nodes 3 on the simulated control plane gave %d host nodes", f.cfg.HostNodes)
 	}
-	// The simulated migration runs on the host nodes' kubelets (KubeVirt's
-	// real control plane refuses the fault when the run starts:
-	// internal/lab TestMigrateVMsNeedsTheSimulator).
+	// The migration runs on the host nodes' kubelets (KubeVirt's real
+	// control plane refuses the fault without host nodes when the run
+	// starts: internal/lab TestMigrateVMsNeedsHostNodesOnTheRealControlPlane).
 	f, err = parse(append(append([]string{}, base...), "--host-nodes", "3", "--migrate-vms", "1m"), io.Discard)
 	if err != nil || f.cfg.MigrateVMsEvery != time.Minute {
 		t.Errorf("--host-nodes 3 --migrate-vms 1m on the simulated control plane: %v, want accepted", err)

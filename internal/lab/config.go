@@ -277,17 +277,22 @@ func sameKubeVirt(a, b string) bool {
 
 // realFaults refuses the faults only the simulator can play: KubeVirt's
 // own control plane has no switch for stuck attachment pods, a denying
-// webhook or the stuck re-add.
+// webhook or the stuck re-add. A live migration it carries out itself, but
+// only on host nodes: the kubelet stand-in binds pods by name and would not
+// keep the target virt-launcher pod off the source node as KubeVirt's
+// required anti-affinity asks.
 func (c *Config) realFaults(tag string) error {
 	for name, on := range map[string]bool{
 		"--attachment-pod-stuck":  c.AttachPodStuck > 0,
 		"--deny-hotplug":          c.DenyHotplug > 0,
 		"--stuck-detach-on-readd": c.StuckDetachOnReadd,
-		"--migrate-vms":           c.MigrateVMsEvery > 0,
 	} {
 		if on {
 			return fmt.Errorf("%s needs the simulated KubeVirt; KubeVirt %s's real control plane (--kubevirt %s%s) has no such switch", name, tag, RealPrefix, tag)
 		}
+	}
+	if c.MigrateVMsEvery > 0 && c.HostNodes <= 0 {
+		return fmt.Errorf("--migrate-vms on KubeVirt %s's real control plane (--kubevirt %s%s) needs host nodes (--host-nodes): the kubelet stand-in would not keep the target off the source node", tag, RealPrefix, tag)
 	}
 	return nil
 }

@@ -40,7 +40,7 @@ func (f *fakeMigrator) migrate(_ context.Context, vm string) (string, error) {
 	return name, nil
 }
 
-func (f *fakeMigrator) finished(vm, name string) (kubevirtv1.VirtualMachineInstanceMigrationPhase, bool) {
+func (f *fakeMigrator) finished(_ context.Context, vm, name string) (kubevirtv1.VirtualMachineInstanceMigrationPhase, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.running[name]++
@@ -96,15 +96,43 @@ func TestMigrateInTurnStopsWithTheRun(t *testing.T) {
 	}
 }
 
-// KubeVirt's real control plane has no switch that starts a migration the
-// way the fault does, with or without host nodes.
-func TestMigrateVMsNeedsTheSimulator(t *testing.T) {
+// lateContext's deadline has passed while its Done channel is still open,
+// as between a deadline and its timer firing.
+type lateContext struct{ context.Context }
+
+func (lateContext) Deadline() (time.Time, bool) { return time.Now().Add(-time.Millisecond), true }
+
+// A migration refused as the run's deadline comes is the run ending, not a
+// failed migration: the client refuses to wait past the deadline before
+// the context says it is done.
+func TestMigrateInTurnAtTheDeadlineReportsNothing(t *testing.T) {
+	f := newFake()
+	f.refuse["node-0"] = true
+	migrateInTurn(lateContext{context.Background()}, f, []string{"node-0", "node-1"}, time.Millisecond, func(vm string, err error) {
+		t.Errorf("reported %s: %v at the run's deadline", vm, err)
+	})
+	if len(f.started) != 0 {
+		t.Errorf("started %v after the run's deadline", f.started)
+	}
+}
+
+// KubeVirt's real control plane carries the fault's migrations out on host
+// nodes; without them (the kubelet stand-in) it is refused, naming the flag.
+// The simulator plays it either way.
+func TestMigrateVMsNeedsHostNodesOnTheRealControlPlane(t *testing.T) {
 	c := &Config{KubeVirt: RealPrefix + "v1.7.0", HostNodes: 3, MigrateVMsEvery: time.Minute}
-	if _, err := c.simOptions(); err == nil || !strings.Contains(err.Error(), "--migrate-vms") {
-		t.Errorf("simOptions with --migrate-vms on %s: %v, want a refusal naming the flag", c.KubeVirt, err)
+	if _, err := c.simOptions(); err != nil {
+		t.Errorf("simOptions with --migrate-vms and host nodes on %s: %v, want accepted", c.KubeVirt, err)
+	}
+	c.HostNodes = 0
+	if _, err := c.simOptions(); err == nil || !strings.Contains(err.Error(), "--migrate-vms") || !strings.Contains(err.Error(), "--host-nodes") {
+		t.Errorf("simOptions with --migrate-vms and no host nodes on %s: %v, want a refusal naming the flag and --host-nodes", c.KubeVirt, err)
 	}
 	c.KubeVirt = "v1.7.0"
-	if _, err := c.simOptions(); err != nil {
-		t.Errorf("simOptions with --migrate-vms and host nodes on the simulator: %v", err)
+	for _, n := range []int{0, 3} {
+		c.HostNodes = n
+		if _, err := c.simOptions(); err != nil {
+			t.Errorf("simOptions with --migrate-vms and %d host nodes on the simulator: %v", n, err)
+		}
 	}
 }

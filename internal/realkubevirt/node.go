@@ -12,6 +12,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/tools/cache"
@@ -53,6 +54,14 @@ type nodeAgents struct {
 	// kubelets: real kubelets and a scheduler run the pods; syncPod stands
 	// aside.
 	kubelets bool
+
+	// Live migration (migration.go): the transfers per migration, the VMs
+	// whose transfer is held, how long a transfer takes, and how a source
+	// virt-launcher's containers end.
+	transfers    map[types.UID]*transfer
+	held         map[string]bool
+	transferTime time.Duration
+	launchers    LauncherExit
 }
 
 // DiskHook lets the host attach something real (a loop device, say) as
@@ -73,8 +82,10 @@ func newNodeAgents(kube kubernetes.Interface, kv, handlerKV kubevirt.Interface, 
 		kube: kube, kv: kv, handlerKV: handlerKV, nodes: nodes, handler: handler,
 		// virt-handler's queue (v1.7.0 pkg/virt-handler/vm.go:145): 5 ms
 		// doubling to 1000 s per key.
-		queue:  workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[item]()),
-		passes: map[string]int{},
+		queue:     workqueue.NewTypedRateLimitingQueue(workqueue.DefaultTypedControllerRateLimiter[item]()),
+		passes:    map[string]int{},
+		transfers: map[types.UID]*transfer{}, held: map[string]bool{},
+		transferTime: migrationTransfer,
 	}
 }
 
@@ -186,6 +197,8 @@ func (a *nodeAgents) syncPod(ctx context.Context, namespace, name string) error 
 	pod := obj.(*corev1.Pod)
 	podKey := klog.KRef(namespace, name)
 	switch {
+	case podFinished(pod) && pod.DeletionTimestamp == nil:
+		return nil // a virt-launcher that exited after its migration
 	case pod.DeletionTimestamp != nil:
 		zero := int64(0)
 		err := a.kube.CoreV1().Pods(namespace).Delete(ctx, name, metav1.DeleteOptions{
@@ -288,6 +301,22 @@ func (a *nodeAgents) syncVMI(ctx context.Context, namespace, name string) error 
 		return nil
 	}
 	before := vmi.DeepCopy()
+	if vmi.DeletionTimestamp == nil {
+		changed, wake, err := a.syncMigration(ctx, vmi)
+		if wake > 0 {
+			a.queue.AddAfter(item{namespace: namespace, name: name}, wake)
+		}
+		switch {
+		case err != nil:
+			return err
+		case changed:
+			klog.V(3).InfoS("virt-handler stand-in updates a migrating VMI", "vmi", klog.KObj(vmi), "node", vmi.Status.NodeName)
+			_, err := a.handlerKV.KubevirtV1().VirtualMachineInstances(namespace).Update(ctx, vmi, metav1.UpdateOptions{})
+			return err
+		case transferring(vmi):
+			return nil
+		}
+	}
 	var passErr error
 	switch {
 	case vmi.DeletionTimestamp != nil:
@@ -336,10 +365,14 @@ func (a *nodeAgents) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []vi
 	if err != nil {
 		return nil
 	}
+	// Only the pods of the VMI's node: virt-handler finds an attachment
+	// pod's devices under its own node's kubelet directory, so during and
+	// after a migration the other node's pods offer none.
 	launchers := map[string]bool{}
 	for _, o := range objs {
 		p := o.(*corev1.Pod)
-		if p.Labels[kubevirtv1.AppLabel] == launcherLabelValue && p.Labels[kubevirtv1.CreatedByLabel] == string(vmi.UID) {
+		if p.Labels[kubevirtv1.AppLabel] == launcherLabelValue && p.Labels[kubevirtv1.CreatedByLabel] == string(vmi.UID) &&
+			p.Spec.NodeName == vmi.Status.NodeName {
 			launchers[p.Name] = true
 		}
 	}

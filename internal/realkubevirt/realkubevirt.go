@@ -115,6 +115,10 @@ type Options struct {
 	// Nodes) and a real scheduler places KubeVirt's pods: the kubelet
 	// stand-in then leaves pods alone and no Node is created here.
 	Kubelets bool
+	// Launchers ends a source virt-launcher pod's containers after its
+	// migration; needed with Kubelets, whose containers only the host can
+	// end (migration.go).
+	Launchers LauncherExit
 }
 
 // ControlPlane is KubeVirt's control plane running on an Env. Its processes
@@ -127,6 +131,7 @@ type ControlPlane struct {
 	handler *virthandler.Handler
 	requeue func(namespace, name string)
 	passes  func(namespace, name string) int
+	hold    func(namespace, name string, on bool)
 	cancel  context.CancelFunc
 	done    chan struct{}
 }
@@ -220,8 +225,11 @@ func Start(ctx context.Context, env *testenv.Env, version string, opts Options) 
 	}
 	cp := &ControlPlane{Version: version, KubeVirt: kv, handler: handler, cancel: cancel, done: make(chan struct{})}
 	agents := newNodeAgents(kube, kv, handlerKV, opts.Nodes, handler)
-	agents.kubelets = opts.Kubelets
-	cp.requeue, cp.passes = agents.requeueVMI, agents.passCount
+	agents.kubelets, agents.launchers = opts.Kubelets, opts.Launchers
+	if opts.Scale > 0 {
+		agents.transferTime = time.Duration(float64(migrationTransfer) * opts.Scale)
+	}
+	cp.requeue, cp.passes, cp.hold = agents.requeueVMI, agents.passCount, agents.hold
 	go func() {
 		defer close(cp.done)
 		agents.run(agentCtx)

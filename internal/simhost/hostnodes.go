@@ -1,6 +1,7 @@
 package simhost
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -8,7 +9,9 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -69,11 +72,14 @@ const (
 // containers (virt-launcher's copy of container-disk, a container disk's
 // --no-op check) end at once; every other container (compute, the
 // container disk, an attachment pod's hotplug-disk) runs until the kubelet
-// stops it.
+// stops it or, for a migrated virt-launcher, launcherExit ends it: either
+// way SIGTERM, on which it exits 0 as virt-launcher does.
 const containerScript = `#!/bin/sh
 case "$1" in */cp) exit 0 ;; esac
 for a in "$@"; do [ "$a" = "--no-op" ] && exit 0; done
-exec sleep infinity
+trap 'exit 0' TERM
+sleep infinity &
+wait
 `
 
 // hostNodes are the host's nodes and Longhorn with Options.HostStorage.
@@ -278,8 +284,7 @@ func (h *Host) hostNodeStatusUpdate() time.Duration {
 }
 
 // kubevirtImages are the images KubeVirt's pods run: the launcher image
-// virt-controller is given and the guest VMs' container disk, with and
-// without the tag the kubelet adds to an untagged name.
+// virt-controller is given and the guest VMs' container disk (by digest).
 func (h *Host) kubevirtImages() []string {
 	if h.o.Real == "" {
 		// The simulator's pods have no init containers that must end:
@@ -287,7 +292,7 @@ func (h *Host) kubevirtImages() []string {
 		// image it has no command for.
 		return nil
 	}
-	return []string{"virt-launcher:" + h.o.Real, rootDiskImage, rootDiskImage + ":latest"}
+	return []string{"virt-launcher:" + h.o.Real, rootDiskImage}
 }
 
 // waitHostNodes waits until every host node is Ready with Longhorn's plugin
@@ -410,6 +415,40 @@ func (h *Host) realKubeVirtNodes(ro *realkubevirt.Options) {
 	}
 	ro.Kubelets = true
 	ro.Nodes = h.nodes.names
+	ro.Launchers = launcherExit{}
+}
+
+// launcherExit ends a virt-launcher pod's hollow containers as virt-launcher
+// exits once its domain has migrated away: every process a host kubelet
+// started for the pod carries the pod's UID (HCSI_POD_UID) and gets
+// SIGTERM, on which containerScript exits 0.
+type launcherExit struct{}
+
+func (launcherExit) End(ctx context.Context, pod *corev1.Pod) error {
+	want := []byte("\x00HCSI_POD_UID=" + string(pod.UID) + "\x00")
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return err
+	}
+	n := 0
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		env, err := os.ReadFile(filepath.Join("/proc", e.Name(), "environ"))
+		if err != nil || !bytes.Contains(append(append([]byte{0}, env...), 0), want) {
+			continue
+		}
+		if err := syscall.Kill(pid, syscall.SIGTERM); err == nil {
+			n++
+		}
+	}
+	if n == 0 {
+		return fmt.Errorf("no container process of pod %s/%s found", pod.Namespace, pod.Name)
+	}
+	klog.FromContext(ctx).V(2).Info("virt-launcher containers told to exit", "pod", klog.KObj(pod), "processes", n)
+	return nil
 }
 
 // vmNameLabel is the label Harvester gives a VM's pods, naming the VM.

@@ -3,6 +3,7 @@ package simhost
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -21,13 +22,30 @@ import (
 // off the source node and run by that node's kubelet; its attachment pod,
 // owned by it and pinned to its node, gets the hot-plugged volume attached
 // there by the attach/detach controller through Longhorn's migration while
-// the source still holds it; after the hand-off the source's pods go and
+// the source still holds it; after the hand-off the source's pods end and
 // the host lets go of the source node, leaving the volume on the target
-// only, still Ready in the VMI.
+// only, still Ready in the VMI. On KubeVirt's real control plane its own
+// migration controller drives it, the node agents playing the source and
+// target virt-handler's handshake (internal/realkubevirt migration.go), and
+// a legacy volume request during the transfer gets virt-api's refusal.
 func TestLiveMigrationOnHostNodes(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		real string
+		sim  kubevirtsim.Options
+	}{
+		{name: "sim-v1.7.0-legacy", sim: kubevirtsim.Options{Version: kubevirtsim.V1_7_0, Mode: kubevirtsim.ModeLegacy, Scale: 0.05}},
+		{name: "real-v1.7.0-legacy", real: "v1.7.0", sim: kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy, Scale: 0.05}},
+		{name: "real-v1.6.0-legacy", real: "v1.6.0", sim: kubevirtsim.Options{Mode: kubevirtsim.ModeLegacy, Scale: 0.05}},
+	} {
+		t.Run(tc.name, func(t *testing.T) { liveMigrationOnHostNodes(t, tc.real, tc.sim) })
+	}
+}
+
+func liveMigrationOnHostNodes(t *testing.T, real string, so kubevirtsim.Options) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
 	defer cancel()
-	h := startOnHostNodes(ctx, t, "", kubevirtsim.Options{Version: kubevirtsim.V1_7_0, Mode: kubevirtsim.ModeLegacy, Scale: 0.05}, nil)
+	h := startOnHostNodes(ctx, t, real, so, nil)
 	kv := kubeVirtOf(t, h)
 	vols, lhName := hotplugOneVolume(ctx, t, h, kv, "node-0")
 	waitEntryReady(ctx, t, h, vols[0])
@@ -36,19 +54,23 @@ func TestLiveMigrationOnHostNodes(t *testing.T) {
 	if sourcePod == nil || sourcePod.Spec.NodeName != source {
 		t.Fatalf("attachment pod before the migration: %+v, want one on %s", sourcePod, source)
 	}
+	late, err := h.CreateVolumes(ctx, "late", 1)
+	if err != nil {
+		t.Fatal(err)
+	}
 
 	// Held in its transfer, the migration shows both sides at once.
-	h.Sim.Faults().HoldMigration(h.Namespace, "node-0", true)
-	mig, err := h.Sim.Migrate(ctx, h.Namespace, "node-0", "")
+	h.HoldMigration("node-0", true)
+	mig, err := h.Migrate(ctx, "node-0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	testwait.Until(ctx, t, "the migration transferring", func() (bool, string) {
-		m, ok := h.Sim.Migration(h.Namespace, mig)
+		m, ok := h.Migration(ctx, mig)
 		if !ok {
 			return false, "not in the cache"
 		}
-		return m.Status.Phase == kubevirtv1.MigrationRunning, string(m.Status.Phase)
+		return m.Status.Phase == kubevirtv1.MigrationRunning, string(m.Status.Phase) + ", pods " + podStates(ctx, h)
 	})
 	launcher := migrationPodOf(ctx, t, h, "virt-launcher")
 	if launcher == nil || launcher.Spec.NodeName == "" || launcher.Spec.NodeName == source {
@@ -84,16 +106,31 @@ func TestLiveMigrationOnHostNodes(t *testing.T) {
 		t.Errorf("source attachment pod %s gone during the migration: %v", sourcePod.Name, err)
 	}
 
-	h.Sim.Faults().HoldMigration(h.Namespace, "node-0", false)
+	// KubeVirt's own refusal of a legacy volume request while the VMI
+	// migrates (v1.7.0 pkg/virt-api/webhooks/validating-webhook/admitters/
+	// vms-admitter.go:449-455).
+	err = kv.KubevirtV1().VirtualMachines(h.Namespace).AddVolume(ctx, "node-0", &kubevirtv1.AddVolumeOptions{
+		Name: late[0], Disk: &kubevirtv1.Disk{DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusSCSI}}},
+		VolumeSource: &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: &kubevirtv1.PersistentVolumeClaimVolumeSource{
+			PersistentVolumeClaimVolumeSource: corev1.PersistentVolumeClaimVolumeSource{ClaimName: late[0]}, Hotpluggable: true}},
+	})
+	if err == nil || !strings.Contains(err.Error(), "Cannot handle volume requests while VMI migration is in progress") {
+		t.Errorf("legacy hot-plug during the transfer: %v, want KubeVirt's refusal", err)
+	}
+
+	h.HoldMigration("node-0", false)
 	testwait.Until(ctx, t, "the migration Succeeded", func() (bool, string) {
-		m, ok := h.Sim.Migration(h.Namespace, mig)
+		m, ok := h.Migration(ctx, mig)
 		if !ok {
 			return false, "not in the cache"
 		}
 		return m.Status.Phase == kubevirtv1.MigrationSucceeded, string(m.Status.Phase)
 	})
-	if got := h.HostNodeOf(ctx, "node-0"); got != target {
-		t.Errorf("after the migration the VMI runs on %q, want %s", got, target)
+	if _, vmi := h.VM(ctx, "node-0"); vmi == nil || vmi.Status.NodeName != target || vmi.Status.MigrationState == nil ||
+		!vmi.Status.MigrationState.Completed || vmi.Status.MigrationState.Failed {
+		t.Errorf("after the migration the VMI is %+v, want it on %s with its migration completed", vmi, target)
+	} else if h.Real != nil && vmi.Labels[kubevirtv1.NodeNameLabel] != target {
+		t.Errorf("after the migration the VMI's labels are %v, want %s=%s", vmi.Labels, kubevirtv1.NodeNameLabel, target)
 	}
 	testwait.Until(ctx, t, "the source released", func() (bool, string) {
 		pods, err := h.Kube.CoreV1().Pods(h.Namespace).List(ctx, metav1.ListOptions{})
@@ -101,8 +138,10 @@ func TestLiveMigrationOnHostNodes(t *testing.T) {
 			return false, err.Error()
 		}
 		for _, p := range pods.Items {
-			if p.Spec.NodeName == source {
-				return false, "pod " + p.Name + " still on " + source
+			// A virt-launcher pod ends with its exited container, as
+			// KubeVirt leaves it; the simulator deletes it.
+			if p.Spec.NodeName == source && (p.Status.Phase != corev1.PodSucceeded || p.Labels[kubevirtv1.AppLabel] != "virt-launcher") {
+				return false, "pod " + p.Name + " still on " + source + " (" + string(p.Status.Phase) + ")"
 			}
 		}
 		if va, err := hostVolumeAttachmentOn(ctx, h, lhName, source); err != nil || va != nil {
@@ -135,6 +174,22 @@ func waitEntryReady(ctx context.Context, t *testing.T, h *Host, volume string) {
 		}
 		return false, "no entry"
 	})
+}
+
+// podStates sums up the host pods for a failure message.
+func podStates(ctx context.Context, h *Host) string {
+	// The last message is taken as the wait ends: read past its context.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	pods, err := h.Kube.CoreV1().Pods(h.Namespace).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, p := range pods.Items {
+		out = append(out, fmt.Sprintf("%s@%s:%s", p.Name, p.Spec.NodeName, p.Status.Phase))
+	}
+	return strings.Join(out, " ")
 }
 
 // migrationPodOf is the live pod of kind (the kubevirt.io label) that a

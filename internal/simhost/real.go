@@ -92,8 +92,14 @@ func (h *Host) startReal(ctx, runCtx context.Context) error {
 	return nil
 }
 
-// rootDiskImage is the guest VMs' container disk; no image is pulled.
-const rootDiskImage = "rootdisk"
+// rootDiskImage is the guest VMs' container disk; no image is pulled. It is
+// pinned by digest, as the kubelet then reports it in the container's
+// imageID: virt-controller renders a migration target pod only from a
+// container disk it can name by digest (kubevirt v1.7.0
+// pkg/virt-controller/services/template.go:268,
+// pkg/container-disk/container-disk.go:418-431), and a hollow kubelet
+// reports the image reference it was given.
+const rootDiskImage = "rootdisk@sha256:" + "5f1e2d3c4b5a69788796a5b4c3d2e1f00f1e2d3c4b5a69788796a5b4c3d2e1f0"
 
 // createRealVM creates a running VM as Harvester's are (a boot disk, pod
 // network, memory) and returns once its VMI runs.
