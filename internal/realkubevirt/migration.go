@@ -48,7 +48,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/tools/cache"
 	"k8s.io/klog/v2"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
@@ -206,12 +205,11 @@ func (a *nodeAgents) prepareTarget(vmi *kubevirtv1.VirtualMachineInstance) error
 	if uid == "" {
 		return nil
 	}
-	objs, err := a.pods.ByIndex(cache.NamespaceIndex, vmi.Namespace)
+	pods, err := a.namespacePods(vmi.Namespace)
 	if err != nil {
 		return err
 	}
-	for _, o := range objs {
-		p := o.(*corev1.Pod)
+	for _, p := range pods {
 		if p.UID != uid {
 			continue
 		}
@@ -245,14 +243,12 @@ func (a *nodeAgents) endSource(ctx context.Context, vmi *kubevirtv1.VirtualMachi
 	if done || ms.Failed || ms.SourceNode == "" || vmi.Status.NodeName == ms.SourceNode {
 		return nil
 	}
-	objs, err := a.pods.ByIndex(cache.NamespaceIndex, vmi.Namespace)
+	pods, err := a.namespacePods(vmi.Namespace)
 	if err != nil {
 		return err
 	}
-	for _, o := range objs {
-		p := o.(*corev1.Pod)
-		if p.Labels[kubevirtv1.AppLabel] != launcherLabelValue || p.Labels[kubevirtv1.CreatedByLabel] != string(vmi.UID) ||
-			p.Spec.NodeName != ms.SourceNode || podFinished(p) {
+	for _, p := range pods {
+		if !isLauncherOn(p, vmi, ms.SourceNode) || podFinished(p) {
 			continue
 		}
 		if err := a.endLauncher(ctx, p); err != nil {

@@ -361,7 +361,7 @@ func (a *nodeAgents) syncVMI(ctx context.Context, namespace, name string) error 
 // volumes are named after (v1.7.0 pkg/virt-controller/services/
 // template.go:1042-1050).
 func (a *nodeAgents) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []virthandler.Pod {
-	objs, err := a.pods.ByIndex(cache.NamespaceIndex, vmi.Namespace)
+	pods, err := a.namespacePods(vmi.Namespace)
 	if err != nil {
 		return nil
 	}
@@ -369,16 +369,13 @@ func (a *nodeAgents) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []vi
 	// pod's devices under its own node's kubelet directory, so during and
 	// after a migration the other node's pods offer none.
 	launchers := map[string]bool{}
-	for _, o := range objs {
-		p := o.(*corev1.Pod)
-		if p.Labels[kubevirtv1.AppLabel] == launcherLabelValue && p.Labels[kubevirtv1.CreatedByLabel] == string(vmi.UID) &&
-			p.Spec.NodeName == vmi.Status.NodeName {
+	for _, p := range pods {
+		if isLauncherOn(p, vmi, vmi.Status.NodeName) {
 			launchers[p.Name] = true
 		}
 	}
 	var out []virthandler.Pod
-	for _, o := range objs {
-		p := o.(*corev1.Pod)
+	for _, p := range pods {
 		if p.Labels[kubevirtv1.AppLabel] != attachmentLabelValue || !slices.ContainsFunc(p.OwnerReferences, func(r metav1.OwnerReference) bool { return r.Kind == "Pod" && launchers[r.Name] }) {
 			continue
 		}
@@ -391,6 +388,25 @@ func (a *nodeAgents) attachmentPods(vmi *kubevirtv1.VirtualMachineInstance) []vi
 		out = append(out, podview.HandlerPod(p))
 	}
 	return out
+}
+
+// namespacePods are the pods of a namespace in the agents' cache.
+func (a *nodeAgents) namespacePods(namespace string) ([]*corev1.Pod, error) {
+	objs, err := a.pods.ByIndex(cache.NamespaceIndex, namespace)
+	if err != nil {
+		return nil, err
+	}
+	pods := make([]*corev1.Pod, 0, len(objs))
+	for _, o := range objs {
+		pods = append(pods, o.(*corev1.Pod))
+	}
+	return pods, nil
+}
+
+// isLauncherOn tells whether p is a virt-launcher pod of vmi on node.
+func isLauncherOn(p *corev1.Pod, vmi *kubevirtv1.VirtualMachineInstance, node string) bool {
+	return p.Labels[kubevirtv1.AppLabel] == launcherLabelValue && p.Labels[kubevirtv1.CreatedByLabel] == string(vmi.UID) &&
+		p.Spec.NodeName == node
 }
 
 // shutDown unplugs a stopping VMI's disks and forgets its mounts: a domain
