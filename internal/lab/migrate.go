@@ -79,15 +79,19 @@ func migrateInTurn(ctx context.Context, m migrator, vms []string, poll time.Dura
 	}
 }
 
-// pastDeadline reports whether ctx's deadline has come even if its Done
-// channel has not closed yet: a round whose tick falls on the run's end
-// gets a client's refusal to wait past the deadline ("rate: Wait(n=1) would
-// exceed context deadline"), which is the run ending, not a failed
-// migration.
+// pastDeadline reports whether ctx's deadline has come or is about to: a
+// round whose tick falls on the run's end gets the client rate limiter's
+// refusal to wait past the deadline ("rate: Wait(n=1) would exceed context
+// deadline"), which comes up to one request interval before the deadline
+// and before ctx is done. That is the run ending, not a failed migration.
 func pastDeadline(ctx context.Context) bool {
 	dl, ok := ctx.Deadline()
-	return ok && !time.Now().Before(dl)
+	return ok && time.Until(dl) < deadlineMargin
 }
+
+// deadlineMargin is longer than the host client's wait for one request at
+// any rate the lab gives it.
+const deadlineMargin = time.Second
 
 // hostMigrator migrates through the host's KubeVirt, simulated or real.
 type hostMigrator struct{ r *run }

@@ -96,23 +96,29 @@ func TestMigrateInTurnStopsWithTheRun(t *testing.T) {
 	}
 }
 
-// lateContext's deadline has passed while its Done channel is still open,
-// as between a deadline and its timer firing.
-type lateContext struct{ context.Context }
+// lateContext's deadline is in, or has passed by, in while its Done channel
+// is still open: a client refuses to wait past a deadline a few tens of
+// milliseconds ahead, and a deadline's timer fires a little after it.
+type lateContext struct {
+	context.Context
+	in time.Duration
+}
 
-func (lateContext) Deadline() (time.Time, bool) { return time.Now().Add(-time.Millisecond), true }
+func (c lateContext) Deadline() (time.Time, bool) { return time.Now().Add(c.in), true }
 
 // A migration refused as the run's deadline comes is the run ending, not a
 // failed migration: the client refuses to wait past the deadline before
 // the context says it is done.
 func TestMigrateInTurnAtTheDeadlineReportsNothing(t *testing.T) {
-	f := newFake()
-	f.refuse["node-0"] = true
-	migrateInTurn(lateContext{context.Background()}, f, []string{"node-0", "node-1"}, time.Millisecond, func(vm string, err error) {
-		t.Errorf("reported %s: %v at the run's deadline", vm, err)
-	})
-	if len(f.started) != 0 {
-		t.Errorf("started %v after the run's deadline", f.started)
+	for _, in := range []time.Duration{-time.Millisecond, 50 * time.Millisecond} {
+		f := newFake()
+		f.refuse["node-0"] = true
+		migrateInTurn(lateContext{context.Background(), in}, f, []string{"node-0", "node-1"}, time.Millisecond, func(vm string, err error) {
+			t.Errorf("deadline in %s: reported %s: %v at the run's end", in, vm, err)
+		})
+		if len(f.started) != 0 {
+			t.Errorf("deadline in %s: started %v at the run's end", in, f.started)
+		}
 	}
 }
 
