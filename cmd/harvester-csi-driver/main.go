@@ -79,6 +79,7 @@ func newFlagSet(o *options) *flag.FlagSet {
 	fs.StringVar(&o.backend, "hotplug-backend", kubevirt.BackendAuto, "hotplug backend: auto, declarative or subresource")
 	fs.DurationVar(&o.queue.BatchWindow, "batch-window", o.queue.BatchWindow, "how long the first hotplug request on an idle VM waits for more")
 	fs.DurationVar(&o.queue.MaxHold, "max-hold", o.queue.MaxHold, "longest wait for a VM's previous hotplug change to settle before the next")
+	fs.DurationVar(&o.queue.JoinWindow, "join-window", o.queue.JoinWindow, "how long after a VM's write adds may still join the attachment pod KubeVirt is starting for it (once per cycle; 0 turns it off)")
 	fs.DurationVar(&o.queue.WedgedAfter, "wedged-after", o.queue.WedgedAfter, "how long a hotplug may wait on KubeVirt with no progress of the volume or its VM before the VM is reported wedged (Event, metric, the caller's answer)")
 	fs.BoolVar(&o.queue.Strategy.OneRemovalAtATime, "one-removal-at-a-time", o.queue.Strategy.OneRemovalAtATime, "while a VM is paused on an I/O error (a device may be gone), write at most one removal of a mounted volume of it at a time, so virt-handler's remount of removed volumes cannot deadlock (every KubeVirt up to v1.9.0; turn off only on a KubeVirt with kubevirt PR 18044)")
 	fs.IntVar(&o.queue.Workers, "hotplug-workers", o.queue.Workers, "VMs worked on at once")

@@ -23,6 +23,12 @@ type Config struct {
 	// meanwhile makes KubeVirt drop the pod and start over (kubevirt
 	// 16937). Zero means five times MaxHold.
 	PodStartHold time.Duration
+	// JoinWindow lets adds that arrive shortly after a write join the
+	// attachment pod KubeVirt is still starting for it, instead of waiting
+	// for that pod's whole cycle and then their own: once per cycle, within
+	// this long of the write, and only while nothing of the VM is mounted or
+	// on its way out (joinable). Zero turns joining off.
+	JoinWindow time.Duration
 	// MaxConflictRetries bounds the immediate retries after a conflict before
 	// the VM is requeued with backoff.
 	MaxConflictRetries int
@@ -90,6 +96,7 @@ func DefaultConfig() Config {
 		Workers:            10,
 		BatchWindow:        200 * time.Millisecond,
 		MaxHold:            30 * time.Second,
+		JoinWindow:         5 * time.Second,
 		MaxConflictRetries: 5,
 		BackoffBase:        200 * time.Millisecond,
 		BackoffMax:         time.Minute,

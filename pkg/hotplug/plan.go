@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
 // plan is what one look at a VM decided. decide only returns it; sync
@@ -22,6 +24,9 @@ type plan struct {
 	// again if no informer event comes first.
 	hold   string
 	wakeAt time.Time
+	// joins says the changes join the attachment pod KubeVirt is starting
+	// for the VM's last write (joinable) instead of waiting for its cycle.
+	joins bool
 	// expired lists expectations to forget: the informers show the write, or
 	// it went unobserved for MaxHold.
 	expired []string
@@ -158,6 +163,11 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 		p.waitAll("queued: gathering a batch")
 		return p
 	}
+	if (o.settling() || len(pending) > 0) && joinable(now, cfg, w, o, pending, removes) {
+		p.joins = true
+		p.hold = ""
+		return p
+	}
 	if o.settling() || len(pending) > 0 {
 		// The hold is bounded by the time since KubeVirt last moved, not
 		// since it began: replacing an attachment pod takes as long as it
@@ -182,6 +192,64 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	}
 	p.hold = ""
 	return p
+}
+
+// joinable says adds may be written while the VM still settles, to join the
+// attachment pod KubeVirt is starting for the queue's last write. A change of
+// the hotplug set replaces a pod that has not started (kubevirt v1.5.3
+// pkg/virt-controller/watch/vmi/vmi.go:1673-1711, v1.7.0
+// volume-hotplug.go:161), so a late add that joins costs the volumes in flight
+// the time since that write, where waiting costs the add the rest of that
+// pod's cycle and then a cycle of its own. Repeated faster than a pod starts,
+// that replacement livelocks KubeVirt (kubevirt 16937); what keeps a join
+// from it: at most one per cycle, within cfg.JoinWindow of the write that
+// began the cycle. What keeps it from data: a set change resets the entries
+// that are not Ready, and an entry reset after its disk was plugged is
+// unplugged from the running domain (v1.5.3 vmi.go:2018-2063 with
+// virtwrap/converter/converter.go:1615, v1.7.0 converter.go:1780), so a join
+// needs every entry in flight to be an add whose pod has not started
+// (phase at most AttachedToNode, which virt-controller writes once the pod
+// exists, and no pod UID, which it writes once the pod runs: v1.7.0
+// pkg/virt-controller/watch/vmi/storage.go:197-220), no removal of the VM
+// under way or in the batch, and no device that may be gone.
+func joinable(now time.Time, cfg Config, w *vmWork, o observed, pending map[string]bool, removes []Change) bool {
+	if cfg.JoinWindow <= 0 || w.joined || w.cycleStart.IsZero() || now.Sub(w.cycleStart) >= cfg.JoinWindow {
+		return false
+	}
+	if len(removes) > 0 || o.vm == nil || o.vmi == nil || o.vmi.Status.Phase != kubevirtv1.Running || o.deviceMayBeGone() || failing(o.vm) {
+		return false
+	}
+	for vol := range pending {
+		if w.expect[vol].op != Attach {
+			return false
+		}
+	}
+	for _, r := range o.vm.Status.VolumeRequests {
+		if r.RemoveVolumeOptions != nil {
+			return false
+		}
+	}
+	for _, s := range o.vmi.Status.VolumeStatus {
+		if s.HotplugVolume == nil {
+			continue
+		}
+		if !o.inVMSpec(s.Name) {
+			return false // on its way out
+		}
+		switch s.Phase {
+		case kubevirtv1.VolumeReady:
+			if s.Target == "" {
+				return false
+			}
+		case "", kubevirtv1.VolumePending, kubevirtv1.VolumeBound, kubevirtv1.HotplugVolumeAttachedToNode:
+			if s.HotplugVolume.AttachPodUID != "" {
+				return false
+			}
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 // refuseOverLimit answers the adds that would take the VM past cfg.MaxDisks

@@ -326,3 +326,91 @@ func TestAttachmentPodStartIsProgress(t *testing.T) {
 		t.Error("a removed volume's entry without a UID counted as a pod starting")
 	}
 }
+
+// A late add joins the attachment pod KubeVirt is starting for the VM's last
+// write only while that is safe and cheap: once per cycle, within the join
+// window, with nothing of the VM mounted or on its way out.
+func TestDecideJoin(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	cfg := Config{MaxHold: 30 * time.Second, PodStartHold: 150 * time.Second, JoinWindow: 5 * time.Second}
+	starting := func() observed { // "a" written a second ago, its pod created, not running
+		return observed{vm: vmWith([]string{"a", "r"}), vmi: podStarting(vmiWith(map[string]kubevirtv1.VolumePhase{
+			"a": kubevirtv1.HotplugVolumeAttachedToNode, "r": kubevirtv1.VolumeReady}), "a")}
+	}
+	cases := []struct {
+		name    string
+		cfg     func(*Config)
+		work    func(*vmWork)
+		obs     func(observed) observed
+		intents map[string]Op
+		join    bool
+	}{
+		{name: "an add within the window joins the starting pod", join: true},
+		{name: "an add during our own unobserved add joins", join: true, work: func(w *vmWork) {
+			w.expect["p"] = expectation{op: Attach, since: t0.Add(-100 * time.Millisecond)}
+		}},
+		{name: "joining is off", cfg: func(c *Config) { c.JoinWindow = 0 }},
+		{name: "past the window", work: func(w *vmWork) { w.cycleStart = t0.Add(-6 * time.Second) }},
+		{name: "a second join in one cycle", work: func(w *vmWork) { w.joined = true }},
+		{name: "no write of this process began the cycle", work: func(w *vmWork) { w.cycleStart = time.Time{} }},
+		{name: "the starting pod already runs", obs: func(o observed) observed {
+			o.vmi.Status.VolumeStatus[0].HotplugVolume.AttachPodUID = "uid-2"
+			return o
+		}},
+		{name: "an entry mounted into the pod, not yet plugged", obs: func(o observed) observed {
+			o.vmi.Status.VolumeStatus[0].Phase = kubevirtv1.HotplugVolumeMounted
+			return o
+		}},
+		{name: "a Ready entry without its target yet", obs: func(o observed) observed {
+			o.vmi.Status.VolumeStatus[1].Target = ""
+			return o
+		}},
+		{name: "a removal of the VM still in the VMI", obs: func(o observed) observed {
+			o.vm = vmWith([]string{"a"})
+			return o
+		}},
+		{name: "a legacy removal queued", obs: func(o observed) observed {
+			o.vm = vmWith([]string{"a", "r"}, removeReq("r"))
+			return o
+		}},
+		{name: "our own removal not yet observed", work: func(w *vmWork) {
+			w.expect["r"] = expectation{op: Detach, since: t0.Add(-100 * time.Millisecond)}
+		}},
+		{name: "a removal in the batch", intents: map[string]Op{"b": Attach, "r": Detach}},
+		{name: "the VMI paused on an I/O error", obs: func(o observed) observed {
+			o.vmi.Status.Conditions = []kubevirtv1.VirtualMachineInstanceCondition{{Type: kubevirtv1.VirtualMachineInstancePaused, Status: "True", Reason: "PausedIOError"}}
+			return o
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			c := cfg
+			if tc.cfg != nil {
+				tc.cfg(&c)
+			}
+			w := &vmWork{intents: map[string]*intent{}, expect: map[string]expectation{}, settlingSince: t0.Add(-time.Second), cycleStart: t0.Add(-time.Second)}
+			intents := tc.intents
+			if intents == nil {
+				intents = map[string]Op{"b": Attach}
+			}
+			for v, op := range intents {
+				w.intents[v] = &intent{vm: "vm1", volume: v, op: op, created: t0, exclusive: true}
+			}
+			if tc.work != nil {
+				tc.work(w)
+			}
+			o := starting()
+			if tc.obs != nil {
+				o = tc.obs(o)
+			}
+			w.progress = o.progressMark()
+			p := decide(t0, c, w, facts{o: o})
+			if p.joins != tc.join || (p.hold == "") != tc.join {
+				t.Fatalf("joins = %t, hold = %q (changes %v); want joins %t", p.joins, p.hold, p.changes, tc.join)
+			}
+			if tc.join && !slices.Equal(p.changes, []Change{{"b", Attach}}) {
+				t.Errorf("changes = %v, want the add alone", p.changes)
+			}
+		})
+	}
+}

@@ -79,6 +79,11 @@ func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Chan
 	}
 	if wrote {
 		w.settlingSince = now
+		if w.joining {
+			w.joined = true
+		} else {
+			w.cycleStart, w.joined = now, false
+		}
 		q.metrics.writes.Inc()
 	}
 	if failed == nil {

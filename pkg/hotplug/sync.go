@@ -55,6 +55,9 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 	if idle && p.hold != "" {
 		klog.FromContext(ctx).V(3).Info("holding changes", "reason", p.hold, "pending", len(p.changes))
 	}
+	if !idle && p.joins {
+		klog.FromContext(ctx).V(2).Info("adds join the attachment pod KubeVirt is starting", "changes", fmtChanges(p.changes), "cycleStarted", w.cycleStart)
+	}
 	if idle && len(releasing) == 0 {
 		q.dropIfIdleLocked(key)
 	}
@@ -76,6 +79,7 @@ func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vm
 	}
 	w.settlingSince, w.progress = p.settlingSince, p.progress
 	w.hold = p.hold
+	w.joining = p.joins
 	for _, r := range p.resolve {
 		q.resolveLocked(ctx, w, r, now)
 	}

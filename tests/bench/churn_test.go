@@ -272,7 +272,7 @@ func kubevirtsimOptions(f flavor, scale float64, seed uint64) kubevirtsim.Option
 func scaledQueue(scale float64) hotplug.Config {
 	sc := func(d time.Duration) time.Duration { return time.Duration(float64(d) * scale) }
 	d := hotplug.DefaultConfig()
-	return hotplug.Config{BatchWindow: sc(d.BatchWindow), MaxHold: sc(d.MaxHold), BackoffBase: sc(d.BackoffBase), BackoffMax: sc(d.BackoffMax),
+	return hotplug.Config{BatchWindow: sc(d.BatchWindow), MaxHold: sc(d.MaxHold), JoinWindow: sc(d.JoinWindow), BackoffBase: sc(d.BackoffBase), BackoffMax: sc(d.BackoffMax),
 		QPS: d.QPS / scale, Burst: d.Burst, Workers: d.Workers}
 }
 

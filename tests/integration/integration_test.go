@@ -75,6 +75,7 @@ func queueConfigAt(s float64) hotplug.Config {
 	return hotplug.Config{
 		BatchWindow: 100 * time.Millisecond,
 		MaxHold:     time.Duration(float64(30*time.Second) * s),
+		JoinWindow:  time.Duration(float64(hotplug.DefaultConfig().JoinWindow) * s),
 		BackoffBase: 20 * time.Millisecond,
 		BackoffMax:  500 * time.Millisecond,
 		QPS:         100,
