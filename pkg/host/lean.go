@@ -38,7 +38,11 @@ import (
 // VMI:
 //   - spec.volumes[]: name; persistentVolumeClaim.claimName and
 //     .hotpluggable; dataVolume.name. Which claims a VMI holds (the claim
-//     index, Holders), inVMISpec, Published and View.
+//     index, Holders), inVMISpec, Published and View. And
+//     spec.domain.devices.disks[].name, which only the VM's are read for:
+//     the VMI's spec is the same KubeVirt type as the VM template's, and
+//     keeping the same fields of a type wherever it appears is what lets
+//     the test check the readers by type.
 //   - status.phase: running, settling, podStarting, wedges, GuestStateOf
 //     (IsFinal).
 //   - status.conditions[]: type, status, reason. Paused (running) and
@@ -161,10 +165,6 @@ type leanMigrationState struct {
 	SourceNode     string       `json:"sourceNode"`
 }
 
-type leanVMISpec struct {
-	Volumes []leanVolume `json:"volumes"`
-}
-
 type leanVMIStatus struct {
 	Phase          kubevirtv1.VirtualMachineInstancePhase `json:"phase"`
 	Conditions     []leanVMICondition                     `json:"conditions"`
@@ -174,15 +174,15 @@ type leanVMIStatus struct {
 
 type leanVMI struct {
 	// Kind only tells a Status answer apart; it is not kept.
-	Kind     string        `json:"kind"`
-	Metadata leanMeta      `json:"metadata"`
-	Spec     leanVMISpec   `json:"spec"`
-	Status   leanVMIStatus `json:"status"`
+	Kind     string           `json:"kind"`
+	Metadata leanMeta         `json:"metadata"`
+	Spec     leanInstanceSpec `json:"spec"`
+	Status   leanVMIStatus    `json:"status"`
 }
 
 func (l *leanVMI) fill(vmi *kubevirtv1.VirtualMachineInstance) {
 	l.Metadata.fill(&vmi.ObjectMeta)
-	vmi.Spec.Volumes = leanVolumes(l.Spec.Volumes)
+	l.Spec.fill(&vmi.Spec)
 	st := &vmi.Status
 	st.Phase = l.Status.Phase
 	if l.Status.Conditions != nil {
@@ -222,13 +222,25 @@ type leanDomain struct {
 	Devices leanDevices `json:"devices"`
 }
 
-type leanTemplateSpec struct {
+// leanInstanceSpec is the VMI's spec and the VM template's: a KubeVirt
+// type both hold keeps the same fields in both.
+type leanInstanceSpec struct {
 	Domain  leanDomain   `json:"domain"`
 	Volumes []leanVolume `json:"volumes"`
 }
 
+func (l *leanInstanceSpec) fill(spec *kubevirtv1.VirtualMachineInstanceSpec) {
+	spec.Volumes = leanVolumes(l.Volumes)
+	if disks := l.Domain.Devices.Disks; disks != nil {
+		spec.Domain.Devices.Disks = make([]kubevirtv1.Disk, len(disks))
+		for i, d := range disks {
+			spec.Domain.Devices.Disks[i].Name = d.Name
+		}
+	}
+}
+
 type leanTemplate struct {
-	Spec leanTemplateSpec `json:"spec"`
+	Spec leanInstanceSpec `json:"spec"`
 }
 
 type leanVMSpec struct {
@@ -277,14 +289,7 @@ func (l *leanVM) fill(vm *kubevirtv1.VirtualMachine) {
 	l.Metadata.fill(&vm.ObjectMeta)
 	if t := l.Spec.Template; t != nil {
 		vm.Spec.Template = &kubevirtv1.VirtualMachineInstanceTemplateSpec{}
-		spec := &vm.Spec.Template.Spec
-		spec.Volumes = leanVolumes(t.Spec.Volumes)
-		if disks := t.Spec.Domain.Devices.Disks; disks != nil {
-			spec.Domain.Devices.Disks = make([]kubevirtv1.Disk, len(disks))
-			for i, d := range disks {
-				spec.Domain.Devices.Disks[i].Name = d.Name
-			}
-		}
+		t.Spec.fill(&vm.Spec.Template.Spec)
 	}
 	st := &vm.Status
 	if l.Status.Conditions != nil {
