@@ -249,7 +249,7 @@ func fixtureVM(hotplugs int) *kubevirtv1.VirtualMachine {
 			},
 			VolumeRequests: []kubevirtv1.VirtualMachineVolumeRequest{
 				{AddVolumeOptions: &kubevirtv1.AddVolumeOptions{Name: queued, DryRun: []string{},
-					Disk: &kubevirtv1.Disk{Name: queued, DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusSCSI}}},
+					Disk:         &kubevirtv1.Disk{Name: queued, DiskDevice: kubevirtv1.DiskDevice{Disk: &kubevirtv1.DiskTarget{Bus: kubevirtv1.DiskBusSCSI}}},
 					VolumeSource: &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: kvClaim(queued, true)}}},
 				{RemoveVolumeOptions: &kubevirtv1.RemoveVolumeOptions{Name: hotplugName(0)}},
 			},
