@@ -69,7 +69,7 @@ import (
 // backend patches lists it read raw from the API server (or kept from its
 // own patch's answer), and the subresource backend's request-list patch is
 // built from a live GET. A write built from these objects would erase every
-// field they lack. TestLeanTypesKeepEveryFieldTheReadersRead (lean_test.go)
+// field they lack. TestLeanTypesKeepEveryFieldTheReadersRead (leanfields_test.go)
 // fails when a reader of the informers starts to read a field these types
 // drop.
 
