@@ -34,6 +34,10 @@ type Client struct {
 	Kube      kubernetes.Interface
 	KubeVirt  kubevirt.Interface
 	Dynamic   dynamic.Interface
+	// leanVMs and leanVMIs list and watch for the informers, decoding only
+	// the fields the driver reads (lean.go); nil in a Client not built by
+	// NewForConfig.
+	leanVMs, leanVMIs rest.Interface
 	// token serves a kubeconfig's bearer token read again when the file
 	// changes; nil for other credentials.
 	token *kubeconfigToken
@@ -119,28 +123,47 @@ func NewForConfig(cfg *rest.Config, namespace string) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{Namespace: namespace, Config: cfg, Kube: kube, KubeVirt: kv, Dynamic: dyn}, nil
+	c := &Client{Namespace: namespace, Config: cfg, Kube: kube, KubeVirt: kv, Dynamic: dyn}
+	if c.leanVMs, err = leanClient(cfg, leanVMs()); err != nil {
+		return nil, err
+	}
+	if c.leanVMIs, err = leanClient(cfg, leanVMIs()); err != nil {
+		return nil, err
+	}
+	return c, nil
 }
 
-// VMInformer watches the VMs of the host namespace.
+// VMInformer watches the VMs of the host namespace. Its objects carry only
+// the fields lean.go lists: nothing may write one back to the host.
 func (c *Client) VMInformer(resync time.Duration) cache.SharedIndexInformer {
+	if c.leanVMs != nil {
+		return newInformer(&kubevirtv1.VirtualMachine{}, resync, leanListWatch(c.leanVMs, c.Namespace, "virtualmachines",
+			func() runtime.Object { return &kubevirtv1.VirtualMachineList{} }))
+	}
+	// A Client assembled around fake clientsets, as unit tests do.
 	vms := c.KubeVirt.KubevirtV1().VirtualMachines(c.Namespace)
-	return newInformer(&kubevirtv1.VirtualMachine{}, resync,
-		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vms.List(ctx, o) },
-		vms.Watch)
+	return newInformer(&kubevirtv1.VirtualMachine{}, resync, &cache.ListWatch{
+		ListWithContextFunc:  func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vms.List(ctx, o) },
+		WatchFuncWithContext: vms.Watch,
+	})
 }
 
-// VMIInformer watches the VMIs of the host namespace.
+// VMIInformer watches the VMIs of the host namespace. Its objects carry only
+// the fields lean.go lists: nothing may write one back to the host.
 func (c *Client) VMIInformer(resync time.Duration) cache.SharedIndexInformer {
+	if c.leanVMIs != nil {
+		return newInformer(&kubevirtv1.VirtualMachineInstance{}, resync, leanListWatch(c.leanVMIs, c.Namespace, "virtualmachineinstances",
+			func() runtime.Object { return &kubevirtv1.VirtualMachineInstanceList{} }))
+	}
 	vmis := c.KubeVirt.KubevirtV1().VirtualMachineInstances(c.Namespace)
-	return newInformer(&kubevirtv1.VirtualMachineInstance{}, resync,
-		func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vmis.List(ctx, o) },
-		vmis.Watch)
+	return newInformer(&kubevirtv1.VirtualMachineInstance{}, resync, &cache.ListWatch{
+		ListWithContextFunc:  func(ctx context.Context, o metav1.ListOptions) (runtime.Object, error) { return vmis.List(ctx, o) },
+		WatchFuncWithContext: vmis.Watch,
+	})
 }
 
-func newInformer(obj runtime.Object, resync time.Duration, list cache.ListWithContextFunc, watch cache.WatchFuncWithContext) cache.SharedIndexInformer {
-	inf := cache.NewSharedIndexInformer(&cache.ListWatch{ListWithContextFunc: list, WatchFuncWithContext: watch},
-		obj, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+func newInformer(obj runtime.Object, resync time.Duration, lw *cache.ListWatch) cache.SharedIndexInformer {
+	inf := cache.NewSharedIndexInformer(lw, obj, resync, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
 	// The cache holds every VM and VMI of the namespace for the life of the
 	// process: drop what no decision reads and what weighs most on a real
 	// Harvester (server-side apply's managed fields, kubectl's copy of the
