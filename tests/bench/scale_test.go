@@ -204,6 +204,7 @@ func startControllerProcess(b *testing.B, h *framework.Host, cfg ScaleConfig, lo
 		"--metrics-address=127.0.0.1:" + strconv.Itoa(port), "--enable-pprof",
 		"--node-monitor=false", "--detach-guard-timeout=0",
 		"--batch-window=" + q.BatchWindow.String(), "--max-hold=" + q.MaxHold.String(),
+		"--join-window=" + q.JoinWindow.String(),
 		"--hotplug-qps=" + strconv.FormatFloat(q.QPS, 'f', -1, 64),
 		// The client's rate limit is scaled too: at four times the pace the
 		// same work makes four times the requests per second.
