@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"k8s.io/apimachinery/pkg/util/wait"
+	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/agent"
 	"github.com/harvester-csi/harvester-csi-driver/internal/lab/invariants"
@@ -88,7 +89,7 @@ func (r *run) stuckContext(ctx context.Context, v invariants.Violation) string {
 				}
 			}
 			for _, req := range vm.Status.VolumeRequests {
-				fmt.Fprintf(&b, "  VM %s volumeRequest %+v\n", n, req)
+				fmt.Fprintf(&b, "  VM %s volumeRequest %s\n", n, describeRequest(req))
 			}
 		}
 		if vmi != nil {
@@ -105,6 +106,18 @@ func (r *run) stuckContext(ctx context.Context, v invariants.Violation) string {
 		}
 	}
 	return b.String()
+}
+
+// describeRequest names a queued legacy request by what it asks for: its
+// options are pointers, which %+v would print as addresses.
+func describeRequest(r kubevirtv1.VirtualMachineVolumeRequest) string {
+	switch {
+	case r.AddVolumeOptions != nil:
+		return "add " + r.AddVolumeOptions.Name
+	case r.RemoveVolumeOptions != nil:
+		return "remove " + r.RemoveVolumeOptions.Name
+	}
+	return "(empty)"
 }
 
 func firstVolume(s string) string {
