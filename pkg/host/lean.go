@@ -326,69 +326,62 @@ type leanResource struct {
 }
 
 func leanVMIs() leanResource {
-	return leanResource{
-		resource: "virtualmachineinstances",
-		list: func(data []byte, into runtime.Object) (string, bool, error) {
-			out, ok := into.(*kubevirtv1.VirtualMachineInstanceList)
-			if !ok {
-				return "", false, nil
-			}
-			var l struct {
-				Kind     string          `json:"kind"`
-				Metadata metav1.ListMeta `json:"metadata"`
-				Items    []leanVMI       `json:"items"`
-			}
-			if err := json.Unmarshal(data, &l); err != nil {
-				return l.Kind, true, err
-			}
-			out.ListMeta, out.Items = l.Metadata, make([]kubevirtv1.VirtualMachineInstance, len(l.Items))
-			for i := range l.Items {
-				l.Items[i].fill(&out.Items[i])
-			}
-			return l.Kind, true, nil
-		},
-		object: func(data []byte) (runtime.Object, string, error) {
-			var l leanVMI
-			if err := json.Unmarshal(data, &l); err != nil {
-				return nil, l.Kind, err
-			}
-			out := &kubevirtv1.VirtualMachineInstance{}
-			l.fill(out)
-			return out, l.Kind, nil
-		},
-	}
+	return leanDecoding[leanVMI, kubevirtv1.VirtualMachineInstance]("virtualmachineinstances",
+		func(l *kubevirtv1.VirtualMachineInstanceList) (*metav1.ListMeta, *[]kubevirtv1.VirtualMachineInstance) {
+			return &l.ListMeta, &l.Items
+		})
 }
 
 func leanVMs() leanResource {
+	return leanDecoding[leanVM, kubevirtv1.VirtualMachine]("virtualmachines",
+		func(l *kubevirtv1.VirtualMachineList) (*metav1.ListMeta, *[]kubevirtv1.VirtualMachine) {
+			return &l.ListMeta, &l.Items
+		})
+}
+
+func (l *leanVMI) kindOf() string { return l.Kind }
+func (l *leanVM) kindOf() string  { return l.Kind }
+
+// leanDecoding is the leanResource of a lean type L filling the kubevirtv1
+// type O, whose list type LT gives access to its metadata and items.
+func leanDecoding[L, O any, LP interface {
+	*L
+	fill(*O)
+	kindOf() string
+}, OP interface {
+	*O
+	runtime.Object
+}, LT runtime.Object](resource string, parts func(LT) (*metav1.ListMeta, *[]O)) leanResource {
 	return leanResource{
-		resource: "virtualmachines",
+		resource: resource,
 		list: func(data []byte, into runtime.Object) (string, bool, error) {
-			out, ok := into.(*kubevirtv1.VirtualMachineList)
+			out, ok := into.(LT)
 			if !ok {
 				return "", false, nil
 			}
 			var l struct {
 				Kind     string          `json:"kind"`
 				Metadata metav1.ListMeta `json:"metadata"`
-				Items    []leanVM        `json:"items"`
+				Items    []L             `json:"items"`
 			}
 			if err := json.Unmarshal(data, &l); err != nil {
 				return l.Kind, true, err
 			}
-			out.ListMeta, out.Items = l.Metadata, make([]kubevirtv1.VirtualMachine, len(l.Items))
+			meta, items := parts(out)
+			*meta, *items = l.Metadata, make([]O, len(l.Items))
 			for i := range l.Items {
-				l.Items[i].fill(&out.Items[i])
+				LP(&l.Items[i]).fill(&(*items)[i])
 			}
 			return l.Kind, true, nil
 		},
 		object: func(data []byte) (runtime.Object, string, error) {
-			var l leanVM
+			var l L
 			if err := json.Unmarshal(data, &l); err != nil {
-				return nil, l.Kind, err
+				return nil, LP(&l).kindOf(), err
 			}
-			out := &kubevirtv1.VirtualMachine{}
-			l.fill(out)
-			return out, l.Kind, nil
+			out := new(O)
+			LP(&l).fill(out)
+			return OP(out), LP(&l).kindOf(), nil
 		},
 	}
 }
