@@ -265,7 +265,7 @@ func TestControllerDeployment(t *testing.T) {
 			checkCloudConfig(t, r, spec, drv)
 			for flag, key := range map[string]string{
 				"hotplug-backend": "hotplug.backend", "batch-window": "hotplug.batchWindow", "max-hold": "hotplug.maxHold",
-				"join-window": "hotplug.joinWindow",
+				"join-window":     "hotplug.joinWindow",
 				"hotplug-workers": "hotplug.workers", "hotplug-qps": "hotplug.qps", "hotplug-burst": "hotplug.burst",
 				"publish-margin": "hotplug.publishMargin", "wedged-after": "hotplug.wedgedAfter",
 				"one-removal-at-a-time": "hotplug.oneRemovalAtATime",
