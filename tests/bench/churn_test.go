@@ -40,6 +40,7 @@ var (
 	pubWait   = flag.Duration("churn.publish-wait", driver.DefaultPublishWait, "the driver's --publish-wait (simulated; 0: up to the call's deadline)")
 	pubCrowd  = flag.Int("churn.publish-wait-crowd", driver.DefaultPublishWaitCrowd, "the driver's --publish-wait-crowd")
 	only      = flag.String("churn.flavor", "", "run only flavors whose name contains this")
+	noJoin    = flag.Bool("churn.no-join", false, "the driver's --join-window=0: late adds never join the attachment pod KubeVirt is starting (to measure what the join changes)")
 	oneRemove = flag.Bool("churn.one-removal-at-a-time", true, "the driver's --one-removal-at-a-time (false: the queue's strategy has no rule, to measure what the rule costs)")
 	resultDir = flag.String("churn.results", "../../bench/results", "where the JSON results go")
 )
@@ -141,6 +142,9 @@ func BenchmarkChurn(b *testing.B) {
 					if !*oneRemove {
 						res.Name += "-one-removal-off"
 					}
+					if *noJoin {
+						res.Name += "-no-join"
+					}
 					path, err := res.Write(*resultDir)
 					if err != nil {
 						b.Fatal(err)
@@ -164,6 +168,9 @@ func churnOnce(b *testing.B, f flavor, cfg ChurnConfig) ChurnResult {
 	queue := scaledQueue(cfg.Scale)
 	if !*oneRemove {
 		queue.Strategy = hotplug.Strategy{Name: "one-removal-off"}
+	}
+	if *noJoin {
+		queue.JoinWindow = 0
 	}
 	ctrl := h.StartController(b, framework.ControllerOptions{Backend: kubevirt.BackendAuto,
 		Queue: queue, Driver: scaledDriver(cfg.Scale, cfg.PublishWait, cfg.PublishWaitCrowd)})
