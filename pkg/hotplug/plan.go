@@ -210,7 +210,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 // needs every entry in flight to be an add whose pod has not started
 // (phase at most AttachedToNode, which virt-controller writes once the pod
 // exists, and no pod UID, which it writes once the pod runs: v1.7.0
-// pkg/virt-controller/watch/vmi/storage.go:197-220), no removal of the VM
+// pkg/virt-controller/watch/vmi/storage.go:187-210), no removal of the VM
 // under way or in the batch, and no device that may be gone.
 func joinable(now time.Time, cfg Config, w *vmWork, o observed, pending map[string]bool, removes []Change) bool {
 	if cfg.JoinWindow <= 0 || w.joined || w.cycleStart.IsZero() || now.Sub(w.cycleStart) >= cfg.JoinWindow {

@@ -66,11 +66,9 @@ type vmWork struct {
 	settlingSince time.Time
 	progress      string
 	// cycleStart is when the queue last wrote the VM other than to join,
-	// joined whether a join followed that write, and joining whether the
-	// changes being written now join it (the plan they come from said so).
+	// and joined whether a join followed that write.
 	cycleStart time.Time
 	joined     bool
-	joining    bool
 	// hold says why pending changes wait (empty: they don't).
 	hold string
 	// waiting says, per volume, what its intent waits for and since when.

@@ -19,7 +19,7 @@ import (
 // have been) written, final answers for rejected volumes, and what to retry.
 // turnedDown lists the attaches the host refused without writing anything,
 // whose reservation is to be released before answers go to their callers.
-func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Change, outs []Outcome) (retry []Change, turnedDown []string, answers []resolution, failed error) {
+func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Change, outs []Outcome, joins bool) (retry []Change, turnedDown []string, answers []resolution, failed error) {
 	logger := klog.FromContext(ctx)
 	q.mu.Lock()
 	defer q.mu.Unlock()
@@ -79,7 +79,7 @@ func (q *Queue) record(ctx context.Context, key cache.ObjectName, changes []Chan
 	}
 	if wrote {
 		w.settlingSince = now
-		if w.joining {
+		if joins {
 			w.joined = true
 		} else {
 			w.cycleStart, w.joined = now, false

@@ -67,7 +67,7 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 	if idle {
 		return nil
 	}
-	return q.write(ctx, key, p.changes)
+	return q.write(ctx, key, p.changes, p.joins)
 }
 
 // applyPlanLocked books what decide returned, and returns the wedges that
@@ -79,7 +79,6 @@ func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vm
 	}
 	w.settlingSince, w.progress = p.settlingSince, p.progress
 	w.hold = p.hold
-	w.joining = p.joins
 	for _, r := range p.resolve {
 		q.resolveLocked(ctx, w, r, now)
 	}

@@ -21,8 +21,9 @@ import (
 // server itself, and the volume is reserved for the VM on its host PVC: an
 // informer that lags, or a write of another process (a controller that has
 // not noticed it lost its lease, a second replica during a rolling update),
-// must never let one volume be attached to two VMs.
-func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Change) error {
+// must never let one volume be attached to two VMs. joins says the changes
+// join the VM's cycle under way (joinable) rather than begin one.
+func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Change, joins bool) error {
 	logger := klog.FromContext(ctx)
 	var live map[string][]string
 	excl := q.exclusiveAdds(key, changes)
@@ -67,7 +68,7 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 		if len(outs) != len(pending) {
 			return fmt.Errorf("backend %s answered %d outcomes for %d changes", q.backend.Name(), len(outs), len(pending))
 		}
-		retry, turnedDown, answers, failed := q.record(ctx, key, pending, outs)
+		retry, turnedDown, answers, failed := q.record(ctx, key, pending, outs, joins)
 		// Releases wait until the call is made: they must not eat into
 		// its deadline, which runs from now.
 		q.releaseThenFinish(ctx, key, append(turnedDown, unwritten...), answers, claims)
