@@ -30,8 +30,10 @@ build() { # module-dir binary package [source-glob...]
 			ln -f "$legacy/$name" "$out/$name" 2>/dev/null || cp "$legacy/$name" "$out/$name"
 		else
 			echo "building $name (first run on this machine; cached in $out)" >&2
-			(cd "$root/tools/$dir" && CGO_ENABLED=0 go build -trimpath -o "$out/$name.tmp" "$pkg")
-			mv "$out/$name.tmp" "$out/$name"
+			# Its own temporary name: test packages started at once may
+			# build the same binary side by side; the last rename wins.
+			(cd "$root/tools/$dir" && CGO_ENABLED=0 go build -trimpath -o "$out/$name.tmp.$$" "$pkg")
+			mv "$out/$name.tmp.$$" "$out/$name"
 		fi
 	fi
 	links+=("$out/$name")

@@ -191,23 +191,29 @@ func (l *leanVMI) fill(vmi *kubevirtv1.VirtualMachineInstance) {
 			st.Conditions[i] = kubevirtv1.VirtualMachineInstanceCondition{Type: c.Type, Status: c.Status, Reason: c.Reason}
 		}
 	}
-	if l.Status.VolumeStatus != nil {
-		st.VolumeStatus = make([]kubevirtv1.VolumeStatus, len(l.Status.VolumeStatus))
-		for i := range l.Status.VolumeStatus {
-			in, out := &l.Status.VolumeStatus[i], &st.VolumeStatus[i]
-			out.Name, out.Target, out.Phase, out.Reason, out.Message = in.Name, in.Target, in.Phase, in.Reason, in.Message
-			if p := in.PersistentVolumeClaimInfo; p != nil {
-				out.PersistentVolumeClaimInfo = &kubevirtv1.PersistentVolumeClaimInfo{ClaimName: p.ClaimName}
-			}
-			if h := in.HotplugVolume; h != nil {
-				out.HotplugVolume = &kubevirtv1.HotplugVolumeStatus{AttachPodName: h.AttachPodName, AttachPodUID: h.AttachPodUID}
-			}
-		}
-	}
+	st.VolumeStatus = leanVolumeStatuses(l.Status.VolumeStatus)
 	if m := l.Status.MigrationState; m != nil {
 		st.MigrationState = &kubevirtv1.VirtualMachineInstanceMigrationState{
 			StartTimestamp: m.StartTimestamp, EndTimestamp: m.EndTimestamp, TargetNode: m.TargetNode, SourceNode: m.SourceNode}
 	}
+}
+
+func leanVolumeStatuses(in []leanVolumeStatus) []kubevirtv1.VolumeStatus {
+	if in == nil {
+		return nil
+	}
+	out := make([]kubevirtv1.VolumeStatus, len(in))
+	for i := range in {
+		in, out := &in[i], &out[i]
+		out.Name, out.Target, out.Phase, out.Reason, out.Message = in.Name, in.Target, in.Phase, in.Reason, in.Message
+		if p := in.PersistentVolumeClaimInfo; p != nil {
+			out.PersistentVolumeClaimInfo = &kubevirtv1.PersistentVolumeClaimInfo{ClaimName: p.ClaimName}
+		}
+		if h := in.HotplugVolume; h != nil {
+			out.HotplugVolume = &kubevirtv1.HotplugVolumeStatus{AttachPodName: h.AttachPodName, AttachPodUID: h.AttachPodUID}
+		}
+	}
+	return out
 }
 
 type leanDisk struct {
@@ -298,21 +304,27 @@ func (l *leanVM) fill(vm *kubevirtv1.VirtualMachine) {
 			st.Conditions[i] = kubevirtv1.VirtualMachineCondition{Type: c.Type, Status: c.Status, Reason: c.Reason, Message: c.Message}
 		}
 	}
-	if l.Status.VolumeRequests != nil {
-		st.VolumeRequests = make([]kubevirtv1.VirtualMachineVolumeRequest, len(l.Status.VolumeRequests))
-		for i, r := range l.Status.VolumeRequests {
-			out := &st.VolumeRequests[i]
-			if a := r.AddVolumeOptions; a != nil {
-				out.AddVolumeOptions = &kubevirtv1.AddVolumeOptions{Name: a.Name}
-				if s := a.VolumeSource; s != nil {
-					out.AddVolumeOptions.VolumeSource = &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: s.PersistentVolumeClaim.into()}
-				}
-			}
-			if rm := r.RemoveVolumeOptions; rm != nil {
-				out.RemoveVolumeOptions = &kubevirtv1.RemoveVolumeOptions{Name: rm.Name}
+	st.VolumeRequests = leanVolumeRequests(l.Status.VolumeRequests)
+}
+
+func leanVolumeRequests(in []leanVolumeRequest) []kubevirtv1.VirtualMachineVolumeRequest {
+	if in == nil {
+		return nil
+	}
+	out := make([]kubevirtv1.VirtualMachineVolumeRequest, len(in))
+	for i, r := range in {
+		out := &out[i]
+		if a := r.AddVolumeOptions; a != nil {
+			out.AddVolumeOptions = &kubevirtv1.AddVolumeOptions{Name: a.Name}
+			if s := a.VolumeSource; s != nil {
+				out.AddVolumeOptions.VolumeSource = &kubevirtv1.HotplugVolumeSource{PersistentVolumeClaim: s.PersistentVolumeClaim.into()}
 			}
 		}
+		if rm := r.RemoveVolumeOptions; rm != nil {
+			out.RemoveVolumeOptions = &kubevirtv1.RemoveVolumeOptions{Name: rm.Name}
+		}
 	}
+	return out
 }
 
 // leanResource is one resource's lean decoding, of an object and of a list

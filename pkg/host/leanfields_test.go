@@ -24,17 +24,28 @@ import (
 
 const module = "github.com/harvester-csi/harvester-csi-driver/"
 
-// informerReaders is the code that reads the VM and VMI informers' objects,
-// by package and file (none: every file). The other files of pkg/kubevirt
-// read objects of live GETs, decoded in full.
-var informerReaders = []struct {
+// reader names code that reads decoded VMs and VMIs: a package, and in it
+// only the files and the functions named (none: all of them).
+type reader struct {
 	pkg   string
 	files []string
-}{
-	{"pkg/hotplug", nil},
-	{"pkg/guest", nil},
-	{"pkg/driver", nil},
-	{"pkg/kubevirt", []string{"refusal.go", "declarative.go"}},
+	funcs []string
+}
+
+// informerReaders is the code that reads the VM and VMI informers' objects.
+// The other files of pkg/kubevirt read objects of live GETs, decoded in
+// full.
+var informerReaders = []reader{
+	{pkg: "pkg/hotplug"},
+	{pkg: "pkg/guest"},
+	{pkg: "pkg/driver"},
+	{pkg: "pkg/kubevirt", files: []string{"refusal.go", "declarative.go"}},
+}
+
+// holderCheckReaders is the code that reads the live lists (livelist.go):
+// the queue's check of who holds a volume.
+var holderCheckReaders = []reader{
+	{pkg: "pkg/hotplug", files: []string{"write.go", "observed.go"}, funcs: []string{"liveHolders", "vmClaims", "vmiClaims", "appendClaims"}},
 }
 
 // methodReads says which fields a KubeVirt method the readers call reads.
@@ -51,16 +62,28 @@ var methodReads = map[string][]string{
 // they hold no more than that (the metadata aside), or the decoding costs
 // more than it needs to.
 func TestLeanTypesKeepEveryFieldTheReadersRead(t *testing.T) {
-	kept := keptFields(t)
-	read := readFields(t)
-	for _, k := range slices.Sorted(mapsKeys(read)) {
-		if _, ok := kept[k]; !ok {
-			t.Errorf("%s reads %s, which the informers' lean types (pkg/host/lean.go) do not decode: add it there", read[k], k)
-		}
-	}
+	kept, read := keptFields(t), readFields(t, informerReaders)
+	checkReadIsKept(t, kept, read, "the informers' lean types (pkg/host/lean.go)")
 	for _, k := range slices.Sorted(mapsKeys(kept)) {
 		if _, ok := read[k]; !ok && !strings.HasPrefix(k, "k8s.io/apimachinery/pkg/apis/meta/v1.ObjectMeta.") {
 			t.Errorf("the lean types decode %s, which no reader of the informers reads: drop it", k)
+		}
+	}
+}
+
+// The same for the live lists and the holder check that reads them, one
+// way only: the live lists take whole volume parts of the lean types, a few
+// small fields more than the check reads, to decode them with the same
+// code.
+func TestLiveListsKeepEveryFieldTheHolderCheckReads(t *testing.T) {
+	checkReadIsKept(t, holdersKeptFields(t), readFields(t, holderCheckReaders), "the live lists (pkg/host/livelist.go)")
+}
+
+func checkReadIsKept(t *testing.T, kept map[string]bool, read map[string]string, types string) {
+	t.Helper()
+	for _, k := range slices.Sorted(mapsKeys(read)) {
+		if _, ok := kept[k]; !ok {
+			t.Errorf("%s reads %s, which %s do not decode: add it there", read[k], k, types)
 		}
 	}
 }
@@ -84,10 +107,21 @@ func fieldKey(owner reflect.Type, f string) string {
 // (false: only the fields below it that are in the map).
 func keptFields(t *testing.T) map[string]bool {
 	t.Helper()
+	return keptFieldsOf(t, reflect.TypeFor[leanVMI](), reflect.TypeFor[leanVM]())
+}
+
+// holdersKeptFields is keptFields of the live lists' types.
+func holdersKeptFields(t *testing.T) map[string]bool {
+	t.Helper()
+	return keptFieldsOf(t, reflect.TypeFor[holdersVMI](), reflect.TypeFor[holdersVM]())
+}
+
+func keptFieldsOf(t *testing.T, vmi, vm reflect.Type) map[string]bool {
+	t.Helper()
 	kept := map[string]bool{}
 	for _, p := range []struct{ lean, full reflect.Type }{
-		{reflect.TypeFor[leanVMI](), reflect.TypeFor[kubevirtv1.VirtualMachineInstance]()},
-		{reflect.TypeFor[leanVM](), reflect.TypeFor[kubevirtv1.VirtualMachine]()},
+		{vmi, reflect.TypeFor[kubevirtv1.VirtualMachineInstance]()},
+		{vm, reflect.TypeFor[kubevirtv1.VirtualMachine]()},
 	} {
 		if err := mapLean(p.lean, p.full, kept); err != nil {
 			t.Fatal(err)
@@ -169,15 +203,15 @@ func findJSON(t reflect.Type, name string) []reflect.StructField {
 // readFields type-checks the informers' readers and maps every field of a
 // KubeVirt object they select (and the fields of the methods they call) to
 // where the first such read is.
-func readFields(t *testing.T) map[string]string {
+func readFields(t *testing.T, readers []reader) map[string]string {
 	t.Helper()
 	var paths []string
-	for _, r := range informerReaders {
+	for _, r := range readers {
 		paths = append(paths, module+r.pkg)
 	}
 	pkgs, imp, fset := listPackages(t, paths)
 	read := map[string]string{}
-	for _, r := range informerReaders {
+	for _, r := range readers {
 		p := pkgs[module+r.pkg]
 		var files []*ast.File
 		for _, name := range p.GoFiles {
@@ -192,9 +226,13 @@ func readFields(t *testing.T) map[string]string {
 		if _, err := conf.Check(p.ImportPath, fset, files, info); err != nil {
 			t.Fatalf("type-check %s: %v", p.ImportPath, err)
 		}
+		inFuncs := funcRanges(files, r.funcs)
 		for expr, sel := range info.Selections {
 			pos := fset.Position(expr.Pos())
 			if r.files != nil && !slices.Contains(r.files, filepath.Base(pos.Filename)) {
+				continue
+			}
+			if r.funcs != nil && !inFuncs(expr.Pos()) {
 				continue
 			}
 			for _, k := range selected(t, sel) {
@@ -206,6 +244,27 @@ func readFields(t *testing.T) map[string]string {
 		}
 	}
 	return read
+}
+
+// funcRanges says whether a position lies in one of the named functions
+// (methods included) of files.
+func funcRanges(files []*ast.File, names []string) func(token.Pos) bool {
+	var ranges [][2]token.Pos
+	for _, f := range files {
+		for _, d := range f.Decls {
+			if fd, ok := d.(*ast.FuncDecl); ok && slices.Contains(names, fd.Name.Name) {
+				ranges = append(ranges, [2]token.Pos{fd.Pos(), fd.End()})
+			}
+		}
+	}
+	return func(p token.Pos) bool {
+		for _, r := range ranges {
+			if p >= r[0] && p < r[1] {
+				return true
+			}
+		}
+		return false
+	}
 }
 
 // selected lists the fields a selection on a KubeVirt type reads: each
