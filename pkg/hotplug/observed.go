@@ -183,6 +183,33 @@ func (o observed) unsettled() []string {
 	return vols
 }
 
+// inFlight describes, for the log of a hold, what the VM's changes wait
+// behind: each volume KubeVirt is still carrying a change for, as
+// volume:add|remove:phase (queued: a legacy request not taken yet;
+// pod-started: its attachment pod runs), and this process's writes the
+// informers do not show yet (volume:ours-attach|ours-detach).
+func (o observed) inFlight(expect map[string]expectation) []string {
+	var out []string
+	for _, vol := range o.unsettled() {
+		dir := "add"
+		if addReq, removeReq := o.requested(vol); removeReq || !addReq && !o.inVMSpec(vol) {
+			dir = "remove"
+		}
+		phase := "queued"
+		if s := o.status(vol); s != nil {
+			phase = string(s.Phase)
+			if s.HotplugVolume != nil && s.HotplugVolume.AttachPodUID != "" {
+				phase += "/pod-started"
+			}
+		}
+		out = append(out, vol+":"+dir+":"+phase)
+	}
+	for _, vol := range sortedKeys(expect) {
+		out = append(out, vol+":ours-"+expect[vol].op.String())
+	}
+	return out
+}
+
 // podStarting says KubeVirt waits for an attachment pod it created to start:
 // an entry of a volume in the VMI spec names its pod but no UID, which
 // virt-controller writes only once the pod's container is ready (kubevirt

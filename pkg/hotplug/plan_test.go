@@ -414,3 +414,22 @@ func TestDecideJoin(t *testing.T) {
 		})
 	}
 }
+
+// A hold's log names what the VM's changes wait behind: KubeVirt's adds and
+// removals in flight with their phase (and whether the attachment pod
+// runs), queued legacy requests, and this process's unobserved writes.
+func TestInFlightNamesWhatAHoldWaitsBehind(t *testing.T) {
+	vmi := vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeAttachedToNode, "b": kubevirtv1.HotplugVolumeMounted,
+		"gone": kubevirtv1.HotplugVolumeDetaching, "done": kubevirtv1.VolumeReady})
+	for i := range vmi.Status.VolumeStatus {
+		if s := &vmi.Status.VolumeStatus[i]; s.Name == "b" {
+			s.HotplugVolume.AttachPodUID = "uid-1"
+		}
+	}
+	o := observed{vm: vmWith([]string{"a", "b", "done"}, addReq("q")), vmi: vmi}
+	got := o.inFlight(map[string]expectation{"c": {op: Detach}})
+	want := []string{"q:add:queued", "a:add:AttachedToNode", "b:add:MountedToPod/pod-started", "gone:remove:Detaching", "c:ours-detach"}
+	if !slices.Equal(got, want) {
+		t.Errorf("inFlight = %q, want %q", got, want)
+	}
+}

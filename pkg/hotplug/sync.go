@@ -52,8 +52,8 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 	releasing := releasesFirst(&p)
 	notices := q.applyPlanLocked(ctx, key, w, p, now)
 	idle := len(p.changes) == 0 || p.hold != ""
-	if idle && p.hold != "" {
-		klog.FromContext(ctx).V(3).Info("holding changes", "reason", p.hold, "pending", len(p.changes))
+	if l := klog.FromContext(ctx).V(3); idle && p.hold != "" && l.Enabled() {
+		l.Info("holding changes", "reason", p.hold, "pending", len(p.changes), "behind", f.o.inFlight(w.expect))
 	}
 	if !idle && p.joins {
 		klog.FromContext(ctx).V(2).Info("adds join the attachment pod KubeVirt is starting", "changes", fmtChanges(p.changes), "cycleStarted", w.cycleStart)
