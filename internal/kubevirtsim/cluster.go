@@ -217,12 +217,14 @@ func (c *cluster) eachVMIIn(ns string, f func(key string)) {
 // workQueue is a controller's rate-limited queue of object keys.
 type workQueue struct {
 	workqueue.TypedRateLimitingInterface[string]
+	// limiter delays a key's retry after a failed pass.
+	limiter workqueue.TypedRateLimiter[string]
 }
 
 func newWorkQueue(name string, base, maxDelay time.Duration) workQueue {
-	return workQueue{workqueue.NewTypedRateLimitingQueueWithConfig(
-		workqueue.NewTypedItemExponentialFailureRateLimiter[string](base, max(maxDelay, base)),
-		workqueue.TypedRateLimitingQueueConfig[string]{Name: "kubevirtsim-" + name})}
+	limiter := workqueue.NewTypedItemExponentialFailureRateLimiter[string](base, max(maxDelay, base))
+	return workQueue{workqueue.NewTypedRateLimitingQueueWithConfig(limiter,
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: "kubevirtsim-" + name}), limiter}
 }
 
 // run processes keys with n workers; the queue never hands one key to two

@@ -146,8 +146,12 @@ type Timings struct {
 	// NetworkFS is the time networkfs-manager takes to enable or disable an
 	// NFS export (Enabling → Enabled, Disabling → Disabled) (2s).
 	NetworkFS time.Duration
-	// BackoffBase and BackoffMax bound the VM controller's per-VM exponential
-	// backoff (5ms, 1000s).
+	// BackoffBase and BackoffMax bound the per-object exponential backoff
+	// of a failed pass of the VM and VMI controllers and of virt-handler
+	// (5ms, 1000s: client-go's default controller rate limiter, which each
+	// of them uses, kubevirt v1.5.3 pkg/virt-controller/watch/vmi/vmi.go:91-93,
+	// v1.7.0 pkg/virt-controller/watch/vmi/vmi.go:79-81). An informer event
+	// requeues the object at once, whatever its backoff.
 	BackoffBase time.Duration
 	BackoffMax  time.Duration
 

@@ -188,3 +188,25 @@ func TestParseRequest(t *testing.T) {
 		}
 	}
 }
+
+// A pass of the VM or VMI controller or virt-handler that keeps failing with
+// nothing else happening to its object is retried after client-go's default
+// controller backoff, 5 ms doubling up to 1000 s, as KubeVirt's are: after
+// 20 failures the next retry waits far longer than a second.
+func TestFailedPassesBackOffAsKubeVirtsControllers(t *testing.T) {
+	c := &cluster{t: defaultTimings(t, Options{})}
+	for name, q := range map[string]workQueue{
+		"VM controller":  newVMController(c, nil).queue,
+		"VMI controller": newVMIController(c, nil).queue,
+		"virt-handler":   newVirtHandler(c, nil).queue,
+	} {
+		var wait time.Duration
+		for range 20 {
+			wait = q.limiter.When("ns/vm")
+		}
+		if wait < 10*time.Minute || wait > 1000*time.Second {
+			t.Errorf("%s: retry after 20 failed passes waits %v, want 5 ms doubling (to 1000 s)", name, wait)
+		}
+		q.ShutDown()
+	}
+}

@@ -50,7 +50,7 @@ type vmiController struct {
 func newVMIController(c *cluster, f *Faults) *vmiController {
 	return &vmiController{
 		c: c, faults: f,
-		queue:   newWorkQueue("vmi", c.t.BackoffBase, c.t.HandlerPoll),
+		queue:   newWorkQueue("vmi", c.t.BackoffBase, c.t.BackoffMax),
 		expect:  map[types.UID]map[string]time.Time{},
 		syncErr: map[string]string{},
 		paused:  map[string]bool{},
