@@ -130,6 +130,7 @@ func parse(args []string, out io.Writer) (*flags, error) {
 	fs.DurationVar(&c.GhostWorkload, "ghost-workload", 0, "host fault: a random attached Longhorn volume's workloads list keeps an entry of a pod long gone for this long, now and then; needs --host-nodes")
 	fs.DurationVar(&c.GhostWorkloadEvery, "ghost-workload-every", 0, "how often the ghost-workload fault strikes (default 4x its length)")
 	fs.DurationVar(&c.MigrateVMsEvery, "migrate-vms", 0, "fault: live-migrate every guest VM to another host node in turn, one at a time, this often (what a Harvester upgrade does)")
+	fs.DurationVar(&c.DrainNodesEvery, "drain-nodes", 0, "fault: roll the guest nodes this often, one at a time: cordon, evict every pod a DaemonSet does not own, uncordon after the upgrade (what an RKE2 upgrade through Rancher does)")
 	fs.IntVar(&c.HostNodes, "host-nodes", defaultHostNodes, "run the host storage path under each attachment pod on this many host nodes: real kubelets, scheduler, attach/detach controller and csi-attacher, and the Longhorn stand-in (on the simulated and the real control plane alike; 0: none, KubeVirt's pods run on a kubelet stand-in)")
 	fs.IntVar(&f.verbosity, "v", 2, "log verbosity of the lab's own log (logs/lab.log)")
 	if err := fs.Parse(args); err != nil {

@@ -484,3 +484,13 @@ func parseBase(t *testing.T) []string {
 	}
 	return []string{"--manifests", filepath.Join(dir, "m.yaml"), "--driver-binary", driver, "--out", filepath.Join(dir, "out")}
 }
+
+// The guest node roll is a fault of its own, on any KubeVirt and host.
+func TestDrainNodesFlag(t *testing.T) {
+	for _, extra := range [][]string{{"--host-nodes", "0"}, {"--kubevirt", "real-legacy-v1.7.0"}} {
+		f, err := parse(append(append(parseBase(t), extra...), "--drain-nodes", "90s"), io.Discard)
+		if err != nil || f.cfg.DrainNodesEvery != 90*time.Second {
+			t.Errorf("%q --drain-nodes 90s: %v, %v; want accepted, every 90s", extra, err, f)
+		}
+	}
+}

@@ -69,6 +69,9 @@ type Config struct {
 	// MigrateVMsEvery live-migrates every guest VM in turn this often, as a
 	// Harvester upgrade does (migrate.go).
 	MigrateVMsEvery time.Duration `json:"fault_migrate_vms_every,omitempty"`
+	// DrainNodesEvery rolls the guest nodes this often, draining one at a
+	// time, as an RKE2 upgrade does (drain.go).
+	DrainNodesEvery time.Duration `json:"fault_drain_nodes_every,omitempty"`
 
 	// Host faults, each on for its length every ...Every (default 4x its
 	// length); they need host nodes (CheckHostFaults). LonghornFaulted: a

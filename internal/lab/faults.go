@@ -66,6 +66,7 @@ func (r *run) startFaults(ctx context.Context, wg *sync.WaitGroup) {
 		}
 	}
 	r.startMigrations(ctx, wg)
+	r.startDrains(ctx, wg)
 	if c.ControllerKillEvery > 0 {
 		every(c.ControllerKillEvery, func() {
 			p := r.g.Controller()

@@ -71,6 +71,9 @@ type Report struct {
 	// --cordon-host, --slow-host-detach, --ghost-workload), each with its
 	// target, start and end.
 	HostFaults []FaultEvent `json:"host_faults,omitempty"`
+	// GuestFaults are the guest node drains played (--drain-nodes), one
+	// per node drained, from its cordon to its uncordon.
+	GuestFaults []FaultEvent `json:"guest_faults,omitempty"`
 	// AttachByCase and DetachByCase split the latencies by where the host
 	// had the volume when the operation started (with host nodes).
 	AttachByCase []CaseLatency `json:"attach_latency_by_case,omitempty"`
@@ -310,7 +313,13 @@ func (r *run) report(ctx context.Context, outcome string) (*Report, error) {
 		MissingTool: r.taps.missingTool, MissingToolError: r.taps.missingToolErr}
 	unstarted := r.unstarted
 	rep.InFlight = append([]InFlight(nil), r.inflight...)
-	rep.HostFaults = append([]FaultEvent(nil), r.faults...)
+	for _, f := range r.faults {
+		if f.Fault == faultDrainNode {
+			rep.GuestFaults = append(rep.GuestFaults, f)
+		} else {
+			rep.HostFaults = append(rep.HostFaults, f)
+		}
+	}
 	rep.Operations.Expansions = len(r.expansions)
 	rep.ExpandLatency = monitor.Summarize(r.expansions)
 	r.mu.Unlock()
@@ -421,7 +430,8 @@ func (rep *Report) Summary() string {
 			fmt.Fprintf(&b, "    %4dx %s\n", rep.WebhookDenials[k], k)
 		}
 	}
-	writeHostFaults(&b, rep.Started, rep.HostFaults)
+	writeFaults(&b, "host faults played", rep.Started, rep.HostFaults)
+	writeFaults(&b, "guest nodes drained", rep.Started, rep.GuestFaults)
 	fmt.Fprintf(&b, "  data checks: %d passed, %d failed; node calls %d (%d failed, %d NodeUnstage skipped by the fault)\n",
 		rep.DataChecks.Passed, rep.DataChecks.Failed, rep.NodeCalls.Total, rep.NodeCalls.Failed, rep.NodeCalls.UnstageSkipped)
 	if len(rep.AttacherErrors) > 0 {
@@ -472,11 +482,11 @@ func (r *run) hostStats() kubevirtsim.Stats {
 
 // writeHostFaults lists the host faults played, each from its start (time
 // into the run) for as long as it lasted.
-func writeHostFaults(b *strings.Builder, started time.Time, evs []FaultEvent) {
+func writeFaults(b *strings.Builder, title string, started time.Time, evs []FaultEvent) {
 	if len(evs) == 0 {
 		return
 	}
-	fmt.Fprintf(b, "  host faults played: %d\n", len(evs))
+	fmt.Fprintf(b, "  %s: %d\n", title, len(evs))
 	for i, e := range evs {
 		if i == 20 {
 			fmt.Fprintf(b, "    ... %d more in report.json\n", len(evs)-20)
