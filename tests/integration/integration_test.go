@@ -161,6 +161,19 @@ type suite struct {
 	host *framework.Host
 	ctrl *framework.Controller
 	kv   kubevirt.Interface // live reads, admin
+	// hostStorage says the host runs the storage path under each
+	// attachment pod (host nodes, Longhorn stand-in): every KubeVirt cycle
+	// includes a host attach, several times the simulator's alone.
+	hostStorage bool
+}
+
+// budget is how long a scenario that runs many KubeVirt cycles may take,
+// d on the simulator alone.
+func (s *suite) budget(d time.Duration) time.Duration {
+	if s.hostStorage {
+		return 4 * d
+	}
+	return d
 }
 
 func TestController(t *testing.T) {
@@ -183,7 +196,7 @@ func TestController(t *testing.T) {
 			h := framework.StartHostWith(t, simhost.Options{
 				Sim:         kubevirtsim.Options{Mode: f.mode, Version: f.version, Scale: scale, BindClasslessPVCs: true},
 				HostStorage: true, Longhorn: simlonghorn.Options{Scale: scale}})
-			runScenarios(t, &suite{t: t, f: f, host: h})
+			runScenarios(t, &suite{t: t, f: f, host: h, hostStorage: true})
 		})
 	}
 	bin, err := testenv.BinDir()
@@ -199,7 +212,7 @@ func TestController(t *testing.T) {
 			h := framework.StartHostWith(t, simhost.Options{Real: rf.tag,
 				Sim:         kubevirtsim.Options{Mode: rf.mode, BindClasslessPVCs: true},
 				HostStorage: rf.hostStorage, Longhorn: simlonghorn.Options{Scale: scale}})
-			runScenarios(t, &suite{t: t, f: rf.flavor, real: rf.tag, host: h})
+			runScenarios(t, &suite{t: t, f: rf.flavor, real: rf.tag, host: h, hostStorage: rf.hostStorage})
 		})
 	}
 }

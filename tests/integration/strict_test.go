@@ -190,7 +190,7 @@ func (s *suite) reattachWhileDetaching(t *testing.T) {
 	defer ctrl.Stop()
 	client := func() csiClient { return ctrl.Client }
 	a := newAttacher(client)
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), s.budget(3*time.Minute))
 	defer cancel()
 	// A round counts only when a publish went out while the VMI still
 	// held the entry whose removal was written: a removal that finished

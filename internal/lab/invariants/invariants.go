@@ -130,10 +130,17 @@ type HostVolume struct {
 // confirms or rolls back (longhorn-manager v1.10.1
 // controller/volume_attachment_controller.go). A guest move between VMs on
 // two host nodes must wait for the old host node to let go: otherwise the
-// guest data could be written through both.
+// guest data could be written through both. A volume with no engine and
+// no satisfied ticket has no data path on any node, whatever its host
+// VolumeAttachments still say (Longhorn faulting a volume stops its engines
+// and drops a migration under way, volume_controller.go, while nothing
+// makes the host's attacher write attached=false), so it is not reported.
 func RWOHostNodes(now time.Time, vols []HostVolume) []Violation {
 	var out []Violation
 	for _, v := range vols {
+		if len(v.Engines) == 0 && len(v.Tickets) == 0 {
+			continue
+		}
 		nodes := union(v.Engines, v.Tickets, v.HostVAs)
 		if len(nodes) < 2 || (v.Migratable && v.Migrating && len(nodes) == 2) {
 			continue

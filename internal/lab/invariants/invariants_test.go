@@ -115,6 +115,13 @@ func TestRWOHostNodesFiresOnAVolumeOnTwoHostNodes(t *testing.T) {
 		{Name: "pvc-ok", Engines: []string{"harvester-2"}, Tickets: []string{"harvester-2"}, HostVAs: []string{"harvester-2"}},
 		// An RWO volume that is not migratable gets no migration pass.
 		{Name: "pvc-rwo-migrating", Migrating: true, Engines: []string{"harvester-0", "harvester-1"}},
+		// Faulted during a migration: Longhorn stopped both engines and
+		// dropped the migration, the host's VolumeAttachments still say
+		// attached on both nodes; no engine runs, no data path anywhere.
+		{Name: "pvc-faulted", Migratable: true, HostVAs: []string{"harvester-0", "harvester-2"}},
+		// An engine on one node and another node's VolumeAttachment
+		// attached: still reported.
+		{Name: "pvc-stale-va", Migratable: true, Engines: []string{"harvester-2"}, HostVAs: []string{"harvester-0", "harvester-2"}},
 	}
 	got := RWOHostNodes(t0, vols)
 	var names []string
@@ -124,7 +131,7 @@ func TestRWOHostNodesFiresOnAVolumeOnTwoHostNodes(t *testing.T) {
 		}
 		names = append(names, v.Volume+"@"+strings.Join(v.Nodes, ","))
 	}
-	want := "pvc-mig-idle@harvester-0,harvester-2 pvc-rwo@harvester-0,harvester-1 pvc-rwo-migrating@harvester-0,harvester-1"
+	want := "pvc-mig-idle@harvester-0,harvester-2 pvc-rwo@harvester-0,harvester-1 pvc-rwo-migrating@harvester-0,harvester-1 pvc-stale-va@harvester-0,harvester-2"
 	if strings.Join(names, " ") != want {
 		t.Fatalf("got %v, want %s", got, want)
 	}
