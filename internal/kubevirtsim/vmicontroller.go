@@ -116,6 +116,7 @@ func (v *vmiController) sync(ctx context.Context, key string) (time.Duration, er
 				}
 			}
 		}
+		v.setActivePods(vmi, st)
 		return 0, writeVMIStatus(ctx, v.c, vmi, st)
 	case kubevirtv1.Scheduling:
 		node := ""
@@ -155,6 +156,7 @@ func (v *vmiController) sync(ctx context.Context, key string) (time.Duration, er
 	// The status update runs whether or not the pod handling failed (v1.7.0
 	// vmi.go:335-337).
 	st.VolumeStatus = controllerVolumeStatus(controllerInput{feat: v.c.feat, vmi: base, hot: hot, pods: pods})
+	v.setActivePods(vmi, st)
 	hook := v.afterWrite.Load() // before the write: its watch event may beat us back
 	if err := writeVMIStatus(ctx, v.c, vmi, st); err != nil {
 		return 0, err
@@ -166,6 +168,27 @@ func (v *vmiController) sync(ctx context.Context, key string) (time.Duration, er
 		return 0, hotplugErr // requeued with backoff
 	}
 	return 0, nil
+}
+
+// setActivePods writes, on host nodes, every pod the VMI controls (its
+// virt-launcher pods: a live migration's source and target, and those that
+// ended, which stay) with its node, as virt-controller does on each pass
+// (v1.7.0 pkg/virt-controller/watch/vmi/lifecycle.go:909-928, v1.5.3
+// vmi.go:1562-1585). Without host nodes there are no launcher pods.
+func (v *vmiController) setActivePods(vmi *kubevirtv1.VirtualMachineInstance, st *kubevirtv1.VirtualMachineInstanceStatus) {
+	if !v.c.opts.Kubelets {
+		return
+	}
+	pods := v.c.launcherPods(vmi)
+	if len(pods) == 0 && st.ActivePods == nil {
+		return
+	}
+	st.ActivePods = map[types.UID]string{}
+	for _, p := range pods {
+		if metav1.IsControlledBy(p, vmi) {
+			st.ActivePods[p.UID] = p.Spec.NodeName
+		}
+	}
 }
 
 // hotplugVolumes are the VMI's hotplug volumes with their claims from the

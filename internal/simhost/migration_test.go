@@ -77,6 +77,21 @@ func liveMigrationOnHostNodes(t *testing.T, real string, so kubevirtsim.Options)
 		t.Fatalf("target virt-launcher pod %+v, want one placed off the source node %s", launcher, source)
 	}
 	target := launcher.Spec.NodeName
+	// The VMI names both virt-launcher pods with their nodes in
+	// status.activePods, the only sign of the migration on the VMI before
+	// its hand-off (v1.7.0 pkg/virt-controller/watch/vmi/lifecycle.go:909-928).
+	testwait.Until(ctx, t, "the VMI naming both virt-launcher pods", func() (bool, string) {
+		_, vmi := h.VM(ctx, "node-0")
+		if vmi == nil {
+			return false, "no VMI"
+		}
+		nodes := map[string]bool{}
+		for _, n := range vmi.Status.ActivePods {
+			nodes[n] = true
+		}
+		return len(vmi.Status.ActivePods) == 2 && vmi.Status.ActivePods[launcher.UID] == target && nodes[source],
+			fmt.Sprintf("activePods %v", vmi.Status.ActivePods)
+	})
 	if !scheduledByScheduler(ctx, t, h, launcher) {
 		t.Errorf("target virt-launcher pod %s was not placed by the scheduler", launcher.Name)
 	}

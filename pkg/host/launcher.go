@@ -7,6 +7,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
@@ -23,18 +24,51 @@ const launcherSelector = kubevirtv1.AppLabel + "=virt-launcher"
 // read from the API server. The VMI is matched by its controller reference
 // rather than by `vm.kubevirt.io/name`, which holds the guest's hostname.
 func (c *Client) LiveLauncherPods(ctx context.Context, vm string) ([]string, error) {
-	pods, err := c.Kube.CoreV1().Pods(c.Namespace).List(ctx, metav1.ListOptions{LabelSelector: launcherSelector})
+	pods, err := c.liveLaunchers(ctx, vm)
+	if err != nil {
+		return nil, err
+	}
+	names := make([]string, len(pods))
+	for i, p := range pods {
+		names[i] = p.Name
+	}
+	return names, nil
+}
+
+// LiveLaunchers is LiveLauncherPods of one VMI (by its UID, which
+// virt-controller puts in each launcher pod's `kubevirt.io/created-by`
+// label, kubevirt v1.7.0 pkg/virt-controller/services/template.go:1612), by pod
+// UID: the hotplug queue compares them with the VMI's status.activePods,
+// which names every pod the VMI controls, those that ended included.
+func (c *Client) LiveLaunchers(ctx context.Context, vm string, vmi types.UID) (map[types.UID]bool, error) {
+	pods, err := c.liveLaunchers(ctx, vm, kubevirtv1.CreatedByLabel+"="+string(vmi))
+	if err != nil {
+		return nil, err
+	}
+	live := make(map[types.UID]bool, len(pods))
+	for _, p := range pods {
+		live[p.UID] = true
+	}
+	return live, nil
+}
+
+func (c *Client) liveLaunchers(ctx context.Context, vm string, selectors ...string) ([]corev1.Pod, error) {
+	sel := launcherSelector
+	for _, s := range selectors {
+		sel += "," + s
+	}
+	pods, err := c.Kube.CoreV1().Pods(c.Namespace).List(ctx, metav1.ListOptions{LabelSelector: sel})
 	if err != nil {
 		return nil, fmt.Errorf("list the virt-launcher pods of VM %s: %w", vm, err)
 	}
-	var live []string
+	var live []corev1.Pod
 	for _, p := range pods.Items {
 		ref := metav1.GetControllerOf(&p)
 		if ref == nil || ref.Kind != "VirtualMachineInstance" || ref.Name != vm {
 			continue
 		}
 		if p.Status.Phase != corev1.PodSucceeded && p.Status.Phase != corev1.PodFailed {
-			live = append(live, p.Name)
+			live = append(live, p)
 		}
 	}
 	return live, nil

@@ -3,6 +3,7 @@ package host
 import (
 	"context"
 	"errors"
+	"maps"
 	"strings"
 	"testing"
 
@@ -11,6 +12,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	kubefake "k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -97,5 +99,30 @@ func TestGuestStoppedWithoutPodRead(t *testing.T) {
 	stopped, _, err := c.GuestStopped(context.Background(), "vm-1")
 	if stopped || !apierrors.IsForbidden(err) || !strings.Contains(err.Error(), "vm-1") {
 		t.Errorf("stopped %v, err %v: want not stopped and a Forbidden error naming the VM", stopped, err)
+	}
+}
+
+// The live read of one VMI's launcher pods names, by UID, those created for
+// that VMI (its created-by label) whose containers may still run.
+func TestLiveLaunchersOfOneVMI(t *testing.T) {
+	pod := func(name, createdBy string, phase corev1.PodPhase) *corev1.Pod {
+		p := launcherPod(name, "vm-1", phase)
+		p.UID = types.UID("pod-" + name)
+		p.Labels[kubevirtv1.CreatedByLabel] = createdBy
+		return p
+	}
+	c := &Client{Namespace: "guests", KubeVirt: kvfake.NewSimpleClientset(), Kube: kubefake.NewClientset(
+		pod("source", "uid-1", corev1.PodSucceeded), // a migration's source that ended
+		pod("current", "uid-1", corev1.PodRunning),
+		pod("target", "uid-1", corev1.PodPending),  // the next migration's target
+		pod("earlier", "uid-0", corev1.PodRunning), // an earlier VMI of the VM
+	)}
+	live, err := c.LiveLaunchers(context.Background(), "vm-1", "uid-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[types.UID]bool{"pod-current": true, "pod-target": true}
+	if !maps.Equal(live, want) {
+		t.Errorf("live launchers %v, want %v", live, want)
 	}
 }

@@ -54,6 +54,9 @@ import (
 //     the claim index.
 //   - status.migrationState: startTimestamp, endTimestamp, sourceNode,
 //     targetNode. A live migration holds every hotplug (wedge.go).
+//   - status.activePods: the VMI's virt-launcher pods by UID, with their
+//     node. A second one that may run is a live migration under way from
+//     the moment its target pod exists (migrate.go).
 //
 // VM:
 //   - spec.template (whether it is set) .spec.volumes[] as in the VMI, and
@@ -170,6 +173,7 @@ type leanVMIStatus struct {
 	Conditions     []leanVMICondition                     `json:"conditions"`
 	VolumeStatus   []leanVolumeStatus                     `json:"volumeStatus"`
 	MigrationState *leanMigrationState                    `json:"migrationState"`
+	ActivePods     map[types.UID]string                   `json:"activePods"`
 }
 
 type leanVMI struct {
@@ -184,7 +188,7 @@ func (l *leanVMI) fill(vmi *kubevirtv1.VirtualMachineInstance) {
 	l.Metadata.fill(&vmi.ObjectMeta)
 	l.Spec.fill(&vmi.Spec)
 	st := &vmi.Status
-	st.Phase = l.Status.Phase
+	st.Phase, st.ActivePods = l.Status.Phase, l.Status.ActivePods
 	if l.Status.Conditions != nil {
 		st.Conditions = make([]kubevirtv1.VirtualMachineInstanceCondition, len(l.Status.Conditions))
 		for i, c := range l.Status.Conditions {

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/internal/testwait"
@@ -43,6 +44,9 @@ func (g *gatedReader) ListVMIs(context.Context) ([]kubevirtv1.VirtualMachineInst
 	return nil, nil
 }
 func (g *gatedReader) VMExists(context.Context, string) (bool, error) { return true, nil }
+func (g *gatedReader) LiveLaunchers(context.Context, string, types.UID) (map[types.UID]bool, error) {
+	return nil, nil
+}
 func (g *gatedReader) Claim(context.Context, string) (HostClaim, error) {
 	return HostClaim{Phase: corev1.ClaimBound, Exists: true}, nil
 }

@@ -57,11 +57,18 @@ type facts struct {
 	// refused has, per attach intent, the host's refusal of its queued add
 	// request (Backend.Refusal); absent means none.
 	refused map[string]error
+	// migrating says between which host nodes the VMI is in a live
+	// migration, from its target's virt-launcher pod on ("": none;
+	// migrate.go).
+	migrating string
 }
 
 // vmLookAgain is how soon a VM that the informer does not show yet, but the
 // API server has, is looked at again.
 const vmLookAgain = time.Second
+
+// migrationLookAgain is how soon a migrating VM is looked at again.
+const migrationLookAgain = 2 * time.Second
 
 // decide compares a VM's intents with the facts and picks what to answer and
 // what to write. It is a pure function of its arguments and changes nothing.
@@ -157,6 +164,15 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 		return p
 	}
 
+	if f.migrating != "" {
+		// No hot-plug is written into a migration (migrate.go); the
+		// target's pods and the hand-off show in the VMI, and its source
+		// pod's end does not: look again soon.
+		p.hold = "live migration under way"
+		p.wake(now.Add(migrationLookAgain))
+		p.waitAll("waiting for the VM's live migration (" + f.migrating + ") to end: a hot-plug written now is carried out only after it, and one written before its hand-off can keep a Longhorn volume from attaching on either host node")
+		return p
+	}
 	if now.Before(w.gatherUntil) {
 		p.hold = "gathering a batch"
 		p.wake(w.gatherUntil)

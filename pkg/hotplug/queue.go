@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"golang.org/x/time/rate"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
@@ -43,6 +44,10 @@ type Queue struct {
 	// claimCache seeds reservation writes (nil: every one is preceded by
 	// a read).
 	claimCache ClaimCache
+	// launchersEnded holds, per VM, the virt-launcher pods of its VMI that
+	// a live read found ended or gone, which status.activePods still names
+	// (migrate.go).
+	launchersEnded map[cache.ObjectName]map[types.UID]bool
 }
 
 // ErrStopped answers callers still waiting when the queue stops; the intent
@@ -162,6 +167,8 @@ func New(cfg Config, backend Backend, reader Reader, vmInformer, vmiInformer cac
 		stopped: make(chan struct{}),
 		work:    map[cache.ObjectName]*vmWork{},
 		waiting: "starting",
+
+		launchersEnded: map[cache.ObjectName]map[types.UID]bool{},
 	}
 	q.metrics = newMetrics(q)
 	if reg != nil {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"reflect"
 	"strconv"
 	"strings"
@@ -18,6 +19,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/watch"
 	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -51,7 +53,9 @@ type fakeKubeVirt struct {
 	writes      int
 	inflight    map[string]int
 	maxInflight int
-	vmiMu       sync.Mutex
+	// launchers are the virt-launcher pods that may still run, by UID.
+	launchers map[types.UID]bool
+	vmiMu     sync.Mutex
 }
 
 func newFakeKubeVirt(t *testing.T, vms ...string) *fakeKubeVirt {
@@ -114,7 +118,7 @@ func (p *fakePVC) claim(name string, phase corev1.PersistentVolumeClaimPhase) Ho
 
 // hostRequests counts the fake host's claim and list requests.
 type hostRequests struct {
-	claimReads, claimWrites, vmLists, vmiLists int
+	claimReads, claimWrites, vmLists, vmiLists, launcherLists int
 }
 
 func (f *fakeKubeVirt) requests() hostRequests {
@@ -188,6 +192,22 @@ func (f *fakeKubeVirt) ListVMIs(ctx context.Context) ([]kubevirtv1.VirtualMachin
 		return nil, err
 	}
 	return l.Items, nil
+}
+
+func (f *fakeKubeVirt) LiveLaunchers(context.Context, string, types.UID) (map[types.UID]bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.hostReqs.launcherLists++
+	return maps.Clone(f.launchers), nil
+}
+
+func (f *fakeKubeVirt) setLaunchers(live ...types.UID) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.launchers = map[types.UID]bool{}
+	for _, uid := range live {
+		f.launchers[uid] = true
+	}
 }
 
 func (f *fakeKubeVirt) Apply(ctx context.Context, vm string, changes []Change) []Outcome {
@@ -787,5 +807,49 @@ func TestDetachUnwantedNeverTakesAPublishInProgress(t *testing.T) {
 	}
 	if q.observe(q.key("vm1")).attached("pvc-a") {
 		t.Error("pvc-a is still on the VM")
+	}
+}
+
+// While the VMI names a second virt-launcher pod that may still run (a live
+// migration, before its hand-off shows anywhere else), no hot-plug is
+// written into the VM and the caller hears why; once a live read finds one
+// of them ended, the change goes out, and the ended pod is remembered: the
+// next attach reads no pods.
+func TestNoHotplugIsWrittenIntoALiveMigration(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	ctx := context.Background()
+	vmi, err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Get(ctx, "vm1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vmi.Status.ActivePods = map[types.UID]string{"source": "harvester-0", "target": "harvester-1"}
+	if _, err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Update(ctx, vmi, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	f.setLaunchers("source", "target")
+	q, _ := startQueue(t, f, fastConfig())
+
+	short, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancel()
+	err = q.Attach(short, "vm1", "pvc-a", true)
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "live migration (with virt-launcher pods on host nodes harvester-0 and harvester-1)") {
+		t.Fatalf("attach during the migration answered %v, want DeadlineExceeded naming the migration", err)
+	}
+	if applies, _, _ := f.stats(); applies != 0 {
+		t.Fatalf("%d writes into a migrating VM, want 0", applies)
+	}
+
+	f.setLaunchers("target") // the hand-off is done and the source ended
+	long, cancel2 := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel2()
+	if err := q.Attach(long, "vm1", "pvc-a", true); err != nil {
+		t.Fatalf("attach after the migration: %v", err)
+	}
+	lists := f.requests().launcherLists
+	if err := q.Attach(long, "vm1", "pvc-b", true); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.requests().launcherLists; got != lists {
+		t.Errorf("%d more virt-launcher pod lists for an attach after the migration, want none: the ended source pod is known", got-lists)
 	}
 }

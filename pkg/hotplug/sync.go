@@ -24,9 +24,13 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 		return nil
 	}
 	askLive := obs.vm == nil && hasAttach(w)
+	intents := len(w.intents) > 0
 	q.mu.Unlock()
 
 	f := facts{o: obs}
+	if intents {
+		f.migrating = q.migrationUnderWay(ctx, key, obs)
+	}
 	if askLive {
 		// The informer may not show a VM created a moment ago: only the API
 		// server may say it does not exist.

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
@@ -134,6 +135,9 @@ type Reader interface {
 	Reserve(ctx context.Context, from HostClaim, r Reservation) (HostClaim, error)
 	ListVMs(ctx context.Context) ([]kubevirtv1.VirtualMachine, error)
 	ListVMIs(ctx context.Context) ([]kubevirtv1.VirtualMachineInstance, error)
+	// LiveLaunchers reads from the API server the virt-launcher pods of
+	// the VM's VMI vmi whose containers may still run, by pod UID.
+	LiveLaunchers(ctx context.Context, vm string, vmi types.UID) (map[types.UID]bool, error)
 }
 
 // HostClaim is a host PVC as the queue reads it right before an attach.

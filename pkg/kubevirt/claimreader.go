@@ -3,6 +3,7 @@ package kubevirt
 import (
 	"context"
 
+	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 
 	"github.com/harvester-csi/harvester-csi-driver/pkg/host"
@@ -45,4 +46,10 @@ func (r *ClaimReader) ListVMs(ctx context.Context) ([]kubevirtv1.VirtualMachine,
 // ListVMIs lists the namespace's VMIs with a quorum read.
 func (r *ClaimReader) ListVMIs(ctx context.Context) ([]kubevirtv1.VirtualMachineInstance, error) {
 	return r.c.LiveVMIs(ctx)
+}
+
+// LiveLaunchers reads the virt-launcher pods of the VM's VMI that may still
+// run.
+func (r *ClaimReader) LiveLaunchers(ctx context.Context, vm string, vmi types.UID) (map[types.UID]bool, error) {
+	return r.c.LiveLaunchers(ctx, vm, vmi)
 }
