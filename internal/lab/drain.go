@@ -3,7 +3,6 @@ package lab
 import (
 	"context"
 	"fmt"
-	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -36,30 +35,19 @@ const drainBound = 2 * time.Minute
 // the node stays cordoned for the upgrade, then it is uncordoned. A Job's
 // evicted pod is replaced elsewhere; a database pinned to the node waits,
 // Pending, for the uncordon: its volume leaves the VM and comes back.
-func (r *run) startDrains(ctx context.Context, wg *sync.WaitGroup) {
+func (r *run) startDrains(ctx context.Context, every func(time.Duration, func())) {
 	if r.c.DrainNodesEvery <= 0 {
 		return
 	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		t := time.NewTicker(r.c.DrainNodesEvery)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
+	every(r.c.DrainNodesEvery, func() {
+		r.log.Info("fault: rolling the guest nodes, one drain at a time", "nodes", len(r.nodes))
+		for _, node := range r.nodes {
+			if ctx.Err() != nil {
 				return
-			case <-t.C:
 			}
-			r.log.Info("fault: rolling the guest nodes, one drain at a time", "nodes", len(r.nodes))
-			for _, node := range r.nodes {
-				if ctx.Err() != nil {
-					return
-				}
-				r.drainNode(ctx, node)
-			}
+			r.drainNode(ctx, node)
 		}
-	}()
+	})
 }
 
 // drainNode drains one guest node and uncordons it, on a context the run's

@@ -65,8 +65,6 @@ func (r *run) startFaults(ctx context.Context, wg *sync.WaitGroup) {
 			return true
 		}
 	}
-	r.startMigrations(ctx, wg)
-	r.startDrains(ctx, wg)
 	if c.ControllerKillEvery > 0 {
 		every(c.ControllerKillEvery, func() {
 			p := r.g.Controller()
@@ -151,6 +149,8 @@ func (r *run) startFaults(ctx context.Context, wg *sync.WaitGroup) {
 		})
 	}
 	r.startHostFaults(ctx, every, intn)
+	r.startMigrations(ctx, every)
+	r.startDrains(ctx, every)
 }
 
 // KillLeftovers kills every process whose command line mentions dir (a run

@@ -3,7 +3,6 @@ package lab
 import (
 	"context"
 	"fmt"
-	"sync"
 	"time"
 
 	"k8s.io/apimachinery/pkg/util/wait"
@@ -21,34 +20,23 @@ type migrator interface {
 // before the next, as a Harvester upgrade drains host node after host node
 // (each VM there moves by a VirtualMachineInstanceMigration), on the
 // simulated control plane or KubeVirt's real one alike.
-func (r *run) startMigrations(ctx context.Context, wg *sync.WaitGroup) {
+func (r *run) startMigrations(ctx context.Context, every func(time.Duration, func())) {
 	if r.c.MigrateVMsEvery <= 0 || r.h == nil {
 		return
 	}
 	m := hostMigrator{r: r}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		t := time.NewTicker(r.c.MigrateVMsEvery)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				r.log.Info("fault: live-migrating every guest VM in turn", "vms", len(r.nodes))
-				failed := 0
-				migrateInTurn(ctx, m, r.nodes, r.c.scaled(time.Second), func(vm string, err error) {
-					failed++
-					r.log.Error(err, "fault: live migration failed", "vm", vm)
-				})
-				if ctx.Err() == nil {
-					// The run's log says how many moved, for the report.
-					r.log.Info("fault: live migration round done", "vms", len(r.nodes), "failed", failed)
-				}
-			}
+	every(r.c.MigrateVMsEvery, func() {
+		r.log.Info("fault: live-migrating every guest VM in turn", "vms", len(r.nodes))
+		failed := 0
+		migrateInTurn(ctx, m, r.nodes, r.c.scaled(time.Second), func(vm string, err error) {
+			failed++
+			r.log.Error(err, "fault: live migration failed", "vm", vm)
+		})
+		if ctx.Err() == nil {
+			// The run's log says how many moved, for the report.
+			r.log.Info("fault: live migration round done", "vms", len(r.nodes), "failed", failed)
 		}
-	}()
+	})
 }
 
 // migrateInTurn migrates each VM and waits for its migration to end before
