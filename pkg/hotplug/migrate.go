@@ -41,7 +41,13 @@ import (
 // those that ended are remembered.
 func (q *Queue) migrationUnderWay(ctx context.Context, key cache.ObjectName, o observed) string {
 	vmi := o.vmi
-	if vmi == nil || vmi.Status.Phase != kubevirtv1.Running {
+	if vmi == nil {
+		q.mu.Lock()
+		delete(q.launchersEnded, key) // a new VMI has pods of its own
+		q.mu.Unlock()
+		return ""
+	}
+	if vmi.Status.Phase != kubevirtv1.Running {
 		return ""
 	}
 	if ms := o.migration(); ms != nil {
