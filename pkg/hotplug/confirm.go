@@ -23,14 +23,24 @@ import (
 // registers the rest as expected before they are written, so that no caller
 // can be told "detached" and no other VM can take the volume while the write
 // is on its way. unwritten lists the attaches not written whose reservation
-// may be this process's, to be released.
-func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes []Change, live map[string][]string, claims map[string]HostClaim, reserved map[string]reservation, now time.Time) (out []Change, unwritten []string) {
+// may be this process's, to be released. A withdrawal (withdraws) is a
+// removal of an add whose attach intent stays: it is written while that
+// intent is still an attach.
+func (q *Queue) confirmLocked(ctx context.Context, key cache.ObjectName, changes []Change, live map[string][]string, claims map[string]HostClaim, reserved map[string]reservation, now time.Time, withdraws bool) (out []Change, unwritten []string) {
 	logger := klog.FromContext(ctx)
 	w := q.vmWork(key)
 	out = changes[:0:0]
 	var wakeAt time.Time
 	for _, c := range changes {
 		it := w.intents[c.Volume]
+		if withdraws {
+			if it == nil || it.op != Attach || c.Op != Detach {
+				continue // answered or superseded meanwhile
+			}
+			w.expect[c.Volume] = expectation{op: c.Op, since: now}
+			out = append(out, c)
+			continue
+		}
 		if it == nil || it.op != c.Op {
 			delete(w.expect, c.Volume)
 			if c.Op == Attach {

@@ -27,6 +27,9 @@ type plan struct {
 	// joins says the changes join the attachment pod KubeVirt is starting
 	// for the VM's last write (joinable) instead of waiting for its cycle.
 	joins bool
+	// withdraws says the changes are removals of adds whose attach intents
+	// stay: withdrawn from a live migration (withdrawFromMigration).
+	withdraws bool
 	// expired lists expectations to forget: the informers show the write, or
 	// it went unobserved for MaxHold.
 	expired []string
@@ -160,17 +163,22 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	}
 	adds = p.refuseOverLimit(cfg, w, o, pending, removes, adds)
 	p.changes = append(removes, adds...)
-	if len(p.changes) == 0 {
-		return p
-	}
-
 	if f.migrating != "" {
 		// No hot-plug is written into a migration (migrate.go); the
 		// target's pods and the hand-off show in the VMI, and its source
-		// pod's end does not: look again soon.
-		p.hold = "live migration under way"
+		// pod's end does not: look again soon. Adds of ours that were
+		// on their way when it began are withdrawn before its hand-off,
+		// so that it can reach it, and go out again after it.
 		p.wake(now.Add(migrationLookAgain))
 		p.waitAll("waiting for the VM's live migration (" + f.migrating + ") to end: a hot-plug written now is carried out only after it, and one written before its hand-off can keep a Longhorn volume from attaching on either host node")
+		p.changes = p.withdrawFromMigration(w, o, pending)
+		p.withdraws = len(p.changes) > 0
+		if !p.withdraws {
+			p.hold = "live migration under way"
+		}
+		return p
+	}
+	if len(p.changes) == 0 {
 		return p
 	}
 	if now.Before(w.gatherUntil) {
@@ -208,6 +216,46 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	}
 	p.hold = ""
 	return p
+}
+
+// withdrawFromMigration lists, as removals, the adds of the VM's attach
+// intents that a live migration caught before its hand-off with their
+// attachment pod not started. KubeVirt builds the migration target's
+// attachment pod from every hot-plug volume in the VMI spec (kubevirt
+// v1.7.0 pkg/controller/controller.go:553-568, used by
+// pkg/virt-controller/watch/migration/migration.go:1389), so such a
+// volume, not attached anywhere yet, gets a Longhorn attachment ticket on
+// the source node (its own pending attachment pod) and on the target, and
+// Longhorn attaches a migratable volume in that state on neither
+// (longhorn-manager v1.10.1 controller/volume_attachment_controller.go:
+// 692-703): the target's attachment pod never runs and the migration never
+// reaches its hand-off. Withdrawn, the volume keeps only the target's
+// ticket and attaches there; the intent stays and is written again once
+// the migration ended. Nothing mounted is withdrawn: an entry whose
+// attachment pod runs, or that is MountedToPod or Ready, is attached on
+// the source node already and migrates with the VM.
+func (p *plan) withdrawFromMigration(w *vmWork, o observed, pending map[string]bool) []Change {
+	if o.migration() != nil {
+		return nil // after the hand-off: every pod it needs runs already
+	}
+	var out []Change
+	for _, vol := range sortedKeys(w.intents) {
+		it := w.intents[vol]
+		if it.op != Attach || pending[vol] {
+			continue
+		}
+		addReq, removeReq := o.requested(vol)
+		if removeReq || !o.inVMSpec(vol) && !addReq {
+			continue
+		}
+		if s := o.status(vol); s != nil && s.HotplugVolume != nil &&
+			(s.HotplugVolume.AttachPodUID != "" || s.Phase == kubevirtv1.HotplugVolumeMounted || s.Phase == kubevirtv1.VolumeReady) {
+			continue
+		}
+		out = append(out, Change{Volume: vol, Op: Detach})
+		p.waits[vol] = waitFor{why: "withdrawn from the VM while its live migration starts, to be added again after it: its attachment pod had not started, and Longhorn attaches a volume asked for on two host nodes at once on neither"}
+	}
+	return out
 }
 
 // joinable says adds may be written while the VM still settles, to join the

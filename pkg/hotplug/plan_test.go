@@ -64,6 +64,22 @@ func podStarting(vmi *kubevirtv1.VirtualMachineInstance, volume string) *kubevir
 	return vmi
 }
 
+// startedPod gives volume's entry the UID of a running attachment pod.
+func startedPod(vmi *kubevirtv1.VirtualMachineInstance, volume string) *kubevirtv1.VirtualMachineInstance {
+	for i := range vmi.Status.VolumeStatus {
+		if s := &vmi.Status.VolumeStatus[i]; s.Name == volume {
+			s.HotplugVolume.AttachPodName, s.HotplugVolume.AttachPodUID = "hp-volume-1", "uid-hp-1"
+		}
+	}
+	return vmi
+}
+
+// migratingVMI is in a live migration's transfer (after its hand-off).
+func migratingVMI(vmi *kubevirtv1.VirtualMachineInstance) *kubevirtv1.VirtualMachineInstance {
+	vmi.Status.MigrationState = &kubevirtv1.VirtualMachineInstanceMigrationState{StartTimestamp: &metav1.Time{Time: time.Unix(1e9, 0)}, SourceNode: "h0", TargetNode: "h1"}
+	return vmi
+}
+
 func addReq(name string) kubevirtv1.VirtualMachineVolumeRequest {
 	return kubevirtv1.VirtualMachineVolumeRequest{AddVolumeOptions: &kubevirtv1.AddVolumeOptions{Name: name}}
 }
@@ -85,6 +101,8 @@ func TestDecide(t *testing.T) {
 		vmGone  bool
 		held    map[string]error
 		refused map[string]error
+		// migrating: the VMI is in a live migration (facts.migrating).
+		migrating string
 	}
 	cases := []struct {
 		name        string
@@ -227,6 +245,24 @@ func TestDecide(t *testing.T) {
 		name:        "detach of a volume gone from the VM but still on the VMI waits",
 		in:          in{intents: map[string]Op{"a": Detach}, obs: observed{vm: vmWith(nil), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.HotplugVolumeDetaching})}},
 		wantChanges: nil,
+	}, {
+		name: "nothing is written into a live migration",
+		in: in{intents: map[string]Op{"a": Attach, "b": Detach}, migrating: "with virt-launcher pods on host nodes h0 and h1",
+			obs: observed{vm: vmWith([]string{"b"}), vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"b": kubevirtv1.VolumeReady})}},
+		wantHold: "live migration under way",
+		wantWait: map[string]string{"a": "waiting for the VM's live migration (with virt-launcher pods on host nodes h0 and h1) to end", "b": "live migration"},
+	}, {
+		name: "a migration before its hand-off withdraws our adds whose attachment pod has not started, and only those",
+		in: in{intents: map[string]Op{"pending": Attach, "podless": Attach, "started": Attach, "mounted": Attach, "queued": Attach}, migrating: "with virt-launcher pods on host nodes h0 and h1",
+			obs: observed{vm: vmWith([]string{"pending", "podless", "started", "mounted"}, addReq("queued")), vmi: startedPod(podStarting(vmiWith(map[string]kubevirtv1.VolumePhase{
+				"pending": kubevirtv1.VolumePending, "podless": kubevirtv1.HotplugVolumeAttachedToNode, "started": kubevirtv1.HotplugVolumeAttachedToNode, "mounted": kubevirtv1.HotplugVolumeMounted}), "podless"), "started")}},
+		wantChanges: []Change{{"pending", Detach}, {"podless", Detach}, {"queued", Detach}},
+		wantWait:    map[string]string{"pending": "withdrawn from the VM while its live migration starts", "started": "waiting for KubeVirt to plug"},
+	}, {
+		name: "after the hand-off nothing is withdrawn",
+		in: in{intents: map[string]Op{"pending": Attach}, migrating: "from host node h0 to h1",
+			obs: observed{vm: vmWith([]string{"pending"}), vmi: migratingVMI(vmiWith(map[string]kubevirtv1.VolumePhase{"pending": kubevirtv1.VolumePending}))}},
+		wantHold: "live migration under way",
 	}}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -241,7 +277,7 @@ func TestDecide(t *testing.T) {
 				w.expect[v] = e
 			}
 			before := fmt.Sprint(w.expect, w.settlingSince, w.gatherUntil, len(w.intents))
-			p := decide(t0, cfg, w, facts{o: tc.in.obs, vmGone: tc.in.vmGone, held: tc.in.held, refused: tc.in.refused})
+			p := decide(t0, cfg, w, facts{o: tc.in.obs, vmGone: tc.in.vmGone, held: tc.in.held, refused: tc.in.refused, migrating: tc.in.migrating})
 			if after := fmt.Sprint(w.expect, w.settlingSince, w.gatherUntil, len(w.intents)); after != before {
 				t.Errorf("decide changed the VM's work: %s -> %s", before, after)
 			}

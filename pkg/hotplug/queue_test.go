@@ -853,3 +853,53 @@ func TestNoHotplugIsWrittenIntoALiveMigration(t *testing.T) {
 		t.Errorf("%d more virt-launcher pod lists for an attach after the migration, want none: the ended source pod is known", got-lists)
 	}
 }
+
+// An attach on its way when a live migration begins, its attachment pod
+// not started, is withdrawn before the migration's hand-off (or the
+// migration could never reach it) and written again once the migration
+// ended; the caller only waits longer.
+func TestAnAttachCaughtByAMigrationIsWithdrawnAndWrittenAgain(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	f.readyDelay = 3 * time.Second // KubeVirt is slow to plug: the migration begins meanwhile
+	q, _ := startQueue(t, f, fastConfig())
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	done := make(chan error, 1)
+	go func() { done <- q.Attach(ctx, "vm1", "pvc-a", true) }()
+	testwait.Until(ctx, t, "the attach written", func() (bool, string) {
+		_, writes, _ := f.stats()
+		return writes == 1, fmt.Sprintf("%d writes", writes)
+	})
+	// The migration's target virt-launcher pod appears.
+	vmi, err := f.kv.KubevirtV1().VirtualMachineInstances(ns).Get(ctx, "vm1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vmi.Status.ActivePods = map[types.UID]string{"source": "harvester-0", "target": "harvester-1"}
+	f.setLaunchers("source", "target")
+	f.vmiMu.Lock()
+	_, err = f.kv.KubevirtV1().VirtualMachineInstances(ns).Update(ctx, vmi, metav1.UpdateOptions{})
+	f.vmiMu.Unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(ctx, t, "the attach withdrawn", func() (bool, string) {
+		vm, err := f.kv.KubevirtV1().VirtualMachines(ns).Get(ctx, "vm1", metav1.GetOptions{})
+		if err != nil {
+			return false, err.Error()
+		}
+		return !(observed{vm: vm}).inVMSpec("pvc-a"), "pvc-a still in the VM spec"
+	})
+	select {
+	case err := <-done:
+		t.Fatalf("attach answered %v while the migration ran", err)
+	default:
+	}
+	f.setLaunchers("target") // the migration ended: the source pod is done
+	if err := <-done; err != nil {
+		t.Fatalf("attach after the migration: %v", err)
+	}
+	if _, writes, _ := f.stats(); writes != 3 {
+		t.Errorf("%d VM writes, want 3: the add, its withdrawal, the add again", writes)
+	}
+}

@@ -71,7 +71,10 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 	if idle {
 		return nil
 	}
-	return q.write(ctx, key, p.changes, p.joins)
+	if p.withdraws {
+		klog.FromContext(ctx).Info("withdrawing adds from the VM while its live migration starts, to add them again after it", "changes", fmtChanges(p.changes))
+	}
+	return q.write(ctx, key, p.changes, p.joins, p.withdraws)
 }
 
 // applyPlanLocked books what decide returned, and returns the wedges that

@@ -22,8 +22,10 @@ import (
 // informer that lags, or a write of another process (a controller that has
 // not noticed it lost its lease, a second replica during a rolling update),
 // must never let one volume be attached to two VMs. joins says the changes
-// join the VM's cycle under way (joinable) rather than begin one.
-func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Change, joins bool) error {
+// join the VM's cycle under way (joinable) rather than begin one; withdraws
+// that they are removals of adds whose attach intents stay
+// (withdrawFromMigration).
+func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Change, joins, withdraws bool) error {
 	logger := klog.FromContext(ctx)
 	var live map[string][]string
 	excl := q.exclusiveAdds(key, changes)
@@ -51,7 +53,7 @@ func (q *Queue) write(ctx context.Context, key cache.ObjectName, changes []Chang
 		now := q.now()
 		q.mu.Lock()
 		var unwritten []string
-		pending, unwritten = q.confirmLocked(ctx, key, pending, live, claims, reserved, now)
+		pending, unwritten = q.confirmLocked(ctx, key, pending, live, claims, reserved, now, withdraws)
 		until := q.untilLocked(key, pending)
 		q.mu.Unlock()
 		if len(pending) == 0 {
