@@ -54,6 +54,9 @@ type nodeAgents struct {
 	// kubelets: real kubelets and a scheduler run the pods; syncPod stands
 	// aside.
 	kubelets bool
+	// pausedConditionFixed: the control plane writes the launcher pod's
+	// unpaused condition itself (unpaused.go).
+	pausedConditionFixed bool
 
 	// Live migration (migration.go): the transfers per migration, the VMs
 	// whose transfer is held, how long a transfer takes, and how a source
@@ -343,6 +346,11 @@ func (a *nodeAgents) syncVMI(ctx context.Context, namespace, name string) error 
 		vmi.Status.VolumeStatus = res.Entries
 		vmi.Status.Conditions = virthandler.PausedCondition(vmi.Status.Conditions, res.PausedIOError, time.Now())
 		passErr = res.Err
+	}
+	if vmi.DeletionTimestamp == nil && vmi.Status.Phase == kubevirtv1.Running {
+		if err := a.syncUnpausedCondition(ctx, vmi); err != nil {
+			return err
+		}
 	}
 	if equalStatus(before, vmi) {
 		return passErr

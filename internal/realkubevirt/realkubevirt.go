@@ -226,6 +226,7 @@ func Start(ctx context.Context, env *testenv.Env, version string, opts Options) 
 	cp := &ControlPlane{Version: version, KubeVirt: kv, handler: handler, cancel: cancel, done: make(chan struct{})}
 	agents := newNodeAgents(kube, kv, handlerKV, opts.Nodes, handler)
 	agents.kubelets, agents.launchers = opts.Kubelets, opts.Launchers
+	agents.pausedConditionFixed = pausedConditionFixed(version)
 	if opts.Scale > 0 {
 		agents.transferTime = time.Duration(float64(migrationTransfer) * opts.Scale)
 	}
