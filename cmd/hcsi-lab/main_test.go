@@ -111,7 +111,7 @@ func TestQuickLabHostFault(t *testing.T) {
 	defer cancel()
 	cmd := exec.CommandContext(ctx, labBin, "--quick", "--kubevirt=real-legacy-"+kubevirt, "--host-nodes=3",
 		"--minutes=1.5", "--kill-controller-every=0", "--expand-every=0", "--skip-unstage=0",
-		"--cordon-host=15s", "--cordon-host-every=40s", "--driver-binary="+driver, "--out="+out)
+		"--cordon-host=15s", "--cordon-host-every=40s", "--migrate-vms=40s", "--drain-nodes=45s", "--driver-binary="+driver, "--out="+out)
 	cmd.Env = append(os.Environ(), "HCSI_TOOLS_BIN="+bin)
 	var stdout bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stdout
@@ -139,6 +139,21 @@ func TestQuickLabHostFault(t *testing.T) {
 	}
 	if rep.DriverBreakdown == nil || rep.DriverBreakdown.Host == nil || rep.DriverBreakdown.Host.Scheduling.N == 0 {
 		t.Errorf("no host part in the breakdown: %+v", rep.DriverBreakdown)
+	}
+	// Every guest VM live-migrated once (the hot-plugs the migration caught
+	// withdrawn and written again, the others held), and every guest node
+	// was drained once.
+	if lab, err := os.ReadFile(filepath.Join(out, "logs", "lab.log")); err != nil || !strings.Contains(string(lab), "live migration round done") {
+		t.Errorf("no live migration round ended (lab.log: %v)", err)
+	}
+	drained := map[string]bool{}
+	for _, f := range rep.GuestFaults {
+		if f.Fault == "drain-guest-node" && !f.End.IsZero() {
+			drained[f.Target] = true
+		}
+	}
+	if len(drained) == 0 {
+		t.Errorf("no guest node was drained and uncordoned: %+v", rep.GuestFaults)
 	}
 }
 
