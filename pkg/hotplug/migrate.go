@@ -5,7 +5,6 @@ package hotplug
 
 import (
 	"context"
-	"fmt"
 	"slices"
 	"strings"
 
@@ -16,7 +15,8 @@ import (
 )
 
 // migrationUnderWay says, for the log and the caller's answer, between
-// which host nodes the VM's VMI is migrating, or "" when it is not.
+// which host nodes the VM's VMI is in a live migration that has not reached
+// its hand-off yet, or "" when it is not.
 //
 // A hot-plug written while a migration is under way is not carried out
 // until it ends, and before the hand-off it is worse: virt-controller
@@ -50,8 +50,11 @@ func (q *Queue) migrationUnderWay(ctx context.Context, key cache.ObjectName, o o
 	if vmi.Status.Phase != kubevirtv1.Running {
 		return ""
 	}
-	if ms := o.migration(); ms != nil {
-		return fmt.Sprintf("from host node %s to %s", ms.SourceNode, ms.TargetNode)
+	if o.migration() != nil {
+		// From the hand-off on the target's pods run and a write no
+		// longer reaches them: legacy KubeVirt refuses it until the end
+		// (retried), declarative carries it out after.
+		return ""
 	}
 	q.mu.Lock()
 	ended := q.launchersEnded[key]
