@@ -329,3 +329,10 @@ func failing(vm *kubevirtv1.VirtualMachine) bool {
 	}
 	return false
 }
+
+// unplugging reports whether the VMI's entry for volume is on its way out
+// (KubeVirt writes these phases only for a volume gone from the VMI spec).
+func (o observed) unplugging(volume string) bool {
+	s := o.status(volume)
+	return s != nil && (s.Phase == kubevirtv1.HotplugVolumeUnMounted || s.Phase == kubevirtv1.HotplugVolumeDetaching)
+}

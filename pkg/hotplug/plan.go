@@ -113,6 +113,20 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 					p.resolve = append(p.resolve, resolution{it: it, err: err})
 					continue
 				}
+				if o.vm != nil && !removeReq && o.inVMISpec(vol) && !o.unplugging(vol) {
+					// The VMI holds the volume and is not letting it go,
+					// yet its VM lost it: legacy KubeVirt applied a removal
+					// to the VM only, its VMI cache not showing yet the add
+					// it had just made (kubevirt v1.7.0
+					// pkg/virt-controller/watch/vm/vm.go:806-842 reads the
+					// VMI's volumes once, from the informer, before the
+					// requests), and nothing brings them back together.
+					// Adding it to the VM again does: the controller skips
+					// the VMI, which has it, and the attach completes on
+					// the entry that is there.
+					adds = append(adds, Change{Volume: vol, Op: Attach})
+					continue
+				}
 				if o.inVMISpec(vol) || o.status(vol) != nil {
 					// The VMI still holds the previous attachment. Adding the
 					// volume again before KubeVirt dropped it can leave the

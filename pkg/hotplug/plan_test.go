@@ -214,6 +214,16 @@ func TestDecide(t *testing.T) {
 		wantChanges: []Change{{"b", Attach}},
 		wantWait:    map[string]string{"a": "UnMountedFromPod"},
 	}, {
+		name: "re-add of a volume the VMI still holds Ready but its VM lost (legacy removal applied to the VM only) adds it to the VM again",
+		in: in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith(nil),
+			vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady})}},
+		wantChanges: []Change{{"a", Attach}},
+	}, {
+		name: "re-add of a volume the VMI holds while a removal of it is queued waits",
+		in: in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith(nil, removeReq("a")),
+			vmi: vmiWith(map[string]kubevirtv1.VolumePhase{"a": kubevirtv1.VolumeReady})}},
+		wantWait: map[string]string{"a": "drop the previous attachment"},
+	}, {
 		name: "legacy add request queued: attach waits",
 		in:   in{intents: map[string]Op{"a": Attach}, obs: observed{vm: vmWith(nil, addReq("a")), vmi: vmiWith(nil)}},
 	}, {
