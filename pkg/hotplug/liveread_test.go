@@ -47,6 +47,7 @@ func (g *gatedReader) VMExists(context.Context, string) (bool, error) { return t
 func (g *gatedReader) LiveLaunchers(context.Context, string, types.UID) (map[types.UID]bool, error) {
 	return nil, nil
 }
+func (g *gatedReader) WakeVM(context.Context, string, time.Time) error { return nil }
 func (g *gatedReader) Claim(context.Context, string) (HostClaim, error) {
 	return HostClaim{Phase: corev1.ClaimBound, Exists: true}, nil
 }

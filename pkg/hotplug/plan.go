@@ -37,6 +37,13 @@ type plan struct {
 	// the fingerprint of KubeVirt's work it was last reset for.
 	settlingSince time.Time
 	progress      string
+	// stalledSince is since when the VM's queued legacy requests have shown
+	// no progress (zero: none queued), and stallMark the fingerprint it was
+	// last reset for; wakeKubeVirt says to wake KubeVirt's VM controller
+	// for them now (stalledRequests).
+	stalledSince time.Time
+	stallMark    string
+	wakeKubeVirt bool
 	// waits says, per volume with an intent that is neither answered nor
 	// written now, what it waits for.
 	waits map[string]waitFor
@@ -78,6 +85,7 @@ const migrationLookAgain = 2 * time.Second
 func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	p := plan{settlingSince: w.settlingSince, progress: w.progress, waits: map[string]waitFor{}}
 	o := f.o
+	p.stalledRequests(now, cfg, w, o, f.migrating != "")
 	pending := map[string]bool{} // unexpired expectations
 	for _, vol := range sortedKeys(w.expect) {
 		e := w.expect[vol]
@@ -230,6 +238,37 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 	}
 	p.hold = ""
 	return p
+}
+
+// stalledRequests watches the VM's queued legacy requests and says when to
+// wake KubeVirt's VM controller for them: when nothing KubeVirt shows of the
+// VM's hotplug work has moved for cfg.MaxHold, since they were queued or
+// since the last wake. That controller retries a VM whose update failed
+// after a backoff that doubles to 1000 s, and under churn every one of its
+// updates can fail: each conflicts with a request virt-api queued on the VM
+// meanwhile. When the writes stop, the last requests wait out the backoff
+// reached by then, minutes, unless an event of the VM wakes the controller
+// (host.Client.WakeVM). The lab's default scenario on Harvester 1.7.0's real
+// control plane left five removals queued that way. Not while the VM
+// migrates: its hot-plugs wait for the migration anyway.
+func (p *plan) stalledRequests(now time.Time, cfg Config, w *vmWork, o observed, migrating bool) {
+	if o.vm == nil || len(o.vm.Status.VolumeRequests) == 0 || migrating || cfg.MaxHold <= 0 {
+		return
+	}
+	p.stalledSince, p.stallMark = w.stalledSince, w.stallMark
+	if mark := o.progressMark(); p.stalledSince.IsZero() || mark != p.stallMark {
+		p.stalledSince, p.stallMark = now, mark
+	}
+	due := p.stalledSince.Add(cfg.MaxHold)
+	if w.wokeAt.After(p.stalledSince) {
+		due = w.wokeAt.Add(cfg.MaxHold)
+	}
+	if now.Before(due) {
+		p.wake(due)
+		return
+	}
+	p.wakeKubeVirt = true
+	p.wake(now.Add(cfg.MaxHold))
 }
 
 // withdrawFromMigration lists, as removals, the adds of the VM's attach

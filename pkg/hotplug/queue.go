@@ -70,6 +70,12 @@ type vmWork struct {
 	// bounds how long it is held (MaxHold).
 	settlingSince time.Time
 	progress      string
+	// stalledSince and stallMark are the plan's clock of the VM's queued
+	// legacy requests (plan.stalledRequests); wokeAt is when the worker last
+	// woke KubeVirt's VM controller for them.
+	stalledSince time.Time
+	stallMark    string
+	wokeAt       time.Time
 	// cycleStart is when the queue last wrote the VM other than to join,
 	// and joined whether a join followed that write.
 	cycleStart time.Time

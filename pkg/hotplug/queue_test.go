@@ -118,7 +118,7 @@ func (p *fakePVC) claim(name string, phase corev1.PersistentVolumeClaimPhase) Ho
 
 // hostRequests counts the fake host's claim and list requests.
 type hostRequests struct {
-	claimReads, claimWrites, vmLists, vmiLists, launcherLists int
+	claimReads, claimWrites, vmLists, vmiLists, launcherLists, wakes int
 }
 
 func (f *fakeKubeVirt) requests() hostRequests {
@@ -199,6 +199,16 @@ func (f *fakeKubeVirt) LiveLaunchers(context.Context, string, types.UID) (map[ty
 	defer f.mu.Unlock()
 	f.hostReqs.launcherLists++
 	return maps.Clone(f.launchers), nil
+}
+
+// WakeVM annotates the VM as host.Client does, and counts the wakes.
+func (f *fakeKubeVirt) WakeVM(ctx context.Context, vm string, at time.Time) error {
+	f.mu.Lock()
+	f.hostReqs.wakes++
+	f.mu.Unlock()
+	patch := fmt.Sprintf(`{"metadata":{"annotations":{"woken-at":%q}}}`, at.Format(time.RFC3339Nano))
+	_, err := f.kv.KubevirtV1().VirtualMachines(ns).Patch(ctx, vm, types.MergePatchType, []byte(patch), metav1.PatchOptions{})
+	return err
 }
 
 func (f *fakeKubeVirt) setLaunchers(live ...types.UID) {
@@ -901,5 +911,88 @@ func TestAnAttachCaughtByAMigrationIsWithdrawnAndWrittenAgain(t *testing.T) {
 	}
 	if _, writes, _ := f.stats(); writes != 3 {
 		t.Errorf("%d VM writes, want 3: the add, its withdrawal, the add again", writes)
+	}
+}
+
+// Removals queued on a VM that KubeVirt's VM controller does not take (it
+// waits out the backoff its failed updates built up) are woken after
+// MaxHold without progress, again only after another MaxHold, and the
+// detach completes once the controller takes them.
+func TestStalledLegacyRequestsWakeKubeVirtsVMController(t *testing.T) {
+	f := newFakeKubeVirt(t, "vm1")
+	ctx := context.Background()
+	vms := f.kv.KubevirtV1().VirtualMachines(ns)
+	vm, err := vms.Get(ctx, "vm1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stalled := vmWith([]string{"pvc-a"}, removeReq("pvc-a"))
+	vm.Spec.Template.Spec, vm.Status.VolumeRequests = stalled.Spec.Template.Spec, stalled.Status.VolumeRequests
+	if _, err := vms.Update(ctx, vm, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	vmis := f.kv.KubevirtV1().VirtualMachineInstances(ns)
+	vmi, err := vmis.Get(ctx, "vm1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ready := vmiWith(map[string]kubevirtv1.VolumePhase{"pvc-a": kubevirtv1.VolumeReady})
+	vmi.Spec.Volumes, vmi.Status.VolumeStatus = ready.Spec.Volumes, ready.Status.VolumeStatus
+	if _, err := vmis.Update(ctx, vmi, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	cfg := fastConfig()
+	cfg.MaxHold = 300 * time.Millisecond
+	q, _ := startQueue(t, f, cfg)
+
+	done := make(chan error, 1)
+	go func() {
+		dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		done <- q.Detach(dctx, "vm1", "pvc-a")
+	}()
+	wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	testwait.UntilEvery(wctx, t, 10*time.Millisecond, "two wakes of the VM controller", func() (bool, string) {
+		n := f.requests().wakes
+		return n >= 2, fmt.Sprintf("%d wakes", n)
+	})
+	got, err := vms.Get(ctx, "vm1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Annotations["woken-at"] == "" || len(got.Status.VolumeRequests) != 1 || len(got.Spec.Template.Spec.Volumes) != 1 {
+		t.Fatalf("the wake changed more than an annotation: %+v %+v", got.Annotations, got.Status.VolumeRequests)
+	}
+	if applies, _, _ := f.stats(); applies != 0 {
+		t.Errorf("%d writes for a removal already queued, want 0", applies)
+	}
+	// Wakes come MaxHold apart: within 1.5 MaxHold of two, no third.
+	time.Sleep(cfg.MaxHold / 2)
+	if n := f.requests().wakes; n > 3 {
+		t.Errorf("%d wakes within 1.5 MaxHold of the second, want at most one more", n-2)
+	}
+
+	// The controller takes the removal: the VM and VMI let go of the volume.
+	got.Spec.Template.Spec = vmWith(nil).Spec.Template.Spec
+	got.Status.VolumeRequests = nil
+	if _, err := vms.Update(ctx, got, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	vmi, err = vmis.Get(ctx, "vm1", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vmi.Spec.Volumes, vmi.Status.VolumeStatus = nil, nil
+	if _, err := vmis.Update(ctx, vmi, metav1.UpdateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("detach: %v", err)
+	}
+	after := f.requests().wakes
+	time.Sleep(2 * cfg.MaxHold)
+	if n := f.requests().wakes; n != after {
+		t.Errorf("%d wakes after the requests were taken, want none", n-after)
 	}
 }

@@ -67,6 +67,9 @@ func (q *Queue) sync(ctx context.Context, key cache.ObjectName) error {
 	}
 	q.mu.Unlock()
 	q.reportWedges(ctx, notices)
+	if p.wakeKubeVirt {
+		q.wakeKubeVirt(ctx, key, len(obs.vm.Status.VolumeRequests), now.Sub(p.stalledSince))
+	}
 	q.releaseThenFinish(ctx, key, volumesOf(releasing), releasing, nil)
 	if idle {
 		return nil
@@ -85,6 +88,10 @@ func (q *Queue) applyPlanLocked(ctx context.Context, key cache.ObjectName, w *vm
 		delete(w.expect, vol)
 	}
 	w.settlingSince, w.progress = p.settlingSince, p.progress
+	w.stalledSince, w.stallMark = p.stalledSince, p.stallMark
+	if p.wakeKubeVirt {
+		w.wokeAt = now
+	}
 	w.hold = p.hold
 	for _, r := range p.resolve {
 		q.resolveLocked(ctx, w, r, now)
@@ -203,4 +210,17 @@ func hasAttach(w *vmWork) bool {
 		}
 	}
 	return false
+}
+
+// wakeKubeVirt wakes KubeVirt's VM controller for the VM's queued requests
+// (plan.stalledRequests). A failure is only logged: the requests still move
+// at the controller's next retry, and the next stall wakes it again.
+func (q *Queue) wakeKubeVirt(ctx context.Context, key cache.ObjectName, requests int, still time.Duration) {
+	logger := klog.FromContext(ctx)
+	logger.Info("KubeVirt's VM controller has not moved the VM's queued hotplug requests; waking it", "requests", requests, "still", still.Round(time.Second))
+	rctx, cancel := context.WithTimeout(ctx, q.cfg.RequestTimeout)
+	defer cancel()
+	if err := q.reader.WakeVM(rctx, key.Name, q.now()); err != nil {
+		logger.Info("waking KubeVirt's VM controller failed", "err", err)
+	}
 }

@@ -138,6 +138,9 @@ type Reader interface {
 	// LiveLaunchers reads from the API server the virt-launcher pods of
 	// the VM's VMI vmi whose containers may still run, by pod UID.
 	LiveLaunchers(ctx context.Context, vm string, vmi types.UID) (map[types.UID]bool, error)
+	// WakeVM makes KubeVirt's VM controller look at the VM now, with a
+	// change of the VM that touches neither its spec nor its status.
+	WakeVM(ctx context.Context, vm string, at time.Time) error
 }
 
 // HostClaim is a host PVC as the queue reads it right before an attach.

@@ -2,6 +2,7 @@ package kubevirt
 
 import (
 	"context"
+	"time"
 
 	"k8s.io/apimachinery/pkg/types"
 	kubevirtv1 "kubevirt.io/api/core/v1"
@@ -52,4 +53,9 @@ func (r *ClaimReader) ListVMIs(ctx context.Context) ([]kubevirtv1.VirtualMachine
 // run.
 func (r *ClaimReader) LiveLaunchers(ctx context.Context, vm string, vmi types.UID) (map[types.UID]bool, error) {
 	return r.c.LiveLaunchers(ctx, vm, vmi)
+}
+
+// WakeVM makes KubeVirt's VM controller look at the VM now.
+func (r *ClaimReader) WakeVM(ctx context.Context, vm string, at time.Time) error {
+	return r.c.WakeVM(ctx, vm, at)
 }
