@@ -8,7 +8,6 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/kubernetes/fake"
-	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
@@ -34,14 +33,8 @@ func TestMigrationHandshakeInKubeVirtsOrder(t *testing.T) {
 		OwnerReferences: []metav1.OwnerReference{{Kind: "Pod", Name: tgt.Name, UID: tgt.UID}}},
 		Spec: corev1.PodSpec{NodeName: target}}
 	kube := fake.NewClientset(src, tgt, hp)
-	a := newNodeAgents(kube, nil, nil, []string{source, target}, nil)
+	a := testAgents(t, kube, []string{source, target}, src, tgt, hp)
 	a.transferTime = 0
-	a.pods = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
-	for _, p := range []*corev1.Pod{src, tgt, hp} {
-		if err := a.pods.Add(p); err != nil {
-			t.Fatal(err)
-		}
-	}
 	vmi := &kubevirtv1.VirtualMachineInstance{
 		ObjectMeta: metav1.ObjectMeta{Name: "vm", Namespace: ns, UID: "vmi-uid",
 			Labels: map[string]string{kubevirtv1.NodeNameLabel: source, kubevirtv1.MigrationTargetNodeNameLabel: target}},

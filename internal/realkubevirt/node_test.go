@@ -19,12 +19,8 @@ func TestKubeletStandInStandsAsideForRealKubelets(t *testing.T) {
 		pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: "virt-launcher-vm-x", Namespace: "guests",
 			Labels: map[string]string{kubevirtv1.AppLabel: launcherLabelValue}}}
 		kube := fake.NewClientset(pod)
-		a := newNodeAgents(kube, nil, nil, []string{"n"}, nil)
+		a := testAgents(t, kube, []string{"n"}, pod)
 		a.kubelets = kubelets
-		a.pods = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{})
-		if err := a.pods.Add(pod); err != nil {
-			t.Fatal(err)
-		}
 		if err := a.syncPod(context.Background(), pod.Namespace, pod.Name); err != nil {
 			t.Fatal(err)
 		}
@@ -61,14 +57,8 @@ func TestAttachmentPodOffersDevicesOnlyOncePublished(t *testing.T) {
 			Name: "hotplug-disk", State: corev1.ContainerState{Waiting: &corev1.ContainerStateWaiting{Reason: "ContainerCreating"}},
 		}}},
 	}
-	a := newNodeAgents(fake.NewClientset(), nil, nil, []string{"harvester-0"}, nil)
+	a := testAgents(t, fake.NewClientset(), []string{"harvester-0"}, launcher, pod)
 	a.kubelets = true
-	a.pods = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
-	for _, p := range []*corev1.Pod{launcher, pod} {
-		if err := a.pods.Add(p); err != nil {
-			t.Fatal(err)
-		}
-	}
 	got := a.attachmentPods(vmi)
 	if len(got) != 1 || got[0].UID != pod.UID || len(got[0].Volumes) != 0 {
 		t.Fatalf("pending attachment pod as virt-handler finds it: %+v, want its UID and no device", got)
@@ -84,4 +74,18 @@ func TestAttachmentPodOffersDevicesOnlyOncePublished(t *testing.T) {
 	if len(got) != 1 || !slices.Equal(got[0].Volumes, []string{"vol-a"}) {
 		t.Fatalf("running attachment pod as virt-handler finds it: %+v, want the device of vol-a", got)
 	}
+}
+
+// testAgents returns node agents for nodes over kube, whose pod cache (the
+// informer's indexer, by namespace) holds pods.
+func testAgents(t *testing.T, kube *fake.Clientset, nodes []string, pods ...*corev1.Pod) *nodeAgents {
+	t.Helper()
+	a := newNodeAgents(kube, nil, nil, nodes, nil)
+	a.pods = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
+	for _, p := range pods {
+		if err := a.pods.Add(p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return a
 }

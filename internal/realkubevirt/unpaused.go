@@ -40,7 +40,7 @@ func (a *nodeAgents) syncUnpausedCondition(ctx context.Context, vmi *kubevirtv1.
 	}
 	var pod *corev1.Pod
 	for _, p := range pods {
-		if isLauncherOn(p, vmi, vmi.Status.NodeName) && p.DeletionTimestamp == nil && p.Status.Phase != corev1.PodSucceeded && p.Status.Phase != corev1.PodFailed {
+		if isLauncherOn(p, vmi, vmi.Status.NodeName) && !podFinished(p) {
 			pod = p
 		}
 	}

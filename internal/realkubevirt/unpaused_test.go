@@ -7,7 +7,6 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes/fake"
-	"k8s.io/client-go/tools/cache"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
 
@@ -27,9 +26,8 @@ func TestUnpausedConditionAsTheFixedReleaseWritesIt(t *testing.T) {
 				Status: corev1.PodStatus{Phase: corev1.PodRunning, Conditions: []corev1.PodCondition{
 					{Type: corev1.ContainersReady, Status: corev1.ConditionTrue, ObservedGeneration: 1}}}}
 			kube := fake.NewClientset(launcher)
-			a := newNodeAgents(kube, nil, nil, []string{"harvester-0"}, nil)
+			a := testAgents(t, kube, []string{"harvester-0"}, launcher)
 			a.pausedConditionFixed = pausedConditionFixed(tag)
-			a.pods = cache.NewIndexer(cache.MetaNamespaceKeyFunc, cache.Indexers{cache.NamespaceIndex: cache.MetaNamespaceIndexFunc})
 			ctx := context.Background()
 			check := func(want corev1.ConditionStatus) {
 				t.Helper()
@@ -53,9 +51,6 @@ func TestUnpausedConditionAsTheFixedReleaseWritesIt(t *testing.T) {
 				if got != want || !kept {
 					t.Errorf("unpaused condition %q, conditions %+v; want %q and the kubelet's kept", got, pod.Status.Conditions, want)
 				}
-			}
-			if err := a.pods.Add(launcher); err != nil {
-				t.Fatal(err)
 			}
 			if err := a.syncUnpausedCondition(ctx, vmi); err != nil {
 				t.Fatal(err)

@@ -330,6 +330,17 @@ func failing(vm *kubevirtv1.VirtualMachine) bool {
 	return false
 }
 
+// onlyInVMI reports whether the VMI spec holds the volume while its VM has
+// neither the volume nor a request for it: a legacy pass that reached one
+// of the two only (plan.go says which), which KubeVirt never repairs.
+func (o observed) onlyInVMI(volume string) bool {
+	if o.vm == nil || o.inVMSpec(volume) || !o.inVMISpec(volume) {
+		return false
+	}
+	add, remove := o.requested(volume)
+	return !add && !remove
+}
+
 // unplugging reports whether the VMI's entry for volume is on its way out
 // (KubeVirt writes these phases only for a volume gone from the VMI spec).
 func (o observed) unplugging(volume string) bool {

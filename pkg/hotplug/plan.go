@@ -121,7 +121,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 					p.resolve = append(p.resolve, resolution{it: it, err: err})
 					continue
 				}
-				if o.vm != nil && !removeReq && o.inVMISpec(vol) && !o.unplugging(vol) {
+				if o.onlyInVMI(vol) && !o.unplugging(vol) {
 					// The VMI holds the volume and is not letting it go,
 					// yet its VM lost it: legacy KubeVirt applied a removal
 					// to the VM only, its VMI cache not showing yet the add
@@ -171,7 +171,7 @@ func decide(now time.Time, cfg Config, w *vmWork, f facts) plan {
 				p.resolve = append(p.resolve, resolution{it: it})
 			case o.inVMSpec(vol) && !removeReq, addReq && !removeReq:
 				removes = append(removes, Change{Volume: vol, Op: Detach})
-			case o.inVMISpec(vol) && !removeReq && o.vm != nil && !o.settling():
+			case o.onlyInVMI(vol) && !o.settling():
 				// The VMI holds a volume its VM does not: a legacy pass that
 				// patched the VMI and then failed to update the VM.
 				removes = append(removes, Change{Volume: vol, Op: Detach})
