@@ -123,6 +123,7 @@ func (s *Sim) Start(ctx context.Context) error {
 	if err := s.hooks.start(ctx); err != nil {
 		return stopWith(err)
 	}
+	s.api.life = runCtx
 	p, err := startProxy(s.c, s.api)
 	if err != nil {
 		return stopWith(err)

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"time"
 
+	"golang.org/x/time/rate"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -22,15 +23,70 @@ var (
 
 const vmiNotRunning = "VMI is not running"
 
+// requestTimeout is the API server's timeout of a non-long-running request
+// (--request-timeout, 60 s by default, k8s.io/apiserver pkg/server/config.go),
+// which the aggregator's proxy to virt-api is subject to.
+const requestTimeout = 60 * time.Second
+
 // virtAPI is virt-api's addvolume/removevolume handler (v1.7.0
 // pkg/virt-api/rest/volumes.go, v1.5.3 pkg/virt-api/rest/subresource.go);
-// the front proxy routes the subresource paths to it. It keeps no state:
-// virt-api has no per-VM lock or queue, only compare-and-swap patches.
+// the front proxy routes the subresource paths to it. It keeps no volume
+// state: virt-api has no per-VM lock or queue, only compare-and-swap
+// patches.
+//
+// Two things make it slow under churn, as the real one is. Its client to
+// the API server has the version's token bucket (features.virtAPIQPS), one
+// for every caller: the lab's host has one API server, whose aggregator
+// holds one HTTP/2 connection to virt-api, so one replica serves the
+// driver's calls and the VM controller's alike. And its handlers read and
+// patch with context.Background() (v1.5.3 subresource.go:297,408,427;
+// v1.6.3 volumes.go:202,240,270): a caller that gives up, or the API
+// server's request timeout, does not stop a request virt-api is still
+// waiting to spend its budget on; the patch lands later.
 type virtAPI struct {
-	c *cluster
+	c       *cluster
+	limit   *rate.Limiter
+	timeout time.Duration
+	// life is the simulator's run context, the only thing that stops a
+	// request once virt-api has it; set by Start.
+	life context.Context
 }
 
-func newVirtAPI(c *cluster) *virtAPI { return &virtAPI{c: c} }
+func newVirtAPI(c *cluster) *virtAPI {
+	return &virtAPI{
+		c:       c,
+		limit:   rate.NewLimiter(rate.Limit(c.feat.virtAPIQPS/c.opts.Scale), c.feat.virtAPIBurst),
+		timeout: time.Duration(float64(requestTimeout) * c.opts.Scale),
+		life:    context.Background(),
+	}
+}
+
+// do runs one volume request the way virt-api and the API server in front
+// of it do: the request runs on virt-api's own context to its end, while
+// the caller gets the API server's 504 once the request timeout passes (or
+// nothing, having left).
+func (a *virtAPI) do(ctx context.Context, run func(context.Context) *apierrors.StatusError) *apierrors.StatusError {
+	res := make(chan *apierrors.StatusError, 1)
+	a.c.goRun(func() { res <- run(a.life) })
+	t := time.NewTimer(a.timeout)
+	defer t.Stop()
+	select {
+	case serr := <-res:
+		return serr
+	case <-t.C:
+	case <-ctx.Done():
+	}
+	return apierrors.NewTimeoutError("request did not complete within the allotted timeout", 0)
+}
+
+// spend takes one request from virt-api's client budget, waiting as
+// client-go's token bucket does.
+func (a *virtAPI) spend(ctx context.Context) error {
+	if err := a.limit.Wait(ctx); err != nil {
+		return fmt.Errorf("client rate limiter Wait returned an error: %w", err)
+	}
+	return nil
+}
 
 // serve runs the checks in virt-api's order with its codes and messages:
 // feature gate, decoding, fields, the live GET, the owned-VMI and
@@ -98,16 +154,17 @@ func (a *virtAPI) serve(w http.ResponseWriter, r *http.Request, info reqInfo) {
 	}
 	log = log.WithValues("volume", requestName(&req))
 
-	sleepCtx(r.Context(), a.c.jit.d(a.c.t.API))
-	var serr *apierrors.StatusError
-	switch {
-	case onVMI:
-		serr = a.vmiVolumePatch(r.Context(), ns, name, &req, legacy)
-	case legacy:
-		serr = a.vmVolumePatchStatus(r.Context(), ns, name, &req)
-	default:
-		serr = a.vmVolumePatch(r.Context(), ns, name, &req)
-	}
+	serr := a.do(r.Context(), func(ctx context.Context) *apierrors.StatusError {
+		sleepCtx(ctx, a.c.jit.d(a.c.t.API))
+		switch {
+		case onVMI:
+			return a.vmiVolumePatch(ctx, ns, name, &req, legacy)
+		case legacy:
+			return a.vmVolumePatchStatus(ctx, ns, name, &req)
+		default:
+			return a.vmVolumePatch(ctx, ns, name, &req)
+		}
+	})
 	if serr != nil {
 		log.V(2).Info("volume request rejected", "code", serr.Status().Code, "message", serr.Status().Message)
 		writeStatus(w, serr)
@@ -155,6 +212,9 @@ func sleepCtx(ctx context.Context, d time.Duration) {
 
 func (a *virtAPI) fetchVM(ctx context.Context, ns, name string) (*kubevirtv1.VirtualMachine, *apierrors.StatusError) {
 	vm := &kubevirtv1.VirtualMachine{}
+	if err := a.spend(ctx); err != nil {
+		return nil, apierrors.NewInternalError(fmt.Errorf("unable to retrieve vm [%s]: %v", name, err))
+	}
 	if err := a.c.kv.get(ctx, resVMs, ns, name, vm); err != nil {
 		if apierrors.IsNotFound(err) {
 			return nil, apierrors.NewNotFound(vmResource, name)
@@ -166,6 +226,9 @@ func (a *virtAPI) fetchVM(ctx context.Context, ns, name string) (*kubevirtv1.Vir
 
 func (a *virtAPI) fetchVMI(ctx context.Context, ns, name string) (*kubevirtv1.VirtualMachineInstance, *apierrors.StatusError) {
 	vmi := &kubevirtv1.VirtualMachineInstance{}
+	if err := a.spend(ctx); err != nil {
+		return nil, apierrors.NewInternalError(fmt.Errorf("unable to retrieve vmi [%s]: %v", name, err))
+	}
 	if err := a.c.kv.get(ctx, resVMIs, ns, name, vmi); err != nil {
 		if apierrors.IsNotFound(err) {
 			return nil, apierrors.NewNotFound(vmiResource, name)
@@ -194,6 +257,9 @@ func (a *virtAPI) vmVolumePatchStatus(ctx context.Context, ns, name string, req 
 		return apierrors.NewInternalError(err)
 	}
 	sleepCtx(ctx, a.c.jit.d(a.c.t.RaceWindow))
+	if err := a.spend(ctx); err != nil {
+		return apierrors.NewInternalError(err)
+	}
 	if err := a.c.kv.patch(ctx, resVMs, ns, name, "status", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachine{}); err != nil {
 		return passInvalid(err, "unable to patch vm status")
 	}
@@ -215,6 +281,9 @@ func (a *virtAPI) vmVolumePatch(ctx context.Context, ns, name string, req *kubev
 		return apierrors.NewConflict(vmResource, name, err)
 	}
 	sleepCtx(ctx, a.c.jit.d(a.c.t.RaceWindow))
+	if err := a.spend(ctx); err != nil {
+		return apierrors.NewInternalError(err)
+	}
 	if err := a.c.kv.patch(ctx, resVMs, ns, name, "", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachine{}); err != nil {
 		return passInvalid(err, "unable to patch vm")
 	}
@@ -242,6 +311,9 @@ func (a *virtAPI) vmiVolumePatch(ctx context.Context, ns, name string, req *kube
 		return apierrors.NewConflict(vmiResource, name, err)
 	}
 	sleepCtx(ctx, a.c.jit.d(a.c.t.RaceWindow))
+	if err := a.spend(ctx); err != nil {
+		return apierrors.NewInternalError(err)
+	}
 	if err := a.c.kv.patch(ctx, resVMIs, ns, name, "", types.JSONPatchType, patch, dryRunOf(req), &kubevirtv1.VirtualMachineInstance{}); err != nil {
 		return passInvalid(err, "unable to patch vmi")
 	}

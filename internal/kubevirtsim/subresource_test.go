@@ -1,12 +1,16 @@
 package kubevirtsim
 
 import (
+	"bytes"
+	"context"
+	"encoding/json"
 	"fmt"
 	"net/http"
 	"strings"
 	"testing"
 	"time"
 
+	"golang.org/x/time/rate"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	kubevirtv1 "kubevirt.io/api/core/v1"
 )
@@ -280,4 +284,45 @@ func TestStatusWebhook(t *testing.T) {
 			t.Errorf("got %v\nwant %s", err, statusHook+tc.msg)
 		}
 	}
+}
+
+// TestVirtAPIBudgetAndDetachedRequests pins virt-api's client budget and its
+// background context (v1.5.3 pkg/virt-config/virt-config.go:87-88,
+// subresource.go:297): a call waits for the budget, and a request whose
+// caller gave up meanwhile still lands once the budget allows it.
+func TestVirtAPIBudgetAndDetachedRequests(t *testing.T) {
+	t.Parallel()
+	s, ns := testSim(t, Options{Mode: ModeLegacy, Version: V1_5_3})
+	ctx := testCtx(t, 90*time.Second)
+	vmWithClaims(ctx, t, s, ns, "vm1", "pvc-a")
+	if got := s.api.limit.Limit(); got != rate.Limit(5/s.c.opts.Scale) || s.api.limit.Burst() != 10 {
+		t.Fatalf("v1.5.3 budget: %v QPS burst %d, want 5 QPS (scaled by %v) burst 10", got, s.api.limit.Burst(), s.c.opts.Scale)
+	}
+
+	// The budget spent, its next request 2 s away; the caller waits 200 ms.
+	s.api.limit.SetLimit(rate.Every(2 * time.Second))
+	s.api.limit.SetBurst(1)
+	s.api.limit.Allow()
+	body, err := json.Marshal(addOpts("pvc-a", "pvc-a", "scsi"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	callCtx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	url := fmt.Sprintf("%s/apis/subresources.kubevirt.io/v1/namespaces/%s/%s/%s/addvolume", s.ProxyURL(), ns, resVMs, "vm1")
+	req, _ := http.NewRequestWithContext(callCtx, http.MethodPut, url, bytes.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+env.Config.BearerToken)
+	req.Header.Set("Content-Type", "application/json")
+	if resp, err := http.DefaultClient.Do(req); err == nil {
+		resp.Body.Close()
+		t.Fatalf("the call was answered %d without budget", resp.StatusCode)
+	}
+	if vm, _ := s.VM(ns, "vm1"); len(vm.Status.VolumeRequests) != 0 {
+		t.Fatalf("the add was queued without budget: %+v", vm.Status.VolumeRequests)
+	}
+
+	// The request the caller gave up on is carried out as the budget
+	// refills.
+	s.api.limit.SetLimit(rate.Inf)
+	ready(t, s, ns, "vm1", "pvc-a", 30*time.Second)
 }

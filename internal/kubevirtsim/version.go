@@ -95,6 +95,16 @@ type features struct {
 	// volume whose claim is missing (v1.5.3 vmi.go:2178 "Unable to
 	// determine PVC name"; v1.6.3 storage.go:282 "PVC %s not found").
 	pvcNotFoundMessage func(claim string) string
+	// virtAPIQPS and virtAPIBurst are virt-api's client budget to the API
+	// server, which every addvolume and removevolume spends twice (the GET
+	// and the patch): 5 QPS, burst 10 up to v1.6.3 (v1.5.3 and v1.6.3
+	// pkg/virt-config/virt-config.go:87-88, set on virt-api's client in
+	// pkg/virt-api/api.go:166,174); 200/400 from v1.6.4 (kubevirt commit
+	// fb43befa6e). Harvester sets no apiConfiguration.restClient in its
+	// KubeVirt CR (harvester v1.6.0-v1.8.0 deploy/charts/harvester/values.yaml),
+	// so the default is what it runs.
+	virtAPIQPS   float64
+	virtAPIBurst int
 	// observedVersion is the KubeVirt CR's status.observedKubeVirtVersion.
 	observedVersion string
 	// harvester is the Harvester release that ships this KubeVirt, for the
@@ -111,14 +121,18 @@ func (v Version) features() features {
 		waitHotplugBeforeStart:  true,
 		pvcNotFoundMessage:      func(claim string) string { return fmt.Sprintf("PVC %s not found", claim) },
 		observedVersion:         string(v),
+		virtAPIQPS:              200,
+		virtAPIBurst:            400,
 	}
 	switch v {
 	case V1_5_3:
 		f.declarativeGate, f.ownedVMICheck, f.keepMountedOnUnplug, f.waitHotplugBeforeStart = false, false, false, false
 		f.v15Messages = true
 		f.pvcNotFoundMessage = func(string) string { return "Unable to determine PVC name" }
+		f.virtAPIQPS, f.virtAPIBurst = 5, 10
 		f.harvester = "v1.6.0"
 	case V1_6_3:
+		f.virtAPIQPS, f.virtAPIBurst = 5, 10
 		f.harvester = "v1.7.0"
 	case V1_6_6:
 		f.terminatingPodIsCurrent = false

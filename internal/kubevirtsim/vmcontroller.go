@@ -172,8 +172,14 @@ func (v *vmController) handleVolumeRequests(ctx context.Context, vm *kubevirtv1.
 		switch {
 		case req.AddVolumeOptions != nil && !vmiVols[req.AddVolumeOptions.Name],
 			req.RemoveVolumeOptions != nil && vmiVols[req.RemoveVolumeOptions.Name]:
-			sleepCtx(ctx, v.c.jit.d(v.c.t.API))
-			if serr := v.api.vmiVolumePatch(ctx, vmi.Namespace, vmi.Name, req, true); serr != nil {
+			// Through virt-api, as the controller's client calls it: the
+			// call spends virt-api's budget and may time out while virt-api
+			// still carries it out.
+			serr := v.api.do(ctx, func(ctx context.Context) *apierrors.StatusError {
+				sleepCtx(ctx, v.c.jit.d(v.c.t.API))
+				return v.api.vmiVolumePatch(ctx, vmi.Namespace, vmi.Name, req, true)
+			})
+			if serr != nil {
 				return serr
 			}
 			v.c.log.V(2).Info("VMI patched from volume request", "vm", vm.Namespace+"/"+vm.Name, "volume", requestName(req))
