@@ -82,7 +82,7 @@ func (b *Backend) use(name string) {
 // answer it asks again (every retryMax at most) until it does or ctx ends,
 // and progress reports each failed attempt.
 func (b *Backend) Start(ctx context.Context, progress func(reason string)) error {
-	defer b.readVersion(ctx)
+	defer b.readKubeVirt(ctx)
 	if b.path.Load() != nil {
 		return nil
 	}
@@ -119,29 +119,48 @@ func (b *Backend) KubeVirtVersion() string {
 	return ""
 }
 
-// readVersion is best effort: without it the queue keeps the strategy safe
-// for every release, so a refusal or a timeout is only logged.
-func (b *Backend) readVersion(ctx context.Context) {
+// readKubeVirt reads the KubeVirt CR, best effort: without it the queue
+// keeps the strategy safe for every release and the subresource path makes
+// one virt-api call per change, so a refusal or a timeout is only logged.
+func (b *Backend) readKubeVirt(ctx context.Context) {
 	rctx, cancel := context.WithTimeout(ctx, detectTimeout)
 	defer cancel()
-	v, err := ObservedKubeVirtVersion(rctx, b.c)
+	kv, err := kubeVirtCR(rctx, b.c)
+	v := ""
 	if err != nil {
-		klog.FromContext(ctx).V(2).Info("KubeVirt version unknown: the hotplug queue keeps the strategy safe for every release", "err", err)
+		klog.FromContext(ctx).V(2).Info("KubeVirt CR unreadable: the hotplug queue keeps the strategy safe for every release", "err", err)
+	} else {
+		v = kv.Status.ObservedKubeVirtVersion
 	}
 	b.version.Store(&v)
+	if p := b.path.Load(); p != nil && kv != nil {
+		if sub, ok := (*p).(*Subresource); ok {
+			if legacy, _ := hotplugGates(kv); legacy {
+				sub.UseRequestList()
+			}
+		}
+	}
 }
 
 // ObservedKubeVirtVersion reads the version the KubeVirt CR reports as
 // deployed (status.observedKubeVirtVersion).
 func ObservedKubeVirtVersion(ctx context.Context, c *host.Client) (string, error) {
-	kvs, err := c.KubeVirt.KubevirtV1().KubeVirts("").List(ctx, metav1.ListOptions{})
+	kv, err := kubeVirtCR(ctx, c)
 	if err != nil {
 		return "", err
 	}
-	if len(kvs.Items) == 0 {
-		return "", errors.New("no KubeVirt CR")
+	return kv.Status.ObservedKubeVirtVersion, nil
+}
+
+func kubeVirtCR(ctx context.Context, c *host.Client) (*kubevirtv1.KubeVirt, error) {
+	kvs, err := c.KubeVirt.KubevirtV1().KubeVirts("").List(ctx, metav1.ListOptions{})
+	if err != nil {
+		return nil, err
 	}
-	return kvs.Items[0].Status.ObservedKubeVirtVersion, nil
+	if len(kvs.Items) == 0 {
+		return nil, errors.New("no KubeVirt CR")
+	}
+	return &kvs.Items[0], nil
 }
 
 // Name implements hotplug.Backend; it is empty until the path is known.
@@ -178,18 +197,7 @@ const (
 func DetectBackend(ctx context.Context, c *host.Client) (name, reason string) {
 	kvs, err := c.KubeVirt.KubevirtV1().KubeVirts("").List(ctx, metav1.ListOptions{})
 	if err == nil && len(kvs.Items) > 0 {
-		kv := kvs.Items[0]
-		var declarative, legacy bool
-		if dc := kv.Spec.Configuration.DeveloperConfiguration; dc != nil {
-			for _, g := range dc.FeatureGates {
-				switch g {
-				case "DeclarativeHotplugVolumes":
-					declarative = true
-				case "HotplugVolumes":
-					legacy = true
-				}
-			}
-		}
+		legacy, declarative := hotplugGates(&kvs.Items[0])
 		switch {
 		case legacy:
 			return BackendSubresource, "KubeVirt CR enables HotplugVolumes"
@@ -214,6 +222,21 @@ func DetectBackend(ctx context.Context, c *host.Client) (name, reason string) {
 		return BackendDeclarative, "Harvester server-version " + value + " >= v1.8"
 	}
 	return BackendSubresource, "Harvester server-version " + strconv.Quote(value) + " < v1.8"
+}
+
+// hotplugGates reads the two hotplug feature gates of a KubeVirt CR.
+func hotplugGates(kv *kubevirtv1.KubeVirt) (legacy, declarative bool) {
+	if dc := kv.Spec.Configuration.DeveloperConfiguration; dc != nil {
+		for _, g := range dc.FeatureGates {
+			switch g {
+			case "DeclarativeHotplugVolumes":
+				declarative = true
+			case "HotplugVolumes":
+				legacy = true
+			}
+		}
+	}
+	return legacy, declarative
 }
 
 // atLeast compares a "v1.8.0"-style version (pre-release suffixes allowed)

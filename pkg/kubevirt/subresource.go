@@ -3,7 +3,9 @@ package kubevirt
 import (
 	"context"
 	"encoding/json"
+	"slices"
 	"strings"
+	"sync/atomic"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -13,31 +15,53 @@ import (
 	"github.com/harvester-csi/harvester-csi-driver/pkg/hotplug"
 )
 
-// Subresource hot-plugs through virt-api's addvolume/removevolume on the VM,
-// one call at a time (the queue already serializes per VM). It is the only
-// path that works while KubeVirt's legacy HotplugVolumes gate is on.
+// Subresource hot-plugs on a KubeVirt whose legacy HotplugVolumes gate is
+// on: through virt-api's addvolume/removevolume on the VM, one call at a
+// time (the queue already serializes per VM), or, once Start has read the
+// gate from the KubeVirt CR and while the host identity may, by queueing a
+// whole batch in the VM's status.volumeRequests with one patch
+// (queueRequests). It is the only path that works while the legacy gate is
+// on.
 type Subresource struct {
 	c *host.Client
+	// direct says queueRequests may write the batch; set only when the
+	// KubeVirt CR shows the legacy gate (the VM controller works the list
+	// off only then), cleared for good by a Forbidden answer.
+	direct atomic.Bool
 }
 
-// NewSubresource returns the subresource backend.
+// NewSubresource returns the subresource backend, one call per change
+// until UseRequestList is called.
 func NewSubresource(c *host.Client) *Subresource { return &Subresource{c: c} }
+
+// UseRequestList lets the backend queue a batch in status.volumeRequests
+// itself; call it only for a KubeVirt whose legacy gate is on.
+func (s *Subresource) UseRequestList() { s.direct.Store(true) }
 
 // Name names the path in logs and metrics.
 func (s *Subresource) Name() string { return "subresource" }
 
 // Apply makes one attempt at the changes (hotplug.Backend's Apply).
 func (s *Subresource) Apply(ctx context.Context, vm string, changes []hotplug.Change) []hotplug.Outcome {
-	vms := s.c.KubeVirt.KubevirtV1().VirtualMachines(s.c.Namespace)
 	outs := make([]hotplug.Outcome, len(changes))
-	for i, ch := range changes {
+	todo := make([]int, len(changes))
+	for i := range todo {
+		todo[i] = i
+	}
+	if s.direct.Load() {
+		outs, todo = s.queueRequests(ctx, vm, changes)
+		slices.Sort(todo)
+	}
+	vms := s.c.KubeVirt.KubevirtV1().VirtualMachines(s.c.Namespace)
+	for n, i := range todo {
+		ch := changes[i]
 		if ch.Op == hotplug.Attach {
 			outs[i] = classify(vms.AddVolume(ctx, vm, addVolumeOptions(ch.Volume)), ch.Op)
 		} else {
 			outs[i] = s.remove(ctx, vm, ch.Volume)
 		}
 		if outs[i].Result == hotplug.VMGone {
-			for j := i + 1; j < len(changes); j++ {
+			for _, j := range todo[n+1:] {
 				outs[j] = outs[i]
 			}
 			break

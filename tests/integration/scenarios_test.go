@@ -88,6 +88,11 @@ func (s *suite) concurrentPublishes(t *testing.T) {
 		if s.f.backend == kubevirt.BackendSubresource && !s.f.forced && st.VMSpecWrites != 0 {
 			t.Errorf("subresource backend wrote the VM spec %d times, want 0", st.VMSpecWrites)
 		}
+		// With the legacy gate on, batches go into the request list: no
+		// virt-api call, and far fewer writes than publishes.
+		if s.f.backend == kubevirt.BackendSubresource && !s.f.forced && (st.AddVolume != 0 || st.VMStatusWrites > 10) {
+			t.Errorf("legacy KubeVirt: 20 publishes took %d addvolume calls and %d status writes, want none and at most 10", st.AddVolume, st.VMStatusWrites)
+		}
 	}
 	if l := a.leaked(); len(l) > 0 {
 		t.Errorf("KubeVirt duplicate errors reached the caller: %q", l)
@@ -165,7 +170,7 @@ func (s *suite) cancelBeforeBatch(t *testing.T) {
 	if s.anyWritten(vm, []string{vol}) {
 		t.Errorf("a cancelled publish wrote to KubeVirt")
 	}
-	if st, ok := s.stats(); ok && st.VMSpecWrites+st.AddVolume+st.RemoveVolume != 0 {
+	if st, ok := s.stats(); ok && st.VMSpecWrites+st.VMStatusWrites+st.AddVolume+st.RemoveVolume != 0 {
 		t.Errorf("a cancelled publish wrote to KubeVirt: %+v", st)
 	}
 	if got := s.attachedTo(vol, vm); len(got) != 0 {
