@@ -243,12 +243,26 @@ func verbFor(r *http.Request, name string, watchPrefix bool) string {
 	return strings.ToLower(r.Method)
 }
 
+// statusRecorder counts an answer while it goes out: its code before the
+// header is sent, a webhook's denial before the body bytes that show it, so
+// a client that has the answer always finds it in Stats.
 type statusRecorder struct {
 	http.ResponseWriter
 	code int
 	// head keeps the start of an error answer's body, enough to tell an
 	// admission webhook's denial from other failures.
 	head []byte
+	// answered and denied count the answer; each is called at most once.
+	answered, denied func(code int)
+	deniedCounted    bool
+}
+
+func (w *statusRecorder) setCode(code int) {
+	if w.code != 0 {
+		return
+	}
+	w.code = code
+	w.answered(code)
 }
 
 // maxErrorHead is how much of an error answer's body statusRecorder keeps.
@@ -262,18 +276,20 @@ func (w *statusRecorder) deniedByWebhook() bool {
 }
 
 func (w *statusRecorder) WriteHeader(code int) {
-	if w.code == 0 {
-		w.code = code
+	if code >= 200 || code == http.StatusSwitchingProtocols {
+		w.setCode(code) // not an informational 1xx: the answer's own code
 	}
 	w.ResponseWriter.WriteHeader(code)
 }
 
 func (w *statusRecorder) Write(b []byte) (int, error) {
-	if w.code == 0 {
-		w.code = http.StatusOK
-	}
+	w.setCode(http.StatusOK)
 	if w.code >= 400 && len(w.head) < maxErrorHead {
 		w.head = append(w.head, b[:min(len(b), maxErrorHead-len(w.head))]...)
+		if !w.deniedCounted && w.deniedByWebhook() {
+			w.deniedCounted = true
+			w.denied(w.code)
+		}
 	}
 	return w.ResponseWriter.Write(b)
 }
@@ -291,29 +307,26 @@ func (p *proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	p.mu.Lock()
 	p.reqs[info.key]++
 	p.mu.Unlock()
-	rec := &statusRecorder{ResponseWriter: w}
-	defer func() {
-		code := rec.code
-		if code == 0 {
-			code = http.StatusOK
-		}
-		p.mu.Lock()
-		m := p.answers[info.key]
-		if m == nil {
-			m = map[int]int{}
-			p.answers[info.key] = m
-		}
-		m[code]++
-		if rec.deniedByWebhook() {
-			d := p.denied[info.key]
-			if d == nil {
-				d = map[int]int{}
-				p.denied[info.key] = d
+	count := func(denied bool) func(int) {
+		return func(code int) {
+			p.mu.Lock()
+			defer p.mu.Unlock()
+			into := p.answers // read under the lock: reset replaces it
+			if denied {
+				into = p.denied
 			}
-			d[code]++
+			m := into[info.key]
+			if m == nil {
+				m = map[int]int{}
+				into[info.key] = m
+			}
+			m[code]++
 		}
-		p.mu.Unlock()
-	}()
+	}
+	rec := &statusRecorder{ResponseWriter: w, answered: count(false), denied: count(true)}
+	// An answer the handler wrote nothing for is sent as 200 once it
+	// returns: count it before that.
+	defer rec.setCode(http.StatusOK)
 
 	if info.key.Group == subresourceGroup {
 		sub := info.key.Subresource

@@ -1,8 +1,11 @@
 package kubevirtsim
 
 import (
+	"bytes"
 	"encoding/json"
+	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -208,5 +211,59 @@ func TestFailedPassesBackOffAsKubeVirtsControllers(t *testing.T) {
 			t.Errorf("%s: retry after 20 failed passes waits %v, want 5 ms doubling (to 1000 s)", name, wait)
 		}
 		q.ShutDown()
+	}
+}
+
+// sendCheck is a ResponseWriter that runs check before it sends anything.
+type sendCheck struct {
+	*httptest.ResponseRecorder
+	check func(what string, b []byte)
+}
+
+func (s *sendCheck) WriteHeader(code int) {
+	if code < http.StatusOK {
+		return // an informational answer goes ahead of the real one
+	}
+	s.check("header", nil)
+	s.ResponseRecorder.WriteHeader(code)
+}
+
+func (s *sendCheck) Write(b []byte) (int, error) {
+	s.check("body", b)
+	return s.ResponseRecorder.Write(b)
+}
+
+// TestAnswerIsCountedBeforeItGoesOut: the front proxy counts an answer, and
+// a webhook's denial, before the bytes that carry it leave, so a client
+// that has read the answer finds it in Stats (counting once the handler had
+// returned raced with the client's next look).
+func TestAnswerIsCountedBeforeItGoesOut(t *testing.T) {
+	var answered, denied []int
+	out := &sendCheck{ResponseRecorder: httptest.NewRecorder()}
+	rec := &statusRecorder{ResponseWriter: out,
+		answered: func(code int) { answered = append(answered, code) },
+		denied:   func(code int) { denied = append(denied, code) }}
+	out.check = func(what string, b []byte) {
+		if len(answered) == 0 {
+			t.Errorf("the %s went out before the answer was counted", what)
+		}
+		if bytes.Contains(b, []byte("denied the request")) && len(denied) == 0 {
+			t.Errorf("the denial went out before it was counted")
+		}
+	}
+	body := []byte(`{"kind":"Status","code":422,"message":"admission webhook \"v.kubevirt.io\" denied the request: no"}`)
+	rec.WriteHeader(http.StatusContinue) // informational: not the answer
+	if len(answered) != 0 {
+		t.Fatalf("a 1xx was counted as the answer: %v", answered)
+	}
+	rec.WriteHeader(http.StatusUnprocessableEntity)
+	for _, part := range [][]byte{body[:40], body[40:]} {
+		if _, err := rec.Write(part); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rec.setCode(http.StatusOK) // what ServeHTTP does when the handler returns
+	if !slices.Equal(answered, []int{422}) || !slices.Equal(denied, []int{422}) {
+		t.Errorf("answers %v, denials %v: want one 422 each", answered, denied)
 	}
 }
