@@ -204,16 +204,11 @@ func guardAndSet(path string, old []any, found bool, updated []any) []map[string
 	if updated == nil {
 		updated = []any{}
 	}
+	set := "replace"
 	if !found {
-		return []map[string]any{
-			{"op": "test", "path": path, "value": nil},
-			{"op": "add", "path": path, "value": updated},
-		}
+		set = "add"
 	}
-	return []map[string]any{
-		{"op": "test", "path": path, "value": old},
-		{"op": "replace", "path": path, "value": updated},
-	}
+	return []map[string]any{testValue(path, old, found), {"op": set, "path": path, "value": updated}}
 }
 
 func hotplugVolume(name string) any {

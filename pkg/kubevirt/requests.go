@@ -177,7 +177,8 @@ func requestObject(r kubevirtv1.VirtualMachineVolumeRequest) (map[string]any, er
 	return runtime.DefaultUnstructuredConverter.ToUnstructured(&r)
 }
 
-// testValue tests that a list is still what we read (null if it was absent).
+// testValue tests that a list is still what we read; an absent list is
+// tested as null, which JSON patch treats as "missing".
 func testValue(path string, old []any, found bool) map[string]any {
 	if !found {
 		return map[string]any{"op": "test", "path": path, "value": nil}
